@@ -1,0 +1,72 @@
+# Every entry point of moe-lora-serve. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build on machines without a GPU (CI has this wheel on disk); GPU nodes
+# bring their own CUDA build: `make setup TORCH_SPEC=` skips installing torch.
+TORCH_SPEC ?= torch==2.13.0
+BUF_VERSION := 1.75.0
+BUF := .tools/node_modules/.bin/buf
+STAMP := $(VENV)/.installed
+PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
+PYTEST_ARGS ?=
+
+.PHONY: help setup proto proto-check lint format test demo bench helm-check clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+setup: $(STAMP) $(BUF) ## Create .venv with the pinned dependencies, and the buf tool
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip==26.3
+	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[registry,executor,dev]'
+	touch $@
+
+$(BUF):
+	mkdir -p .tools
+	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@$(BUF_VERSION)
+
+proto: $(STAMP) ## Regenerate the Python stubs from protos/
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m grpc_tools.protoc -Iprotos \
+		--python_out=protos --grpc_python_out=protos \
+		--mypy_out=quiet:protos --mypy_grpc_out=quiet:protos $(PROTO_SRC)
+
+proto-check: $(STAMP) ## Fail if the committed stubs differ from freshly generated ones
+	@tmp=$$(mktemp -d) && trap 'rm -rf $$tmp' EXIT && \
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m grpc_tools.protoc -Iprotos \
+		--python_out=$$tmp --grpc_python_out=$$tmp \
+		--mypy_out=quiet:$$tmp --mypy_grpc_out=quiet:$$tmp $(PROTO_SRC) && \
+	for f in $$(cd $$tmp && find . -type f); do \
+		cmp -s $$tmp/$$f protos/$$f || { echo "stale stub: protos/$$f (run make proto)"; exit 1; }; \
+	done && echo "stubs are in sync"
+
+lint: setup proto-check ## ruff, mypy, buf lint, stub freshness
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(BUF) lint
+
+format: $(STAMP) ## Apply ruff's fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: setup ## Run every test (GPU tests skip without a GPU, PostgreSQL tests without MOELORA_TEST_POSTGRES_URL)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup ## Registry + executor on embedded defaults: upload adapters, call Forward
+	@echo "make demo: not yet (issue: end to end)"
+
+bench: setup ## Kernel benchmark on a GPU (prints the table)
+	@echo "make bench: not yet (issue: kernels)"
+
+helm-check: setup ## Render, lint and validate the Helm chart
+	@echo "make helm-check: not yet (issue: deployment)"
+
+clean: ## Remove the virtual environment, tools and caches
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache

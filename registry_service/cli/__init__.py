@@ -1,0 +1,1 @@
+"""``adapterctl``: the operators' command line for the registry."""

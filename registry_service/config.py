@@ -1,0 +1,67 @@
+"""Registry settings: each field is a flag and a MOELORA_* environment variable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from shared.config import ServiceSettings
+
+DEFAULT_DATA_DIR = Path("~/.moelora/registry")
+
+
+class RegistrySettings(ServiceSettings):
+    """The embedded defaults run a complete registry on one machine: SQLite and a
+    local blob directory under ``data_dir``, on 127.0.0.1, without auth."""
+
+    prog_name: ClassVar[str] = "moelora-registry"
+
+    listen: str = Field("127.0.0.1:50051", description="host:port the gRPC server listens on")
+    data_dir: Path = Field(
+        DEFAULT_DATA_DIR,
+        description="folder for the embedded SQLite database and blob store",
+    )
+    database_url: str | None = Field(
+        None,
+        description="SQLAlchemy URL (sqlite:///PATH or postgresql+psycopg://...); "
+        "default: SQLite in data_dir",
+    )
+    blob_url: str | None = Field(
+        None,
+        description="where adapter weights go: file:///PATH or s3://BUCKET[/PREFIX]; "
+        "default: data_dir/blobs",
+    )
+    s3_endpoint_url: str | None = Field(
+        None, description="S3 endpoint for MinIO/R2/Ceph; default: AWS"
+    )
+    s3_region: str | None = Field(None, description="S3 region")
+    s3_path_style: bool = Field(False, description="use path-style S3 addressing")
+    auth: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="bearer-token auth: auto = on unless listening on loopback in embedded mode",
+    )
+    auth_tokens_file: Path | None = Field(
+        None, description="JSON file of hashed tokens with roles (see docs/registry.md)"
+    )
+    max_upload_bytes: int = Field(
+        8 * 1024**3, ge=1, description="largest file one upload may carry, in bytes"
+    )
+    gc_grace_seconds: int = Field(
+        3600, ge=0, description="unreferenced blobs younger than this survive gc"
+    )
+    migrate_on_start: bool = Field(True, description="run Alembic migrations at start-up")
+    metrics_listen: str = Field(
+        "127.0.0.1:9401", description="host:port of the Prometheus /metrics endpoint; empty: off"
+    )
+    max_message_bytes: int = Field(
+        16 * 1024 * 1024, ge=4 * 1024 * 1024, description="largest gRPC message in bytes"
+    )
+    drain_seconds: float = Field(
+        30.0, ge=0, description="on SIGTERM, how long RPCs in flight may finish"
+    )
+    tls_cert_file: Path | None = Field(None, description="PEM certificate: serve TLS")
+    tls_key_file: Path | None = Field(None, description="PEM private key for tls_cert_file")
+    log_level: str = Field("info", description="debug, info, warning or error")
+    log_format: Literal["json", "text"] = Field("json", description="json or text log lines")

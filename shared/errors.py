@@ -1,0 +1,133 @@
+"""Domain errors and their gRPC status codes.
+
+Logic raises these; the gRPC layer (``error_interceptor``) turns them into a
+status code and a message a person can act on. Clients turn ``grpc.RpcError``
+back into the same classes with ``from_rpc_error``.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class MoeLoraError(Exception):
+    """Base of every error that has a meaning for the caller."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(MoeLoraError):
+    """The request is malformed: bad shape, dtype, rank, name, size."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(MoeLoraError):
+    """An adapter, version, alias or base model does not exist."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(MoeLoraError):
+    """The thing to create exists already."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(MoeLoraError):
+    """The request is well formed but the system is not in a state to do it
+    (adapter for another base model, base model not registered, pinned adapter)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(MoeLoraError):
+    """Out of slots, over a size limit."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(MoeLoraError):
+    """Draining, not ready yet, or a dependency cannot be reached: retry later."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(MoeLoraError):
+    """No valid credentials."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(MoeLoraError):
+    """Valid credentials whose role does not allow the call."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class DataLoss(MoeLoraError):
+    """Stored bytes fail their checksum."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class OutOfRange(MoeLoraError):
+    """A position (such as a watch sequence) is outside what is kept."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class Unimplemented(MoeLoraError):
+    """The RPC exists in the API but this server does not do it."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class DeadlineExceeded(MoeLoraError):
+    """The caller's deadline passed."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+_BY_CODE: dict[grpc.StatusCode, type[MoeLoraError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        ResourceExhausted,
+        Unavailable,
+        Unauthenticated,
+        PermissionDenied,
+        DataLoss,
+        OutOfRange,
+        Unimplemented,
+        DeadlineExceeded,
+    )
+}
+
+
+def error_for_code(code: grpc.StatusCode, message: str) -> MoeLoraError:
+    """The domain error for a status code (MoeLoraError itself for INTERNAL and others)."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        err = MoeLoraError(message)
+        err.code = code
+        return err
+    return cls(message)
+
+
+def from_rpc_error(error: grpc.RpcError) -> MoeLoraError:
+    """Turns a failed call's ``grpc.RpcError`` back into the domain error."""
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    return error_for_code(code, details or code.name)

@@ -1,0 +1,309 @@
+"""The gRPC server both services run: health, reflection, error mapping, RPC
+metrics, message-size limits, TLS, and a drain on SIGTERM.
+
+A service builds a ``GrpcServer``, registers its servicers through ``register``
+and calls ``serve_forever``. Domain errors raised by handlers become status codes
+here, so handlers stay thin.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter, Histogram
+
+from shared.errors import MoeLoraError
+from shared.logs import log_event
+
+log = logging.getLogger(__name__)
+
+RPC_HANDLED = Counter(
+    "moelora_grpc_server_handled_total",
+    "RPCs completed, by method and status code",
+    ["method", "code"],
+)
+RPC_SECONDS = Histogram(
+    "moelora_grpc_server_handling_seconds",
+    "Time from RPC start to its end (streams: until the stream closes), by method",
+    ["method"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+_ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How to listen and how to stop."""
+
+    listen: str
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_workers: int = 16
+    drain_seconds: float = 30.0
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+
+
+class _State:
+    """Whether new RPCs are taken (shared by the server and its interceptor)."""
+
+    def __init__(self) -> None:
+        self.draining = threading.Event()
+
+
+class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Maps MoeLoraError to its status code, hides unexpected exceptions behind an
+    INTERNAL error with an id that is in the log, refuses new RPCs while draining,
+    and counts every RPC."""
+
+    def __init__(self, state: _State) -> None:
+        self._state = state
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method: str = details.method
+        state = self._state
+
+        def guard(context: grpc.ServicerContext) -> None:
+            if state.draining.is_set() and not method.startswith(_ALWAYS_ALLOWED):
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
+                )
+
+        def fail(context: grpc.ServicerContext, exc: BaseException) -> None:
+            if isinstance(exc, MoeLoraError):
+                RPC_HANDLED.labels(method, exc.code.name).inc()
+                context.abort(exc.code, exc.message)
+            if isinstance(exc, NotImplementedError):
+                RPC_HANDLED.labels(method, "UNIMPLEMENTED").inc()
+                context.abort(
+                    grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented in this build"
+                )
+            error_id = uuid.uuid4().hex[:12]
+            log_event(
+                log,
+                "rpc_internal_error",
+                logging.ERROR,
+                exc_info=True,
+                method=method,
+                error_id=error_id,
+            )
+            RPC_HANDLED.labels(method, "INTERNAL").inc()
+            context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error (id {error_id}); see the server log"
+            )
+
+        def done(start: float, context: grpc.ServicerContext) -> None:
+            RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
+            code = context.code()
+            RPC_HANDLED.labels(method, (code or grpc.StatusCode.OK).name).inc()
+
+        def wrap_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def run(request: Any, context: grpc.ServicerContext) -> Any:
+                guard(context)
+                start = time.perf_counter()
+                try:
+                    response = behavior(request, context)
+                except Exception as exc:
+                    if _is_abort(exc, context):
+                        done(start, context)
+                        raise
+                    fail(context, exc)
+                    raise
+                done(start, context)
+                return response
+
+            return run
+
+        def wrap_stream(behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+            def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                guard(context)
+                start = time.perf_counter()
+                try:
+                    yield from behavior(request, context)
+                except Exception as exc:
+                    if _is_abort(exc, context):
+                        done(start, context)
+                        raise
+                    fail(context, exc)
+                    raise
+                done(start, context)
+
+            return run
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            wrap_stream(handler.stream_stream),
+            handler.request_deserializer,
+            handler.response_serializer,
+        )
+
+
+def _is_abort(exc: Exception, context: grpc.ServicerContext) -> bool:
+    # context.abort() raises a bare Exception after setting the status code.
+    return type(exc) is Exception and context.code() not in (None, grpc.StatusCode.OK)
+
+
+class GrpcServer:
+    """One gRPC server with health and reflection for ``service_names``."""
+
+    def __init__(
+        self,
+        options: ServerOptions,
+        service_names: Sequence[str],
+        register: Callable[[grpc.Server], None],
+    ) -> None:
+        self.options = options
+        self._state = _State()
+        self._stopped = threading.Event()
+        self._service_names = list(service_names)
+        limit = options.max_message_bytes
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="grpc"),
+            interceptors=[_ErrorAndMetricsInterceptor(self._state)],
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        register(self._server)
+        reflection.enable_server_reflection(
+            [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
+        self.port = self._bind()
+        self.set_serving(False)
+
+    def _bind(self) -> int:
+        opts = self.options
+        if opts.tls_cert_file and opts.tls_key_file:
+            creds = grpc.ssl_server_credentials(
+                [(opts.tls_key_file.read_bytes(), opts.tls_cert_file.read_bytes())]
+            )
+            port = int(self._server.add_secure_port(opts.listen, creds))
+        else:
+            port = int(self._server.add_insecure_port(opts.listen))
+        if port == 0:
+            raise OSError(f"cannot listen on {opts.listen}")
+        return port
+
+    @property
+    def address(self) -> str:
+        host = self.options.listen.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    @property
+    def draining(self) -> bool:
+        return self._state.draining.is_set()
+
+    def set_serving(self, serving: bool) -> None:
+        """Health status of the server ("") and of each service."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self._service_names]:
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        self._server.start()
+        log_event(log, "server_started", address=self.address, services=self._service_names)
+
+    def drain(self, on_drained: Callable[[], None] | None = None) -> None:
+        """Stops taking new RPCs, reports NOT_SERVING, lets RPCs in flight finish
+        for up to ``drain_seconds``, then stops. Idempotent."""
+        if self._state.draining.is_set():
+            return
+        self._state.draining.set()
+        self.set_serving(False)
+        log_event(log, "server_draining", grace_seconds=self.options.drain_seconds)
+        self._server.stop(self.options.drain_seconds).wait()
+        if on_drained is not None:
+            on_drained()
+        log_event(log, "server_stopped")
+        self._stopped.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the server stopped; True if it did."""
+        return self._stopped.wait(timeout)
+
+    def serve_forever(self, on_drained: Callable[[], None] | None = None) -> None:
+        """Starts, drains on SIGTERM or SIGINT, returns once stopped."""
+        self.start()
+
+        def handle(signum: int, _frame: Any) -> None:
+            log_event(log, "signal_received", signal=signal.Signals(signum).name)
+            threading.Thread(
+                target=self.drain, args=(on_drained,), name="drain", daemon=True
+            ).start()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+        while not self.wait(0.5):
+            pass
+
+
+def health_check(channel: grpc.Channel, service: str = "", timeout: float = 5.0) -> str:
+    """Status name of ``service`` on a server ("SERVING", "NOT_SERVING", ...)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+
+def wait_until_serving(
+    channel: grpc.Channel, service: str = "", timeout: float = 60.0, poll: float = 0.1
+) -> None:
+    """Polls health until SERVING; raises TimeoutError naming the last status."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            last = health_check(channel, service, timeout=max(0.5, poll * 5))
+            if last == "SERVING":
+                return
+        except grpc.RpcError as exc:
+            last = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.Call) else str(exc)
+        time.sleep(poll)
+    raise TimeoutError(f"server not SERVING after {timeout:.0f}s (last: {last})")
+
+
+__all__ = [
+    "GrpcServer",
+    "ServerOptions",
+    "health_check",
+    "wait_until_serving",
+]

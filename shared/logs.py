@@ -1,0 +1,77 @@
+"""Structured logs: one JSON object per line, one line per event.
+
+Call sites name the event and pass fields::
+
+    log = logging.getLogger(__name__)
+    log_event(log, "adapter_loaded", adapter="sql:3", slot=2, ms=4.1)
+
+Libraries that log plain messages (grpc, sqlalchemy, alembic) come out as the
+same JSON lines with their message in ``msg``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+_FIELDS_ATTR = "moelora_fields"
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a record as one JSON line: ts, level, logger, event/msg, fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        fields = getattr(record, _FIELDS_ATTR, None)
+        if fields is not None:
+            line["event"] = record.msg
+            line.update(fields)
+        else:
+            line["msg"] = record.getMessage()
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    """``event key=value ...`` for people at a terminal."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, _FIELDS_ATTR, None)
+        head = f"{record.levelname.lower():7s} {record.name}: "
+        if fields is None:
+            text = head + record.getMessage()
+        else:
+            text = head + str(record.msg) + "".join(f" {k}={v}" for k, v in fields.items())
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def configure_logging(level: str = "info", fmt: str = "json") -> None:
+    """Routes every logger to stderr in the chosen format ("json" or "text")."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def log_event(
+    logger: logging.Logger,
+    event: str,
+    level: int = logging.INFO,
+    exc_info: bool = False,
+    **fields: Any,
+) -> None:
+    """Logs one event with structured fields (and the current exception if asked)."""
+    if logger.isEnabledFor(level):
+        logger.log(level, event, exc_info=exc_info, extra={_FIELDS_ATTR: fields})

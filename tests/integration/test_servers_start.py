@@ -1,0 +1,142 @@
+"""Both servers start from their console scripts with embedded defaults, answer
+health and reflection on 127.0.0.1, and exit cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from shared.grpc_server import health_check, wait_until_serving
+from tests.conftest import free_port, wait_for
+
+REGISTRY = "moelora.v1.AdapterRegistry"
+EXECUTOR = "moelora.v1.Executor"
+
+
+def _list_services(channel: grpc.Channel) -> set[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+    )
+    return {s.name for r in responses for s in r.list_services_response.service}
+
+
+def _file_containing(channel: grpc.Channel, symbol: str) -> bool:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = list(
+        stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)]),
+            timeout=10,
+        )
+    )
+    return bool(responses[0].file_descriptor_response.file_descriptor_proto)
+
+
+def _json_events(log: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+
+
+def test_registry_starts_serves_health_reflection_and_drains(
+    start_server: Any, tmp_path: Path
+) -> None:
+    port = free_port()
+    server = start_server(
+        "moelora-registry",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--data-dir",
+        str(tmp_path / "registry"),
+        "--metrics-listen",
+        f"127.0.0.1:{free_port()}",
+        "--drain-seconds",
+        "2",
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        wait_until_serving(channel, REGISTRY, timeout=60)
+        assert health_check(channel) == "SERVING"
+        services = _list_services(channel)
+        assert {REGISTRY, "grpc.health.v1.Health"} <= services
+        assert _file_containing(channel, REGISTRY)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+    events = [e.get("event") for e in _json_events(server.log())]
+    assert events.index("server_draining") < events.index("server_stopped")
+
+
+def test_executor_without_model_is_not_serving_but_answers(start_server: Any) -> None:
+    port = free_port()
+    server = start_server(
+        "moelora-executor",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--metrics-listen",
+        "",
+        "--drain-seconds",
+        "1",
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+
+        def up() -> bool:
+            try:
+                return health_check(channel, EXECUTOR) == "NOT_SERVING"
+            except grpc.RpcError:
+                return False
+
+        wait_for(up, timeout=60)
+        assert EXECUTOR in _list_services(channel)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0
+
+
+def test_invalid_flag_exits_2_with_one_readable_line(start_server: Any) -> None:
+    server = start_server("moelora-executor", "--num-slots", "0")
+    assert server.proc.wait(60) == 2
+    assert "--num-slots / MOELORA_NUM_SLOTS" in server.log()
+
+
+@pytest.mark.parametrize("script", ["moelora-registry", "moelora-executor"])
+def test_env_twin_is_read(start_server: Any, script: str) -> None:
+    server = start_server(script, env={"MOELORA_LOG_FORMAT": "yaml"})
+    assert server.proc.wait(60) == 2
+    assert "MOELORA_LOG_FORMAT" in server.log()
+
+
+BUF = Path(__file__).resolve().parents[2] / ".tools/node_modules/.bin/buf"
+
+
+@pytest.mark.skipif(not BUF.exists(), reason="buf not installed: run `make setup`")
+def test_outside_client_uses_only_reflection(start_server: Any, tmp_path: Path) -> None:
+    """`buf curl` has none of our protos: it learns the API by reflection alone."""
+    import subprocess
+
+    port = free_port()
+    start_server(
+        "moelora-registry",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--data-dir",
+        str(tmp_path / "r"),
+        "--metrics-listen",
+        "",
+    )
+    url = f"http://127.0.0.1:{port}"
+    base = [str(BUF), "curl", "--protocol", "grpc", "--http2-prior-knowledge"]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        wait_until_serving(channel, REGISTRY, timeout=60)
+    listed = subprocess.run(
+        [*base, "--list-methods", url], capture_output=True, text=True, check=True
+    )
+    assert f"{REGISTRY}/UploadAdapter" in listed.stdout.split()
+    health = subprocess.run(
+        [*base, "-d", json.dumps({"service": REGISTRY}), f"{url}/grpc.health.v1.Health/Check"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(health.stdout) == {"status": "SERVING"}
