@@ -1,0 +1,138 @@
+"""Launch configurations of the fused MoE kernels, in one place.
+
+A configuration is looked up in the tuned table of the current GPU
+(``kernels/configs/<GPU name>.json``, written by ``python -m kernels.tune``) for the layer's
+shape, at the nearest tuned token count; without a table entry a heuristic picks one.
+
+Table format::
+
+    {"E=128,H=2048,I=768,k=8,r=16": {"64": {"block_m": 16, "lora_segments": 4,
+                                            "w13": {...GemmConfig...}, "w2": {...}}, ...}}
+
+``r`` is the LoRA slots' rank, 0 for the base model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of one grouped GEMM (w13 or w2).
+
+    block_n: output columns per tile; for w13 that many gate *and* that many up columns.
+    block_k: reduction step.
+    tiles_per_program: consecutive N tiles each program computes; the LoRA shrink (x·Aᵀ)
+        is computed once per program, so more tiles per program means less redundant shrink
+        work but fewer programs.
+    """
+
+    block_n: int
+    block_k: int
+    tiles_per_program: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """block_m: rows (pairs) per block, shared by both GEMMs since they share the alignment.
+    lora_segments: adapter slots a block's LoRA handles in one stacked dot; blocks holding more
+    take extra passes (correct, slower).
+    """
+
+    block_m: int
+    lora_segments: int
+    w13: GemmConfig
+    w2: GemmConfig
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> MoEConfig:
+        return MoEConfig(
+            block_m=data["block_m"],
+            lora_segments=data["lora_segments"],
+            w13=GemmConfig(**data["w13"]),
+            w2=GemmConfig(**data["w2"]),
+        )
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, rank: int) -> str:
+    return f"E={num_experts},H={hidden},I={inter},k={top_k},r={rank}"
+
+
+def device_name(device: torch.device) -> str:
+    """File-name-safe GPU name, e.g. ``NVIDIA_H100_80GB_HBM3``; ``cpu`` off the GPU."""
+    if device.type != "cuda":
+        return "cpu"
+    return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
+
+
+def config_path(name: str) -> Path:
+    return CONFIG_DIR / f"{name}.json"
+
+
+@functools.cache
+def load_table(name: str) -> dict[str, dict[int, MoEConfig]]:
+    """The tuned table of one GPU (cached per GPU name; empty when there is none)."""
+    path = config_path(name)
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    return {
+        shape: {int(m): MoEConfig.from_json(cfg) for m, cfg in by_m.items()}
+        for shape, by_m in raw.items()
+    }
+
+
+def heuristic_config(
+    num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int, rank: int
+) -> MoEConfig:
+    """A reasonable configuration for shapes nobody tuned."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert <= 16:
+        block_m, segments = 16, 4
+    elif rows_per_expert <= 64:
+        block_m, segments = 32, 4
+    elif rows_per_expert <= 256:
+        block_m, segments = 64, 2
+    else:
+        block_m, segments = 128, 2
+    if block_m <= 32:
+        # Weight-streaming regime: many narrow tiles keep every SM loading.
+        w13 = GemmConfig(block_n=32, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4)
+        w2 = GemmConfig(block_n=64, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4)
+    else:
+        w13 = GemmConfig(block_n=64, block_k=64, tiles_per_program=4, num_warps=8, num_stages=3)
+        w2 = GemmConfig(block_n=128, block_k=64, tiles_per_program=4, num_warps=8, num_stages=3)
+    return MoEConfig(block_m=block_m, lora_segments=segments if rank else 1, w13=w13, w2=w2)
+
+
+def get_config(
+    num_tokens: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    top_k: int,
+    rank: int,
+    device: torch.device,
+) -> MoEConfig:
+    """The tuned configuration nearest to ``num_tokens`` for this shape and GPU, else the
+    heuristic's. ``rank`` is the LoRA slots' rank, 0 without LoRA."""
+    table = load_table(device_name(device)).get(shape_key(num_experts, hidden, inter, top_k, rank))
+    if not table:
+        return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, rank)
+    nearest = min(table, key=lambda m: (abs(m - num_tokens), m))
+    return table[nearest]

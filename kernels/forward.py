@@ -1,0 +1,104 @@
+"""The entry point: one MoE layer (router, experts, LoRA, shared expert) for a batch of tokens."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+from kernels.align import align_pairs
+from kernels.configs import MoEConfig, get_config
+from kernels.fused_moe import fused_experts
+from kernels.reference import moe_forward_reference, shared_expert_forward
+from kernels.routing import route
+from kernels.types import LoRAContext, MoELayerWeights, Routing, validate_forward_inputs
+
+Backend = Literal["triton", "torch"]
+
+
+def _triton_can_run(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    layer: MoELayerWeights,
+    lora: LoRAContext | None,
+    routing: Routing,
+    config: MoEConfig,
+) -> torch.Tensor:
+    """The Triton path with an explicit launch configuration (inputs already validated).
+
+    Returns (T, H) in hidden's dtype. The routed experts accumulate in float32; the shared
+    expert is added in float32 before the one rounding to hidden's dtype.
+    """
+    slots = None if lora is None else lora.slots
+    alignment = align_pairs(
+        routing.topk_ids,
+        layer.num_experts,
+        config.block_m,
+        token_slots=None if lora is None else lora.token_slots,
+        enabled=None if slots is None else slots.enabled,
+    )
+    out = fused_experts(
+        hidden.contiguous(),
+        layer.w13.contiguous(),
+        layer.w2.contiguous(),
+        layer.b13,
+        layer.b2,
+        layer.activation,
+        layer.swiglu_alpha,
+        layer.swiglu_limit,
+        routing.topk_weights.contiguous(),
+        alignment,
+        None if slots is None else (slots.a13, slots.b13, slots.a2, slots.b2),
+        config,
+    )
+    if layer.shared is not None:
+        out += shared_expert_forward(hidden, layer.shared, hidden.dtype)
+    return out.to(hidden.dtype)
+
+
+def moe_forward(
+    hidden: torch.Tensor,
+    layer: MoELayerWeights,
+    lora: LoRAContext | None = None,
+    routing: Routing | None = None,
+    *,
+    backend: Backend = "triton",
+) -> torch.Tensor:
+    """One MoE layer: hidden (T, H) → (T, H) in hidden's dtype.
+
+    routing: precomputed top-k ids/weights, else ``route(hidden, layer)``.
+    lora: per-token adapter slots, else no LoRA.
+    backend: "triton" (CUDA tensors, or any under TRITON_INTERPRET=1) or "torch" (the float32
+    reference, for CPUs).
+
+    Raises ValueError for inconsistent inputs (see ``kernels.types.validate_forward_inputs``).
+    """
+    validate_forward_inputs(hidden, layer, lora, routing)
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    if routing is None:
+        routing = route(hidden, layer)
+    if backend == "torch":
+        return moe_forward_reference(hidden, layer, lora, routing)
+    if not _triton_can_run(hidden.device):
+        raise ValueError(
+            f"the triton backend needs CUDA tensors (hidden states are on {hidden.device}); "
+            "use backend='torch' on the CPU"
+        )
+    if hidden.shape[0] == 0:
+        return torch.empty_like(hidden)
+    rank = 0 if lora is None else lora.slots.max_rank
+    config = get_config(
+        hidden.shape[0],
+        layer.num_experts,
+        layer.hidden_size,
+        layer.intermediate_size,
+        layer.router.top_k,
+        rank,
+        hidden.device,
+    )
+    return fused_moe(hidden, layer, lora, routing, config)
