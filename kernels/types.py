@@ -105,7 +105,7 @@ class MoELayerWeights:
 
     @property
     def intermediate_size(self) -> int:
-        return int(self.w2.shape[2])
+        return int(self.w13.shape[1]) // 2
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,8 @@ def validate_layer(layer: MoELayerWeights) -> None:
         raise ValueError(f"w13 and w2 must be 3-D, got {shapes}")
     e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
     device = layer.w13.device
-    _check_shape("w13", layer.w13, (e, 2 * i, h))
+    if layer.w13.shape[1] % 2:
+        raise ValueError(f"w13 must be (E, 2*I, H) rows [gate; up], got {tuple(layer.w13.shape)}")
     _check_shape("w2", layer.w2, (e, h, i))
     _check_dtype("w2", layer.w2, (layer.w13.dtype,))
     _check_shape("router_weight", layer.router_weight, (e, h))

@@ -1,0 +1,50 @@
+"""Kernel tests: on the CPU through Triton's interpreter, on a GPU when there is one.
+
+TRITON_INTERPRET must be set before ``triton.jit`` decorates the kernels, i.e. before
+``kernels`` is imported; this conftest is loaded before the test modules are.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+#: Where the Triton path runs: the GPU if any, else the CPU interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Relative error ‖out − ref‖/‖ref‖ against the float32 reference, by operand dtype.
+# float32 runs exact IEEE dots: only the summation order differs. fp16/bf16 round the
+# activation (and the LoRA shrink result) to the operand dtype, as every fused MoE does:
+# 2^-11 resp. 2^-8 relative per rounding, a few roundings deep.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def poison_allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Make ``torch.empty`` return NaN (floats) / huge values (ints), so a kernel that leaves
+    part of a buffer unwritten and then reads or returns it fails the comparison."""
+    real_empty = torch.empty
+
+    def poisoned(*args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor = real_empty(*args, **kwargs)
+        if tensor.dtype.is_floating_point:
+            tensor.fill_(float("nan"))
+        elif tensor.dtype in (torch.int32, torch.int64):
+            tensor.fill_(2**30)
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    yield
+
+
+def gpu_only(test: Callable[..., Any]) -> Any:
+    """Mark a test as needing CUDA; it skips with a reason elsewhere."""
+    test = pytest.mark.gpu(test)
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test)

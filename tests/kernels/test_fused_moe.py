@@ -1,0 +1,173 @@
+"""The Triton path against the float32 reference: edge cases of shapes, routing and LoRA.
+
+On the CPU this runs Triton's interpreter (fp32 and fp16: the interpreter's bf16 dots are
+wrong); ``test_gpu.py`` repeats the comparison in bf16 at real shapes. Every run allocates
+from a poisoned ``torch.empty``, so unwritten rows show up as NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from kernels import align
+from kernels.configs import GemmConfig, MoEConfig
+from kernels.forward import fused_moe, moe_forward
+from kernels.reference import moe_forward_reference
+from kernels.routing import route
+from kernels.synthetic import (
+    lora_context,
+    random_hidden,
+    random_layer,
+    random_slots,
+    random_token_slots,
+    relative_error,
+)
+from kernels.types import (
+    Activation,
+    LoRAContext,
+    MoELayerWeights,
+    RouterKind,
+    RouterSpec,
+    Routing,
+)
+
+from .conftest import DEVICE, TOLERANCE
+
+pytestmark = pytest.mark.usefixtures("poison_allocations")
+
+
+@dataclass(frozen=True)
+class Case:
+    tokens: int = 24
+    experts: int = 6
+    hidden: int = 64
+    inter: int = 32
+    top_k: int = 2
+    dtype: torch.dtype = torch.float32
+    slots: int = 4
+    rank: int = 8
+    enabled: tuple[bool, ...] | None = None
+    token_slots: tuple[int, ...] | None = None  # default: random, -1 included
+    router: RouterSpec | None = None
+    activation: Activation = Activation.SILU
+    biases: bool = False
+    shared_inter: int = 0
+    shared_gate: bool = False
+    all_on_expert: int | None = None  # precomputed routing: every pair on this expert
+    block_m: int = 16
+    segments: int = 2
+    w13: tuple[int, int, int] = (16, 32, 1)  # block_n, block_k, tiles_per_program
+    w2: tuple[int, int, int] = (32, 32, 1)
+    single_program_align: bool = True
+    hidden_scale: float = 1.0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def config(self) -> MoEConfig:
+        return MoEConfig(
+            block_m=self.block_m,
+            lora_segments=self.segments,
+            w13=GemmConfig(*self.w13, num_warps=4, num_stages=2),
+            w2=GemmConfig(*self.w2, num_warps=4, num_stages=2),
+        )
+
+
+CASES = {
+    "one_token": Case(tokens=1),
+    "tokens_not_multiple_of_block_m_odd_shapes_fp16": Case(
+        tokens=37, experts=7, inter=48, top_k=4, dtype=torch.float16, rank=16, w13=(16, 32, 2)
+    ),
+    "top_k_1_rank_4": Case(tokens=20, experts=5, top_k=1, rank=4),
+    "top_k_8_fp16": Case(
+        tokens=12, experts=10, top_k=8, dtype=torch.float16, rank=16, block_m=32, segments=4
+    ),
+    "rank_64_fp16": Case(tokens=16, experts=4, rank=64, dtype=torch.float16, segments=1),
+    "more_segments_than_a_pass_holds": Case(
+        tokens=40, experts=3, slots=8, rank=8, block_m=64, segments=1
+    ),
+    "empty_and_disabled_slots": Case(
+        slots=6,
+        enabled=(True, True, False, True, True, True),
+        token_slots=(0, 2, 5, 2, 0, 5) * 4,
+    ),
+    "no_token_has_an_adapter": Case(token_slots=(-1,) * 24),
+    "every_token_on_one_expert": Case(tokens=50, top_k=1, all_on_expert=2),
+    "gpt_oss_activation_biases_router": Case(
+        router=RouterSpec(RouterKind.TOPK_SOFTMAX, top_k=4, renormalize=True),
+        top_k=4,
+        activation=Activation.GPT_OSS,
+        biases=True,
+        hidden_scale=4.0,
+    ),
+    "qwen2_shared_expert_with_gate_fp16": Case(
+        dtype=torch.float16, shared_inter=48, shared_gate=True, top_k=4
+    ),
+    "deepseek_grouped_router_shared_expert": Case(
+        experts=8,
+        top_k=3,
+        router=RouterSpec(RouterKind.SIGMOID_GROUPED_TOPK, 3, True, 4, 2, 2.5),
+        shared_inter=32,
+    ),
+    "k_not_multiple_of_block_k": Case(hidden=96, inter=40, w13=(16, 64, 1), w2=(32, 32, 1)),
+    "multi_program_alignment_fp16": Case(
+        tokens=150, experts=5, dtype=torch.float16, single_program_align=False, block_m=32
+    ),
+    "all_tiles_in_one_program": Case(inter=64, w13=(16, 32, 8), w2=(16, 32, 8), rank=16),
+}
+
+
+def _inputs(case: Case, seed: int) -> tuple[torch.Tensor, MoELayerWeights, LoRAContext, Routing]:
+    router = case.router or RouterSpec(RouterKind.SOFTMAX_TOPK, case.top_k, True)
+    layer = random_layer(
+        case.experts, case.hidden, case.inter, case.top_k, dtype=case.dtype, device=DEVICE,
+        seed=seed, router=router, activation=case.activation, biases=case.biases,
+        shared_inter=case.shared_inter, shared_gate=case.shared_gate,
+    )  # fmt: skip
+    hidden = random_hidden(case.tokens, case.hidden, dtype=case.dtype, device=DEVICE, seed=seed + 1)
+    hidden = hidden * case.hidden_scale
+    enabled = list(case.enabled) if case.enabled else None
+    slots = random_slots(layer, case.slots, case.rank, seed=seed + 2, enabled=enabled)
+    if case.token_slots is not None:
+        token_slots = torch.tensor(case.token_slots, dtype=torch.int32)
+    else:
+        token_slots = random_token_slots(case.tokens, case.slots, seed=seed + 3)
+    lora = lora_context(slots, token_slots)
+    if case.all_on_expert is not None:
+        ids = torch.full((case.tokens, case.top_k), case.all_on_expert, dtype=torch.int32)
+        weights = torch.rand(case.tokens, case.top_k) + 0.5
+        routing = Routing(ids.to(DEVICE), weights.to(DEVICE))
+    else:
+        routing = route(hidden, layer)
+    return hidden, layer, lora, routing
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_matches_reference(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = CASES[name]
+    if not case.single_program_align:
+        monkeypatch.setattr(align, "SINGLE_PROGRAM_MAX_PAIRS", 0)
+    hidden, layer, lora, routing = _inputs(case, seed=7)
+    tol = TOLERANCE[case.dtype]
+    expected = {}
+    for context in (lora, None):
+        expected[context is not None] = moe_forward_reference(hidden, layer, context, routing)
+        got = fused_moe(hidden, layer, context, routing, case.config())
+        assert got.dtype == hidden.dtype and got.shape == hidden.shape
+        err = relative_error(got, expected[context is not None])
+        assert err < tol, f"{name} lora={context is not None}: rel err {err:.2e} ≥ {tol:.0e}"
+    active = (lora.token_slots >= 0) & (lora.slots.enabled[lora.token_slots.clamp(min=0)] != 0)
+    if active.any():
+        # The adapters must change the result, else the test would not see them dropped.
+        assert relative_error(expected[False], expected[True]) > 10 * tol
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_entry_point_across_seeds(seed: int) -> None:
+    """moe_forward with its own routing and heuristic configuration."""
+    case = Case(tokens=29, experts=6, top_k=2, dtype=torch.float16, rank=16)
+    hidden, layer, lora, _ = _inputs(case, seed=seed)
+    expected = moe_forward(hidden, layer, lora, backend="torch")
+    got = moe_forward(hidden, layer, lora)
+    assert relative_error(got, expected) < TOLERANCE[torch.float16]
