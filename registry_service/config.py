@@ -51,6 +51,21 @@ class RegistrySettings(ServiceSettings):
     gc_grace_seconds: int = Field(
         3600, ge=0, description="unreferenced blobs younger than this survive gc"
     )
+    max_rank: int = Field(
+        256, ge=1, description="largest LoRA rank an upload may have (per adapted parameter)"
+    )
+    event_retention_seconds: int = Field(
+        7 * 24 * 3600, ge=0, description="gc prunes change events older than this"
+    )
+    watch_poll_seconds: float = Field(
+        0.5, gt=0, description="how often WatchAdapters streams look for other replicas' events"
+    )
+    max_watch_streams: int = Field(
+        32, ge=1, description="WatchAdapters streams served at once; more: RESOURCE_EXHAUSTED"
+    )
+    max_workers: int = Field(
+        64, ge=4, description="gRPC worker threads; each open WatchAdapters stream holds one"
+    )
     migrate_on_start: bool = Field(True, description="run Alembic migrations at start-up")
     metrics_listen: str = Field(
         "127.0.0.1:9401", description="host:port of the Prometheus /metrics endpoint; empty: off"

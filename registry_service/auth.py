@@ -1,0 +1,180 @@
+"""Who may call what: bearer tokens with roles, checked per RPC.
+
+The token file is JSON, tokens stored only as SHA-256 hex::
+
+    {"tokens": [{"name": "ci", "role": "write", "sha256": "<64 hex>"}]}
+
+``moelora-registry hash-token NAME ROLE`` makes a random token and its entry.
+Roles are ordered read < write < admin; a call needs at least the role its
+RPC names (registry.proto). The file is re-read when it changes, so a token
+can be added or revoked without a restart (a Kubernetes Secret update).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import ipaddress
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.auth import bearer_token
+from shared.errors import PermissionDenied, Unauthenticated
+from shared.logs import log_event
+
+log = logging.getLogger(__name__)
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_TOKEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+_RELOAD_CHECK_SECONDS = 2.0
+
+
+class Role(enum.IntEnum):
+    READ = 1
+    WRITE = 2
+    ADMIN = 3
+
+    @classmethod
+    def parse(cls, text: str) -> Role:
+        try:
+            return cls[text.upper()]
+        except KeyError:
+            raise ValueError(f"unknown role {text!r}: use read, write or admin") from None
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the token's name (recorded as created_by) and role."""
+
+    name: str
+    role: Role
+
+
+EMBEDDED = Principal("embedded", Role.ADMIN)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token_entry(name: str, role: Role) -> tuple[str, dict[str, str]]:
+    """A fresh random token and its token-file entry."""
+    if not _TOKEN_NAME.fullmatch(name):
+        raise ValueError(f"token name {name!r}: use 1-128 of A-Z a-z 0-9 . _ @ -")
+    token = secrets.token_urlsafe(32)
+    return token, {"name": name, "role": role.name.lower(), "sha256": hash_token(token)}
+
+
+def parse_token_file(text: str, where: str) -> dict[str, Principal]:
+    """sha256 hex -> principal; ValueError naming the entry that is wrong."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON: {exc}") from None
+    entries = raw.get("tokens") if isinstance(raw, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f'{where}: expected {{"tokens": [{{"name", "role", "sha256"}}, ...]}}')
+    table: dict[str, Principal] = {}
+    names: set[str] = set()
+    for i, entry in enumerate(entries):
+        at = f"{where}: tokens[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {"name", "role", "sha256"}:
+            raise ValueError(f"{at}: needs exactly the keys name, role, sha256")
+        name, role, digest = entry["name"], entry["role"], entry["sha256"]
+        if not isinstance(name, str) or not _TOKEN_NAME.fullmatch(name) or name in names:
+            raise ValueError(f"{at}: name {name!r} is invalid or repeated")
+        if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest) or digest in table:
+            raise ValueError(f"{at}: sha256 must be 64 lower-case hex digits, once per file")
+        table[digest] = Principal(name, Role.parse(str(role)))
+        names.add(name)
+    return table
+
+
+class TokenFile:
+    """The token table of one file, re-read when the file changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._stamp = self._stat()
+        self._table = parse_token_file(path.read_text(), str(path))
+        self._checked = time.monotonic()
+
+    def _stat(self) -> tuple[int, int]:
+        st = self.path.stat()
+        return st.st_mtime_ns, st.st_size
+
+    def table(self) -> Mapping[str, Principal]:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._checked >= _RELOAD_CHECK_SECONDS:
+                self._checked = now
+                self._reload_if_changed()
+            return self._table
+
+    def _reload_if_changed(self) -> None:
+        try:
+            stamp = self._stat()
+            if stamp == self._stamp:
+                return
+            self._table = parse_token_file(self.path.read_text(), str(self.path))
+            self._stamp = stamp
+            log_event(log, "auth_tokens_reloaded", path=str(self.path), tokens=len(self._table))
+        except (OSError, ValueError) as exc:
+            # Keep serving with the tokens we had rather than locking everyone out.
+            log_event(log, "auth_tokens_reload_failed", logging.ERROR, error=str(exc))
+
+
+class Authorizer:
+    """Checks a call's metadata against the token file; with no file (auth off)
+    every caller is the ``embedded`` admin."""
+
+    def __init__(self, tokens: TokenFile | None) -> None:
+        self._tokens = tokens
+
+    @property
+    def enabled(self) -> bool:
+        return self._tokens is not None
+
+    def require(self, metadata: Iterable[tuple[str, str | bytes]] | None, role: Role) -> Principal:
+        if self._tokens is None:
+            return EMBEDDED
+        token = bearer_token(metadata)
+        if token is None:
+            raise Unauthenticated(
+                "missing bearer token: send 'authorization: Bearer <token>' "
+                "(adapterctl --token or MOELORA_REGISTRY_TOKEN)"
+            )
+        principal = self._tokens.table().get(hash_token(token))
+        if principal is None:
+            raise Unauthenticated("unknown or revoked bearer token")
+        if principal.role < role:
+            raise PermissionDenied(
+                f"token {principal.name!r} has role {principal.role.name.lower()}; "
+                f"this call needs {role.name.lower()}"
+            )
+        return principal
+
+
+def is_loopback(listen: str) -> bool:
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def auth_required(mode: str, listen: str, embedded_storage: bool) -> bool:
+    """``auto`` is off only for the embedded mode: loopback, SQLite and blobs in data_dir."""
+    if mode == "auto":
+        return not (is_loopback(listen) and embedded_storage)
+    return mode == "on"

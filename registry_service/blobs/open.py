@@ -1,0 +1,43 @@
+"""Where the blob URL setting becomes a store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+from registry_service.blobs.base import BlobStore
+from registry_service.blobs.local import LocalBlobStore
+from registry_service.blobs.s3 import S3BlobStore
+
+
+def open_blob_store(
+    blob_url: str | None,
+    data_dir: Path,
+    *,
+    s3_endpoint_url: str | None = None,
+    s3_region: str | None = None,
+    s3_path_style: bool = False,
+) -> BlobStore:
+    """``None`` -> ``data_dir/blobs``; ``file:///PATH`` or a plain path -> a local
+    directory; ``s3://BUCKET[/PREFIX]`` -> S3 (the bucket must exist)."""
+    if blob_url is None:
+        return LocalBlobStore(data_dir / "blobs")
+    parsed = urlparse(blob_url)
+    if parsed.scheme in ("", "file"):
+        if parsed.netloc:
+            raise ValueError(f"blob_url: {blob_url!r}: use file:///ABSOLUTE/PATH (three slashes)")
+        return LocalBlobStore(Path(parsed.path))
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"blob_url: {blob_url!r} names no bucket: use s3://BUCKET[/PREFIX]")
+        store = S3BlobStore(
+            parsed.netloc,
+            parsed.path,
+            data_dir / "spool",
+            endpoint_url=s3_endpoint_url,
+            region=s3_region,
+            path_style=s3_path_style,
+        )
+        store.check_bucket()
+        return store
+    raise ValueError(f"blob_url: unsupported scheme {parsed.scheme!r}; use file:// or s3://")

@@ -1,0 +1,143 @@
+"""Where blobs live in production: an S3 bucket (AWS, MinIO, R2, Ceph) via boto3.
+
+S3 makes an object visible only when its PUT (or CompleteMultipartUpload)
+succeeds, so objects are written straight to their final key; a crash leaves
+at most an unfinished multipart upload, which gc aborts. Big files go up and
+down as parallel parts (TransferConfig); every request retries with
+exponential backoff (botocore's "standard" retry mode). Credentials come from
+the standard AWS chain (environment, profile, instance role).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from registry_service.blobs.base import KEY_PREFIX, BlobStat, is_blob_key
+
+_MIB = 1024 * 1024
+_TRANSFER = TransferConfig(
+    multipart_threshold=64 * _MIB,
+    multipart_chunksize=64 * _MIB,
+    max_concurrency=8,
+    use_threads=True,
+)
+
+
+class S3BlobStore:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        scratch_dir: Path,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        path_style: bool = False,
+        max_attempts: int = 8,
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.scratch_dir = scratch_dir
+        self._endpoint = endpoint_url
+        config = Config(
+            region_name=region,
+            signature_version="s3v4",
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            s3={"addressing_style": "path" if path_style else "auto"},
+            connect_timeout=10,
+            read_timeout=120,
+            max_pool_connections=32,
+        )
+        self._client: Any = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url, config=config
+        )
+
+    @property
+    def location(self) -> str:
+        where = f" at {self._endpoint}" if self._endpoint else ""
+        return f"s3://{self.bucket}/{self.prefix}{where}"
+
+    def check_bucket(self) -> None:
+        """Fails with a clear message when the bucket is missing or unreachable."""
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            raise OSError(f"blob store {self.location}: cannot reach the bucket: {exc}") from exc
+
+    def _object(self, key: str) -> str:
+        if not is_blob_key(key):
+            raise ValueError(f"not a blob key: {key!r}")
+        return self.prefix + key
+
+    def _size(self, key: str) -> int | None:
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=self._object(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return int(head["ContentLength"])
+
+    def put_file(self, key: str, source: Path) -> None:
+        if self._size(key) == source.stat().st_size:
+            return
+        self._client.upload_file(str(source), self.bucket, self._object(key), Config=_TRANSFER)
+
+    def exists(self, key: str) -> bool:
+        return self._size(key) is not None
+
+    @contextmanager
+    def local_copy(self, key: str) -> Iterator[Path]:
+        if not self.exists(key):
+            raise FileNotFoundError(f"blob {key} is missing from {self.location}")
+        self.scratch_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=self.scratch_dir, prefix="download-") as tmp:
+            path = Path(tmp.name)
+            self._client.download_file(self.bucket, self._object(key), str(path), Config=_TRANSFER)
+            yield path
+
+    def delete(self, key: str) -> None:
+        self._client.delete_object(Bucket=self.bucket, Key=self._object(key))
+
+    def list_blobs(self) -> Iterator[BlobStat]:
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + KEY_PREFIX
+        )
+        for page in pages:
+            for item in page.get("Contents", []):
+                key = item["Key"][len(self.prefix) :]
+                if is_blob_key(key):
+                    yield BlobStat(key, int(item["Size"]), item["LastModified"])
+
+    def presign_get(self, key: str, expires_in_seconds: int) -> str:
+        url: str = self._client.generate_presigned_url(
+            "get_object",
+            Params={"Bucket": self.bucket, "Key": self._object(key)},
+            ExpiresIn=expires_in_seconds,
+        )
+        return url
+
+    def remove_stale_temporaries(self, older_than: datetime, dry_run: bool) -> int:
+        removed = 0
+        pages = self._client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + KEY_PREFIX
+        )
+        for page in pages:
+            for upload in page.get("Uploads", []):
+                if upload["Initiated"] < older_than:
+                    removed += 1
+                    if not dry_run:
+                        self._client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+        return removed

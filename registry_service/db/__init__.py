@@ -1,0 +1,1 @@
+"""Where adapter metadata lives: the SQL schema, engines and migrations."""

@@ -1,0 +1,143 @@
+"""The registry's plain data: what the service takes and returns. The gRPC layer
+translates these to and from messages (messages.py); nothing here knows gRPC."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Generic, TypeVar
+
+from registry_service.db.models import EventType, VersionStatus
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+
+T = TypeVar("T")
+
+
+def version_digest(files: Sequence[tuple[str, str]]) -> str:
+    """``sha256:`` + the SHA-256 of, for each (path, sha256 hex) sorted by path,
+    the bytes ``path`` UTF-8, NUL, ``sha256`` hex ASCII, LF. Identical files give
+    identical digests whatever order they were uploaded in."""
+    h = hashlib.sha256()
+    for path, sha in sorted(files):
+        h.update(path.encode() + b"\0" + sha.encode("ascii") + b"\n")
+    return "sha256:" + h.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class DeclaredFile:
+    """A file as the upload header announces it; ``sha256`` is optional there."""
+
+    path: str
+    size_bytes: int
+    sha256: str | None
+
+
+@dataclass(frozen=True)
+class UploadHeader:
+    name: str
+    base_model: str
+    description: str
+    labels: Mapping[str, str]
+    alias: str | None
+    files: Sequence[DeclaredFile]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    file_index: int
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class AdapterSummary:
+    """What validation learned about an adapter's weights."""
+
+    format: str  # "peft_3d" or "peft_2d"
+    rank: int
+    lora_alpha: float
+    use_rslora: bool
+    target_parameters: tuple[str, ...]
+    layers: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One adapter version as callers see it."""
+
+    name: str
+    version: int
+    digest: str
+    base_model: str
+    base_model_fingerprint: str
+    status: VersionStatus
+    summary: AdapterSummary
+    size_bytes: int
+    files: tuple[FileInfo, ...]
+    aliases: tuple[str, ...]
+    description: str
+    labels: Mapping[str, str]
+    create_time: datetime
+    created_by: str
+    delete_time: datetime | None
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """A version's file together with where its bytes are."""
+
+    info: FileInfo
+    blob_key: str
+
+
+@dataclass(frozen=True)
+class ListFilter:
+    name: str = ""
+    base_model: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    include_deleted: bool = False
+    latest_only: bool = False
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    items: list[T]
+    next_token: str
+
+
+@dataclass(frozen=True)
+class Event:
+    sequence: int
+    type: EventType
+    name: str
+    version: int
+    digest: str
+    alias: str
+    previous_version: int
+    time: datetime
+
+
+@dataclass(frozen=True)
+class AliasChange:
+    version: VersionInfo
+    previous_version: int
+
+
+@dataclass(frozen=True)
+class GcReport:
+    removed_blobs: list[str]
+    removed_bytes: int
+    purged_versions: int
