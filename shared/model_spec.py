@@ -38,7 +38,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,6 +46,7 @@ from typing import Any
 from moelora.v1 import model_pb2
 from shared.codec import dtype_from_name, dtype_name
 from shared.errors import InvalidArgument
+from shared.json_fields import JsonFields, parse_json_object
 from shared.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3")
@@ -129,7 +129,7 @@ class ModelSpec:
     def from_proto(cls, message: model_pb2.BaseModel) -> ModelSpec:
         """Rebuild from a stored BaseModel; the shape fields must agree with its config_json."""
         spec = spec_from_config(
-            _parse_config(message.config_json.encode(), "BaseModel.config_json"),
+            parse_json_object(message.config_json.encode(), "BaseModel.config_json"),
             config_json=message.config_json,
             checkpoint_dtype=dtype_name(message.checkpoint_dtype),
             fingerprint=message.fingerprint,
@@ -219,9 +219,10 @@ def read_checkpoint(folder: Path) -> Checkpoint:
     config_bytes = config_path.read_bytes()
     if len(config_bytes) > MAX_CONFIG_BYTES:
         raise InvalidArgument(f"{config_path}: larger than {MAX_CONFIG_BYTES} bytes")
+    config = parse_json_object(config_bytes, str(config_path))
     config_json = config_bytes.decode("utf-8")
     draft = spec_from_config(
-        _parse_config(config_bytes, str(config_path)),
+        config,
         config_json=config_json,
         checkpoint_dtype="float32",
         fingerprint="",
@@ -265,7 +266,7 @@ def spec_from_config(
             f"config.json model_type {model_type!r} is not supported; supported: "
             + ", ".join(SUPPORTED_MODEL_TYPES)
         )
-    get = _ConfigReader(config, model_type)
+    get = JsonFields(config, f"config.json ({model_type})")
     num_layers = get.integer("num_hidden_layers")
     num_experts = _num_experts(get, model_type)
     intermediate_key = (
@@ -286,7 +287,7 @@ def spec_from_config(
     n_group, topk_group, scaling = 1, 1, 1.0
     shared = 0
     if model_type in ("qwen2_moe", "qwen3_moe"):
-        skip = set(get.int_list("mlp_only_layers", default=[]))
+        skip = set(get.integer_list("mlp_only_layers", default=[]))
         step = get.integer("decoder_sparse_step", default=1)
         moe_layers = tuple(n for n in range(num_layers) if n not in skip and (n + 1) % step == 0)
     elif model_type == "deepseek_v3":
@@ -402,74 +403,13 @@ def expected_shapes(spec: ModelSpec, names: LayerTensors) -> dict[str, tuple[int
     return shapes
 
 
-class _ConfigReader:
-    """Typed access to config.json fields, naming the field on error."""
-
-    def __init__(self, config: Mapping[str, Any], model_type: str) -> None:
-        self._config = config
-        self._model_type = model_type
-
-    def _value(self, key: str, default: object) -> object:
-        value = self._config.get(key)
-        if value is None:
-            if default is None:
-                raise InvalidArgument(f"config.json ({self._model_type}) lacks {key}")
-            return default
-        return value
-
-    def integer(self, key: str, default: int | None = None) -> int:
-        value = self._value(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidArgument(
-                f"config.json {key} must be a non-negative integer, got {value!r}"
-            )
-        return value
-
-    def number(self, key: str, default: float | None = None) -> float:
-        value = self._value(key, default)
-        if (
-            not isinstance(value, int | float)
-            or isinstance(value, bool)
-            or not math.isfinite(value)
-        ):
-            raise InvalidArgument(f"config.json {key} must be a finite number, got {value!r}")
-        return float(value)
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self._value(key, default)
-        if not isinstance(value, bool):
-            raise InvalidArgument(f"config.json {key} must be true or false, got {value!r}")
-        return value
-
-    def int_list(self, key: str, default: list[int]) -> list[int]:
-        value = self._value(key, default)
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value
-        ):
-            raise InvalidArgument(f"config.json {key} must be a list of integers, got {value!r}")
-        return value
-
-    def has(self, key: str) -> bool:
-        return self._config.get(key) is not None
-
-
-def _parse_config(data: bytes, where: str) -> dict[str, Any]:
-    try:
-        config = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise InvalidArgument(f"{where} is not valid JSON: {err}") from None
-    if not isinstance(config, dict):
-        raise InvalidArgument(f"{where} is not a JSON object")
-    return config
-
-
-def _num_experts(get: _ConfigReader, model_type: str) -> int:
+def _num_experts(get: JsonFields, model_type: str) -> int:
     keys = ("num_experts", "num_local_experts") + (
         ("n_routed_experts",) if model_type == "deepseek_v3" else ()
     )
     values = {key: get.integer(key) for key in keys if get.has(key)}
     if not values:
-        raise InvalidArgument(f"config.json ({model_type}) lacks " + " / ".join(keys))
+        raise InvalidArgument(f"config.json ({model_type}) lacks " + " or ".join(keys))
     if len(set(values.values())) > 1:
         raise InvalidArgument(f"config.json disagrees on the number of experts: {values}")
     count = next(iter(values.values()))
@@ -478,7 +418,7 @@ def _num_experts(get: _ConfigReader, model_type: str) -> int:
     return count
 
 
-def _renormalize(get: _ConfigReader, model_type: str) -> bool:
+def _renormalize(get: JsonFields, model_type: str) -> bool:
     if model_type in ("mixtral", "gpt_oss"):
         return True
     return get.flag("norm_topk_prob", default=model_type == "deepseek_v3")
@@ -488,7 +428,7 @@ def _tensor_index(folder: Path) -> dict[str, StoredTensor]:
     """Every tensor of the checkpoint → (its file, its header entry)."""
     index_path = folder / INDEX_FILE
     if index_path.is_file():
-        index = _parse_config(index_path.read_bytes(), str(index_path))
+        index = parse_json_object(index_path.read_bytes(), str(index_path))
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not all(
             isinstance(v, str) for v in weight_map.values()
