@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,13 +49,18 @@ class GemmConfig:
 class MoEConfig:
     """block_m: rows (pairs) per block, shared by both GEMMs since they share the alignment.
     lora_segments: adapter slots a block's LoRA handles in one stacked dot; blocks holding more
-    take extra passes (correct, slower).
+        take extra passes (correct, slower).
+    atomic_sum: w2 adds each pair's weighted output into a float32 (T, H) buffer with atomics
+        (no (T*k, H) round trip through memory; the order of the k additions varies, so for
+        k > 2 the last bit may differ between runs); else w2 stores one row per pair and a
+        separate pass sums the k rows in a fixed order (deterministic).
     """
 
     block_m: int
     lora_segments: int
     w13: GemmConfig
     w2: GemmConfig
+    atomic_sum: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +72,7 @@ class MoEConfig:
             lora_segments=data["lora_segments"],
             w13=GemmConfig(**data["w13"]),
             w2=GemmConfig(**data["w2"]),
+            atomic_sum=data.get("atomic_sum", True),
         )
 
 
@@ -77,7 +84,12 @@ def device_name(device: torch.device) -> str:
     """File-name-safe GPU name, e.g. ``NVIDIA_H100_80GB_HBM3``; ``cpu`` off the GPU."""
     if device.type != "cuda":
         return "cpu"
-    return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
+    return _cuda_device_name(device.index if device.index is not None else 0)
+
+
+@functools.cache
+def _cuda_device_name(index: int) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(index)).strip("_")
 
 
 def config_path(name: str) -> Path:
@@ -134,5 +146,5 @@ def get_config(
     table = load_table(device_name(device)).get(shape_key(num_experts, hidden, inter, top_k, rank))
     if not table:
         return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, rank)
-    nearest = min(table, key=lambda m: (abs(m - num_tokens), m))
+    nearest = min(table, key=lambda m: (abs(math.log(m / num_tokens)), m))
     return table[nearest]

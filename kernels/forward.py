@@ -30,8 +30,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """The Triton path with an explicit launch configuration (inputs already validated).
 
-    Returns (T, H) in hidden's dtype. The routed experts accumulate in float32; the shared
-    expert is added in float32 before the one rounding to hidden's dtype.
+    Returns (T, H) in hidden's dtype. The routed experts are summed in float32 and the shared
+    expert (computed by torch in hidden's dtype) is added before the one final rounding.
     """
     slots = None if lora is None else lora.slots
     alignment = align_pairs(
@@ -41,7 +41,10 @@ def fused_moe(
         token_slots=None if lora is None else lora.token_slots,
         enabled=None if slots is None else slots.enabled,
     )
-    out = fused_experts(
+    shared = None
+    if layer.shared is not None:
+        shared = shared_expert_forward(hidden, layer.shared, hidden.dtype)
+    return fused_experts(
         hidden.contiguous(),
         layer.w13.contiguous(),
         layer.w2.contiguous(),
@@ -52,12 +55,10 @@ def fused_moe(
         layer.swiglu_limit,
         routing.topk_weights.contiguous(),
         alignment,
-        None if slots is None else (slots.a13, slots.b13, slots.a2, slots.b2),
+        None if slots is None else ((slots.a13, slots.b13), (slots.a2, slots.b2)),
         config,
+        addend=shared,
     )
-    if layer.shared is not None:
-        out += shared_expert_forward(hidden, layer.shared, hidden.dtype)
-    return out.to(hidden.dtype)
 
 
 def moe_forward(

@@ -8,7 +8,9 @@ Two kernels run over the blocks of ``kernels.align`` (BLOCK_M pairs of one exper
     one dot yields both and the activation runs in the epilogue: the (rows, 2I) pre-activation
     never goes to memory.
 ``_w2_kernel``: ``y = a W2[e]ᵀ (+ b2) + B2[s,e](A2[s,e] a)``, times the pair's routed weight,
-    atomically added (fp32) into the (T, H) output: the sum over k needs no (T, k, H) buffer.
+    either atomically added (fp32) into the (T, H) output, so the sum over k needs no
+    (T*k, H) buffer, or stored per pair for ``_sum_k_kernel`` (deterministic); the launch
+    configuration chooses (``MoEConfig.atomic_sum``).
 
 LoRA, fused in both: a block holds up to a few adapter slots ("segments", rows sorted by slot).
 The shrink ``x A[s]ᵀ`` of up to ``LORA_SEGMENTS`` segments is *one* dot against the segments'
@@ -33,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.align import Alignment
-from kernels.configs import GemmConfig, MoEConfig
+from kernels.configs import MoEConfig
 from kernels.types import Activation
 
 _CLEAR_BLOCK = 1024  # elements each w13 program zeroes per step of the output clear
@@ -402,7 +404,7 @@ def _w2_kernel(
     bias_ptr,  # (E, H) or unused
     a_ptr,  # (S, E, R, I) LoRA A2
     b_ptr,  # (S, E, H, R) LoRA B2
-    out_ptr,  # (T, H) fp32, zeroed by _w13_kernel
+    out_ptr,  # ATOMIC_SUM: (T, H) fp32 zeroed by _w13_kernel; else (T*k, H), row per pair
     pair_ids_ptr,
     row_slots_ptr,
     block_experts_ptr,
@@ -422,9 +424,10 @@ def _w2_kernel(
     stride_lbe,
     stride_lbn,
     stride_lbr,
-    stride_ot,
+    stride_out,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    ATOMIC_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -447,7 +450,10 @@ def _w2_kernel(
     x_row_mask = rows >= 0
     x_row_ptrs = act_ptr + rows.to(tl.int64) * stride_am
     routed_weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
-    out_rows = out_ptr + (pair // top_k).to(tl.int64) * stride_ot
+    if ATOMIC_SUM:
+        out_rows = out_ptr + (pair // top_k).to(tl.int64) * stride_out
+    else:
+        out_rows = out_ptr + pair.to(tl.int64) * stride_out
     if HAS_LORA:
         slot, seg, n_seg = _row_segments(row_slots_ptr, row0, BLOCK_M)
         xa = _extra_shrink_chunks(
@@ -476,12 +482,34 @@ def _w2_kernel(
             bias = tl.load(bias_ptr + expert * stride_bias + cols, mask=col_mask, other=0.0)
             acc += bias.to(tl.float32)[None, :]
         acc *= routed_weight[:, None]
-        tl.atomic_add(
-            out_rows[:, None] + cols[None, :],
-            acc,
-            mask=valid[:, None] & col_mask[None, :],
-            sem="relaxed",
-        )
+        out_ptrs = out_rows[:, None] + cols[None, :]
+        out_mask = valid[:, None] & col_mask[None, :]
+        if ATOMIC_SUM:
+            tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _sum_k_kernel(
+    y_ptr,  # (T, k, H): each pair's weighted expert output
+    addend_ptr,  # (T, H) added before rounding (shared expert), or unused
+    out_ptr,  # (T, H)
+    H,
+    TOP_K: tl.constexpr,
+    HAS_ADDEND: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[t] = Σ_j y[t, j] (+ addend[t]) in fp32, in a fixed order: deterministic."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ADDEND:
+        acc += tl.load(addend_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _lora_meta(rank: int, segments: int) -> tuple[int, int]:
@@ -495,6 +523,119 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+LoRAPair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _lora_args(
+    lora: LoRAPair | None, alignment: Alignment, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(A, B, row_slots, HAS_LORA); without LoRA, placeholders the kernel never reads."""
+    if lora is not None and alignment.row_slots is not None:
+        return lora[0], lora[1], alignment.row_slots, True
+    unused = torch.empty((1, 1, 1, 1), dtype=like.dtype, device=like.device)
+    return unused, unused, alignment.sorted_pair_ids, False
+
+
+def w13_stage(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor | None,
+    activation: Activation,
+    alpha: float,
+    limit: float,
+    top_k: int,
+    alignment: Alignment,
+    lora13: LoRAPair | None,
+    config: MoEConfig,
+    clear: torch.Tensor | None,
+) -> torch.Tensor:
+    """act = activation(x W13ᵀ (+ b13) + LoRA) for every aligned row: (max_rows, I).
+
+    hidden (T, H); w13 (E, 2I, H); b13 (E, 2I) or None; lora13 = (A13 (S, E, R, H),
+    B13 (S, E, 2I, R)) or None. ``clear``: a float32 buffer this launch zeroes on the side.
+    """
+    h = hidden.shape[1]
+    inter = w13.shape[1] // 2
+    block_m, max_blocks = alignment.block_m, alignment.max_blocks
+    lora_a, lora_b, row_slots, has_lora = _lora_args(lora13, alignment, hidden)
+    nseg, rp = _lora_meta(lora_a.shape[2], config.lora_segments)
+    act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
+    bias = b13 if b13 is not None else w13
+    clear_buf = clear if clear is not None else act
+    cfg = config.w13
+    grid = (max_blocks, triton.cdiv(triton.cdiv(inter, cfg.block_n), cfg.tiles_per_program))
+    clear_numel = 0 if clear is None else clear.numel()
+    clear_per_program = triton.cdiv(triton.cdiv(clear_numel, grid[0] * grid[1]), _CLEAR_BLOCK)
+    _w13_kernel[grid](
+        hidden, w13, bias, lora_a, lora_b, act,
+        alignment.sorted_pair_ids, row_slots, alignment.block_experts,
+        clear_buf, clear_numel, clear_per_program * _CLEAR_BLOCK,
+        h, inter, top_k, lora_a.shape[2], alpha, limit,
+        hidden.stride(0), w13.stride(0), w13.stride(1), bias.stride(0),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), lora_b.stride(3),
+        act.stride(0),
+        ACTIVATION=0 if activation is Activation.SILU else 1,
+        HAS_BIAS=b13 is not None, HAS_LORA=has_lora,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, NSEG=nseg, RP=rp,
+        EVEN_K=h % cfg.block_k == 0, PRECISION=_dot_precision(hidden.dtype),
+        CLEAR_BLOCK=_CLEAR_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return act
+
+
+def w2_stage(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    alignment: Alignment,
+    lora2: LoRAPair | None,
+    config: MoEConfig,
+    out: torch.Tensor,
+) -> None:
+    """y = w_j · (a W2ᵀ (+ b2) + LoRA) for every pair, into ``out``.
+
+    act (max_rows, I) from ``w13_stage``; w2 (E, H, I); b2 (E, H) or None; topk_weights (T, k)
+    float32; lora2 = (A2 (S, E, R, I), B2 (S, E, H, R)) or None. With ``config.atomic_sum``
+    ``out`` is (T, H) float32, zeroed, and receives Σ_j y_j; else it is (T*k, H) and row p
+    receives pair p's y.
+    """
+    h, inter = w2.shape[1], w2.shape[2]
+    lora_a, lora_b, row_slots, has_lora = _lora_args(lora2, alignment, act)
+    nseg, rp = _lora_meta(lora_a.shape[2], config.lora_segments)
+    bias = b2 if b2 is not None else w2
+    cfg = config.w2
+    grid = (alignment.max_blocks, triton.cdiv(triton.cdiv(h, cfg.block_n), cfg.tiles_per_program))
+    _w2_kernel[grid](
+        act, w2, bias, lora_a, lora_b, out,
+        alignment.sorted_pair_ids, row_slots, alignment.block_experts, topk_weights,
+        h, inter, topk_weights.shape[1], lora_a.shape[2],
+        act.stride(0), w2.stride(0), w2.stride(1), bias.stride(0),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), lora_b.stride(3),
+        out.stride(0),
+        HAS_BIAS=b2 is not None, HAS_LORA=has_lora, ATOMIC_SUM=config.atomic_sum,
+        BLOCK_M=alignment.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, NSEG=nseg, RP=rp,
+        EVEN_K=inter % cfg.block_k == 0, PRECISION=_dot_precision(act.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def sum_over_k(y: torch.Tensor, top_k: int, addend: torch.Tensor | None) -> torch.Tensor:
+    """(T*k, H) pair rows → (T, H) Σ_j (+ addend), summed in float32, in y's dtype."""
+    rows, h = y.shape
+    out = torch.empty((rows // top_k, h), dtype=y.dtype, device=y.device)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _sum_k_kernel[(rows // top_k, triton.cdiv(h, block_h))](
+        y, addend if addend is not None else y, out, h,
+        TOP_K=top_k, HAS_ADDEND=addend is not None, BLOCK_H=block_h,
+    )  # fmt: skip
+    return out
+
+
 def fused_experts(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -506,76 +647,32 @@ def fused_experts(
     limit: float,
     topk_weights: torch.Tensor,
     alignment: Alignment,
-    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    lora: tuple[LoRAPair, LoRAPair] | None,
     config: MoEConfig,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Σ_j w_j · expert_j(x) (+ LoRA) for every token: (T, H) float32.
+    """Σ_j w_j · expert_j(x) (+ LoRA) (+ addend) for every token: (T, H) in hidden's dtype.
 
     hidden (T, H); w13 (E, 2I, H); w2 (E, H, I); b13 (E, 2I) / b2 (E, H) or None;
-    topk_weights (T, k) float32; lora = (a13, b13, a2, b2) slot buffers or None, in which case
-    ``alignment.row_slots`` is ignored; all operands share hidden's dtype.
+    topk_weights (T, k) float32; lora = ((A13, B13), (A2, B2)) slot buffers or None;
+    addend (T, H) (the shared expert's output) is added before the one final rounding.
+    All operands share hidden's dtype and have a contiguous last dimension.
     """
     t, h = hidden.shape
-    inter = w2.shape[2]
     top_k = topk_weights.shape[1]
-    device = hidden.device
-    block_m = alignment.block_m
-    max_blocks = alignment.max_blocks
-    has_lora = lora is not None and alignment.row_slots is not None
-    rank = lora[0].shape[2] if lora is not None else 1
-    nseg, rp = _lora_meta(rank, config.lora_segments)
-    precision = _dot_precision(hidden.dtype)
-
-    out = torch.empty((t, h), dtype=torch.float32, device=device)
-    act = torch.empty((max(max_blocks * block_m, 1), inter), dtype=hidden.dtype, device=device)
-    if lora is not None and has_lora:
-        la13, lb13, la2, lb2 = lora
-        row_slots = alignment.row_slots
-    else:
-        # Unused pointer arguments (HAS_LORA is off): any 4-D tensor of the right dtype.
-        la13 = lb13 = la2 = lb2 = torch.empty((1, 1, 1, 1), dtype=hidden.dtype, device=device)
-        row_slots = alignment.sorted_pair_ids
-    bias13 = b13 if b13 is not None else w13
-    bias2 = b2 if b2 is not None else w2
-
-    cfg = config.w13
-    grid13 = (max_blocks, triton.cdiv(triton.cdiv(inter, cfg.block_n), cfg.tiles_per_program))
-    programs = grid13[0] * grid13[1]
-    clear_per_program = triton.cdiv(triton.cdiv(out.numel(), programs), _CLEAR_BLOCK) * _CLEAR_BLOCK
-    _w13_kernel[grid13](
-        hidden, w13, bias13, la13, lb13, act,
-        alignment.sorted_pair_ids, row_slots, alignment.block_experts,
-        out, out.numel(), clear_per_program,
-        h, inter, top_k, rank, alpha, limit,
-        hidden.stride(0), w13.stride(0), w13.stride(1), bias13.stride(0),
-        la13.stride(0), la13.stride(1), la13.stride(2),
-        lb13.stride(0), lb13.stride(1), lb13.stride(2), lb13.stride(3),
-        act.stride(0),
-        ACTIVATION=0 if activation is Activation.SILU else 1,
-        HAS_BIAS=b13 is not None, HAS_LORA=has_lora,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        TILES_PER_PROGRAM=cfg.tiles_per_program, NSEG=nseg, RP=rp,
-        EVEN_K=h % cfg.block_k == 0, PRECISION=precision, CLEAR_BLOCK=_CLEAR_BLOCK,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-
-    cfg = config.w2
-    grid2 = (max_blocks, triton.cdiv(triton.cdiv(h, cfg.block_n), cfg.tiles_per_program))
-    _w2_kernel[grid2](
-        act, w2, bias2, la2, lb2, out,
-        alignment.sorted_pair_ids, row_slots, alignment.block_experts, topk_weights,
-        h, inter, top_k, rank,
-        act.stride(0), w2.stride(0), w2.stride(1), bias2.stride(0),
-        la2.stride(0), la2.stride(1), la2.stride(2),
-        lb2.stride(0), lb2.stride(1), lb2.stride(2), lb2.stride(3),
-        out.stride(0),
-        HAS_BIAS=b2 is not None, HAS_LORA=has_lora,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        TILES_PER_PROGRAM=cfg.tiles_per_program, NSEG=nseg, RP=rp,
-        EVEN_K=inter % cfg.block_k == 0, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return out
-
-
-__all__ = ["GemmConfig", "fused_experts"]
+    lora13, lora2 = lora if lora is not None else (None, None)
+    if config.atomic_sum:
+        acc = torch.empty((t, h), dtype=torch.float32, device=hidden.device)
+        act = w13_stage(
+            hidden, w13, b13, activation, alpha, limit, top_k, alignment, lora13, config, acc
+        )
+        w2_stage(act, w2, b2, topk_weights, alignment, lora2, config, acc)
+        if addend is not None:
+            acc += addend
+        return acc.to(hidden.dtype)
+    act = w13_stage(
+        hidden, w13, b13, activation, alpha, limit, top_k, alignment, lora13, config, None
+    )
+    y = torch.empty((t * top_k, h), dtype=hidden.dtype, device=hidden.device)
+    w2_stage(act, w2, b2, topk_weights, alignment, lora2, config, y)
+    return sum_over_k(y, top_k, addend)

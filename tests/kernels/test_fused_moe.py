@@ -65,12 +65,13 @@ class Case:
     hidden_scale: float = 1.0
     extra: dict[str, object] = field(default_factory=dict)
 
-    def config(self) -> MoEConfig:
+    def config(self, atomic_sum: bool) -> MoEConfig:
         return MoEConfig(
             block_m=self.block_m,
             lora_segments=self.segments,
             w13=GemmConfig(*self.w13, num_warps=4, num_stages=2),
             w2=GemmConfig(*self.w2, num_warps=4, num_stages=2),
+            atomic_sum=atomic_sum,
         )
 
 
@@ -143,8 +144,11 @@ def _inputs(case: Case, seed: int) -> tuple[torch.Tensor, MoELayerWeights, LoRAC
     return hidden, layer, lora, routing
 
 
+@pytest.mark.parametrize("atomic_sum", [True, False], ids=["atomic_sum", "sum_pass"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fused_matches_reference(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_matches_reference(
+    name: str, atomic_sum: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     case = CASES[name]
     if not case.single_program_align:
         monkeypatch.setattr(align, "SINGLE_PROGRAM_MAX_PAIRS", 0)
@@ -153,7 +157,7 @@ def test_fused_matches_reference(name: str, monkeypatch: pytest.MonkeyPatch) -> 
     expected = {}
     for context in (lora, None):
         expected[context is not None] = moe_forward_reference(hidden, layer, context, routing)
-        got = fused_moe(hidden, layer, context, routing, case.config())
+        got = fused_moe(hidden, layer, context, routing, case.config(atomic_sum))
         assert got.dtype == hidden.dtype and got.shape == hidden.shape
         err = relative_error(got, expected[context is not None])
         assert err < tol, f"{name} lora={context is not None}: rel err {err:.2e} ≥ {tol:.0e}"
