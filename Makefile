@@ -66,7 +66,7 @@ bench: setup ## Kernel benchmark on a GPU (prints the table)
 	@echo "make bench: not yet (issue: kernels)"
 
 helm-check: setup ## Render, lint and validate the Helm chart
-	@echo "make helm-check: not yet (issue: deployment)"
+	$(PY) -m pytest tests/helm $(PYTEST_ARGS)
 
 clean: ## Remove the virtual environment, tools and caches
 	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache
