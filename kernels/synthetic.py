@@ -27,9 +27,9 @@ def _randn(
     device: torch.device | str,
     generator: torch.Generator,
 ) -> torch.Tensor:
-    # Draw in float32 on the generator's device, then move: same values on every device.
-    values = torch.randn(shape, generator=generator, device=generator.device) * scale
-    return values.to(device=device, dtype=dtype)
+    # Drawn in float32 on the target device (fast for GPU-sized layers), then rounded.
+    values = torch.randn(shape, generator=generator, device=device) * scale
+    return values.to(dtype)
 
 
 def random_layer(
@@ -48,7 +48,7 @@ def random_layer(
     shared_gate: bool = False,
 ) -> MoELayerWeights:
     """A layer with N(0, 1/fan-in) weights; ``router`` defaults to softmax→top-k→renormalise."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return _randn(shape, scale, dtype, device, g)
@@ -88,9 +88,9 @@ def random_slots(
 ) -> LoRASlots:
     """Slot buffers for ``layer`` (its dtype and device); the delta B·A has norm ~delta_scale
     relative to the base weight's. All slots are enabled unless ``enabled`` says otherwise."""
-    g = torch.Generator().manual_seed(seed)
     e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
     dtype, device = layer.w13.dtype, layer.w13.device
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape: int, scale: float) -> torch.Tensor:
         return _randn(shape, scale, dtype, device, g)
@@ -130,7 +130,7 @@ def random_hidden(
     device: torch.device | str = "cpu",
     seed: int = 3,
 ) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     return _randn((num_tokens, hidden), 1.0, dtype, device, g)
 
 

@@ -1,0 +1,311 @@
+"""Benchmark of the fused MoE + multi-LoRA forward: ``python -m kernels.bench`` (``make bench``).
+
+Method (issue 3, so numbers compare with vLLM's): bf16 random data; routing = softmax → top-k
+→ renormalise from random router logits; LoRA rank 16, 8 slots, min(M, 4) distinct adapters
+assigned round-robin to the tokens; each variant is captured in a CUDA graph (our alignment
+included) and timed by replaying it under ``triton.testing.do_bench`` (median; it flushes L2
+before each call, so weights come from HBM). Copy bandwidth and bf16 matmul rate are measured
+in the same run. Floor = max(bytes of the experts and LoRA pairs actually hit (+ hidden in and
+out) / bandwidth, FLOPs / matmul rate). "naive torch" is ``moe_forward_reference`` in bf16:
+a per-expert cuBLAS loop as in transformers, with host syncs, so timed without a graph.
+
+First every cell is checked against the float32 reference (relative error below
+``BF16_TOLERANCE``); a failure stops the run with exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import date
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from kernels.align import Alignment, align_pairs
+from kernels.configs import MoEConfig, get_config
+from kernels.forward import fused_moe, moe_forward
+from kernels.fused_moe import w13_stage
+from kernels.reference import moe_forward_reference
+from kernels.synthetic import (
+    random_hidden,
+    random_layer,
+    random_routing,
+    random_slots,
+    relative_error,
+    round_robin_slots,
+)
+from kernels.types import LoRAContext, LoRASlots, MoELayerWeights, Routing
+
+#: ‖out − ref‖/‖ref‖ against the float32 reference: bf16 operands, bf16 intermediate.
+BF16_TOLERANCE = 2e-2
+RANK, SLOTS, MAX_ADAPTERS = 16, 8, 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    experts: int
+    hidden: int
+    inter: int
+    top_k: int
+
+
+SHAPES = {
+    "qwen3": Shape("Qwen3-30B-A3B", 128, 2048, 768, 8),
+    "mixtral": Shape("Mixtral-8x7B", 8, 4096, 14336, 2),
+    "gpt_oss": Shape("GPT-OSS-20B-like", 32, 2880, 2880, 4),
+}
+TOKENS = (1, 8, 64, 512, 4096)
+
+#: vLLM 0.33's Triton path on an H100 80GB HBM3, µs (base, base+LoRA), from the issue.
+VLLM_H100 = {
+    "qwen3": ((50.6, 92.3), (197, 247), (416, 515), (470, 656), (930, 1302)),
+    "mixtral": ((264, 476), (853, 1054), (969, 1266), (2209, 2609), (6438, 6902)),
+    "gpt_oss": ((94.9, 172), (363, 429), (581, 714), (671, 831), (1874, 2531)),
+}
+
+
+def graph_time_us(fn: Callable[[], object]) -> float:
+    """Median µs of ``fn`` captured in a CUDA graph, replayed under do_bench (L2 flushed)."""
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = triton.testing.do_bench(graph.replay, return_mode="median")
+    del graph
+    return float(ms) * 1e3
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy of 1 GiB, bytes read + written per second."""
+    src = torch.randn(1 << 29, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.nbytes / (float(ms) * 1e-3)
+
+
+def matmul_rate(device: torch.device) -> float:
+    """bf16 FLOP/s of an 8192³ product on random data."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
+    return 2 * 8192**3 / (float(ms) * 1e-3)
+
+
+def floor_us(
+    shape: Shape, routing: Routing, lora: LoRAContext, bandwidth: float, rate: float
+) -> float:
+    """The memory/compute floor of base+LoRA for this routing."""
+    e, h, i = shape.experts, shape.hidden, shape.inter
+    rank = lora.slots.max_rank
+    experts_hit = torch.unique(routing.topk_ids).numel()
+    pair_slots = lora.token_slots.long()[:, None].expand_as(routing.topk_ids)
+    lora_pairs_hit = torch.unique(pair_slots * e + routing.topk_ids.long()).numel()
+    tokens, pairs = routing.topk_ids.shape[0], routing.topk_ids.numel()
+    lora_elements = rank * (2 * h + 3 * i)  # A13, B13, A2, B2 of one (slot, expert)
+    nbytes = 2 * (experts_hit * 3 * h * i + lora_pairs_hit * lora_elements + 2 * tokens * h)
+    flops = 2 * pairs * (3 * h * i + lora_elements)
+    return float(max(nbytes / bandwidth, flops / rate) * 1e6)
+
+
+@dataclass
+class Row:
+    shape: str
+    tokens: int
+    config: dict[str, object]
+    err_lora: float
+    err_base: float
+    base_us: float
+    lora_us: float
+    naive_us: float | None
+    floor_us: float
+    stages_us: dict[str, float] | None = None
+
+    @property
+    def overhead(self) -> float:
+        return self.lora_us / self.base_us - 1
+
+    @property
+    def of_floor(self) -> float:
+        return self.lora_us / self.floor_us
+
+
+def stage_times_us(
+    hidden: torch.Tensor,
+    layer: MoELayerWeights,
+    lora: LoRAContext,
+    routing: Routing,
+    config: MoEConfig,
+) -> dict[str, float]:
+    """Cumulative graph times: alignment; alignment + w13; everything."""
+    slots = lora.slots
+
+    def align() -> Alignment:
+        return align_pairs(
+            routing.topk_ids, layer.num_experts, config.block_m, lora.token_slots, slots.enabled
+        )
+
+    def align_w13() -> object:
+        return w13_stage(
+            hidden, layer.w13, layer.b13, layer.activation, layer.swiglu_alpha,
+            layer.swiglu_limit, routing.topk_ids.shape[1], align(), (slots.a13, slots.b13),
+            config, None,
+        )  # fmt: skip
+
+    return {
+        "align": graph_time_us(align),
+        "align+w13": graph_time_us(align_w13),
+        "all": graph_time_us(lambda: fused_moe(hidden, layer, lora, routing, config)),
+    }
+
+
+def bench_cell(
+    key: str,
+    layer: MoELayerWeights,
+    slots: LoRASlots,
+    tokens: int,
+    bandwidth: float,
+    rate: float,
+    *,
+    naive: bool,
+    breakdown: bool,
+) -> Row:
+    shape = SHAPES[key]
+    device = layer.w13.device
+    hidden = random_hidden(tokens, shape.hidden, device=device, seed=tokens)
+    routing = random_routing(tokens, shape.experts, shape.top_k, device=device, seed=tokens)
+    lora = LoRAContext(slots, round_robin_slots(tokens, min(tokens, MAX_ADAPTERS), device))
+    config = get_config(tokens, shape.experts, shape.hidden, shape.inter, shape.top_k, RANK, device)
+    err_lora = relative_error(
+        moe_forward(hidden, layer, lora, routing),
+        moe_forward_reference(hidden, layer, lora, routing),
+    )
+    err_base = relative_error(
+        moe_forward(hidden, layer, None, routing),
+        moe_forward_reference(hidden, layer, None, routing),
+    )
+    base_us = graph_time_us(lambda: moe_forward(hidden, layer, None, routing))
+    lora_us = graph_time_us(lambda: moe_forward(hidden, layer, lora, routing))
+    naive_us = None
+    if naive:
+        ms = triton.testing.do_bench(
+            lambda: moe_forward_reference(hidden, layer, lora, routing, torch.bfloat16),
+            return_mode="median",
+        )
+        naive_us = float(ms) * 1e3
+    stages = stage_times_us(hidden, layer, lora, routing, config) if breakdown else None
+    return Row(
+        key, tokens, config.to_json(), err_lora, err_base, base_us, lora_us, naive_us,
+        floor_us(shape, routing, lora, bandwidth, rate), stages,
+    )  # fmt: skip
+
+
+def rank_ratio(layer: MoELayerWeights, tokens: int) -> tuple[float, float]:
+    """(rank-16 µs, rank-64 µs) of base+LoRA for Qwen3 at ``tokens``."""
+    shape = SHAPES["qwen3"]
+    device = layer.w13.device
+    hidden = random_hidden(tokens, shape.hidden, device=device, seed=tokens)
+    routing = random_routing(tokens, shape.experts, shape.top_k, device=device, seed=tokens)
+    token_slots = round_robin_slots(tokens, min(tokens, MAX_ADAPTERS), device)
+    times = []
+    for rank in (16, 64):
+        lora = LoRAContext(random_slots(layer, SLOTS, rank), token_slots)
+        err = relative_error(
+            moe_forward(hidden, layer, lora, routing),
+            moe_forward_reference(hidden, layer, lora, routing),
+        )
+        if not err < BF16_TOLERANCE:
+            raise SystemExit(f"rank {rank}: relative error {err:.2e} ≥ {BF16_TOLERANCE}")
+        times.append(graph_time_us(functools.partial(moe_forward, hidden, layer, lora, routing)))
+    return times[0], times[1]
+
+
+def markdown(rows: list[Row], gpu: str, bandwidth: float, rate: float) -> str:
+    lines = [
+        f"GPU: {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+        f"bf16 matmul {rate / 1e12:.0f} TFLOP/s; {date.today().isoformat()}",
+        "",
+        "| shape | M | base µs | base+LoRA µs | LoRA overhead | naive torch µs | floor µs "
+        "| % of floor | vLLM base→LoRA µs (H100) | vs vLLM | rel err LoRA / base |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        vllm = VLLM_H100[r.shape][TOKENS.index(r.tokens)] if r.tokens in TOKENS else None
+        naive = f"{r.naive_us:.0f}" if r.naive_us is not None else "-"
+        vs = f"{vllm[1] / r.lora_us:.2f}×" if vllm else "-"
+        vllm_s = f"{vllm[0]} → {vllm[1]}" if vllm else "-"
+        lines.append(
+            f"| {SHAPES[r.shape].name} | {r.tokens} | {r.base_us:.1f} | {r.lora_us:.1f} | "
+            f"{100 * r.overhead:+.1f}% | {naive} | {r.floor_us:.1f} | {100 * r.of_floor:.0f}% | "
+            f"{vllm_s} | {vs} | {r.err_lora:.1e} / {r.err_base:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES)
+    )
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of M")
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive torch column")
+    parser.add_argument("--breakdown", action="store_true", help="time align / w13 / w2 apart")
+    parser.add_argument("--no-rank64", action="store_true", help="skip the rank-64 line")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels.bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
+    bandwidth, rate = copy_bandwidth(device), matmul_rate(device)
+    print(
+        f"{gpu}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
+    rows: list[Row] = []
+    ratio = None
+    for key in args.shapes.split(","):
+        shape = SHAPES[key]
+        layer = random_layer(shape.experts, shape.hidden, shape.inter, shape.top_k, device=device)
+        slots = random_slots(layer, SLOTS, RANK)
+        for tokens in map(int, args.tokens.split(",")):
+            row = bench_cell(
+                key, layer, slots, tokens, bandwidth, rate,
+                naive=not args.no_naive, breakdown=args.breakdown,
+            )  # fmt: skip
+            print(json.dumps(asdict(row)), flush=True)
+            if not (row.err_lora < BF16_TOLERANCE and row.err_base < BF16_TOLERANCE):
+                print(
+                    f"FAILED: {key} M={tokens} relative error ≥ {BF16_TOLERANCE}", file=sys.stderr
+                )
+                return 1
+            rows.append(row)
+        if key == "qwen3" and not args.no_rank64:
+            ratio = rank_ratio(layer, 64)
+        del layer, slots
+        torch.cuda.empty_cache()
+    print()
+    print(markdown(rows, gpu, bandwidth, rate))
+    if ratio is not None:
+        print(
+            f"\nQwen3-30B-A3B M=64 base+LoRA: rank 16 {ratio[0]:.1f} µs, rank 64 {ratio[1]:.1f} µs "
+            f"({ratio[1] / ratio[0]:.2f}×; target ≤ 1.3×, vLLM 1.38×)"
+        )
+    if args.json:
+        result = {"gpu": gpu, "bandwidth": bandwidth, "rate": rate, "rank_ratio": ratio}
+        result["rows"] = [asdict(r) for r in rows]
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""The Triton path on a GPU: bf16 at the benchmark's layer shapes, exact fp32, CUDA graphs.
+
+Skipped without CUDA. Run on the device with ``pytest tests/kernels -m gpu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import moe_forward
+from kernels.configs import heuristic_config
+from kernels.forward import fused_moe
+from kernels.reference import moe_forward_reference
+from kernels.synthetic import (
+    lora_context,
+    random_hidden,
+    random_layer,
+    random_routing,
+    random_slots,
+    relative_error,
+)
+from kernels.types import LoRAContext, MoELayerWeights
+
+from .conftest import TOLERANCE
+from .test_fused_moe import CASES, _inputs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# (E, H, I, k) of the benchmark's layers: Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B-like.
+SHAPES = {
+    "qwen3": (128, 2048, 768, 8),
+    "mixtral": (8, 4096, 14336, 2),
+    "gpt_oss": (32, 2880, 2880, 4),
+}
+
+
+def _lora(layer: MoELayerWeights, tokens: int, rank: int = 16) -> LoRAContext:
+    slots = random_slots(layer, 8, rank, enabled=[True] * 7 + [False])
+    # Adapters round-robin over slots 0..4, every 5th token without one, slot 7 disabled.
+    token_slots = torch.tensor([(t % 6) - 1 if t % 6 else 7 for t in range(tokens)])
+    return lora_context(slots, token_slots.to(torch.int32))
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 512])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_real_shapes_bf16(shape: str, tokens: int) -> None:
+    e, h, i, k = SHAPES[shape]
+    layer = random_layer(e, h, i, k, dtype=torch.bfloat16, device="cuda")
+    hidden = random_hidden(tokens, h, dtype=torch.bfloat16, device="cuda")
+    routing = random_routing(tokens, e, k, device="cuda")
+    lora = _lora(layer, tokens)
+    for context in (lora, None):
+        expected = moe_forward_reference(hidden, layer, context, routing)
+        err = relative_error(moe_forward(hidden, layer, context, routing), expected)
+        assert err < TOLERANCE[torch.bfloat16], f"{shape} M={tokens}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("atomic_sum", [True, False])
+@pytest.mark.parametrize("name", list(CASES))
+def test_edge_cases_bf16(name: str, atomic_sum: bool) -> None:
+    case = dataclasses.replace(CASES[name], dtype=torch.bfloat16)
+    hidden, layer, lora, routing = _inputs(case, seed=3)
+    for context in (lora, None):
+        expected = moe_forward_reference(hidden, layer, context, routing)
+        got = fused_moe(hidden, layer, context, routing, case.config(atomic_sum))
+        err = relative_error(got, expected)
+        assert err < TOLERANCE[torch.bfloat16], f"{name}: rel err {err:.2e}"
+
+
+def test_float32_is_exact_on_the_gpu() -> None:
+    """fp32 weights run IEEE dots: the executor's float32 parity checks go through Triton."""
+    layer = random_layer(16, 512, 256, 4, dtype=torch.float32, device="cuda", biases=True)
+    hidden = random_hidden(200, 512, dtype=torch.float32, device="cuda")
+    routing = random_routing(200, 16, 4, device="cuda")
+    lora = _lora(layer, 200)
+    for atomic_sum in (True, False):
+        config = dataclasses.replace(
+            heuristic_config(200, 16, 512, 256, 4, 16), atomic_sum=atomic_sum
+        )
+        got = fused_moe(hidden, layer, lora, routing, config)
+        expected = moe_forward_reference(hidden, layer, lora, routing)
+        assert relative_error(got, expected) < TOLERANCE[torch.float32]
+
+
+def test_cuda_graph_replay_follows_new_inputs() -> None:
+    """Everything (alignment included) runs on the GPU without host syncs: capturable."""
+    e, h, i, k = SHAPES["qwen3"]
+    layer = random_layer(e, h, i, k, dtype=torch.bfloat16, device="cuda")
+    lora = _lora(layer, 64)
+    hidden = random_hidden(64, h, dtype=torch.bfloat16, device="cuda")
+    routing = random_routing(64, e, k, device="cuda")
+    moe_forward(hidden, layer, lora, routing)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_forward(hidden, layer, lora, routing)
+    new_hidden = random_hidden(64, h, dtype=torch.bfloat16, device="cuda", seed=9)
+    new_routing = random_routing(64, e, k, device="cuda", seed=9)
+    hidden.copy_(new_hidden)
+    routing.topk_ids.copy_(new_routing.topk_ids)
+    routing.topk_weights.copy_(new_routing.topk_weights)
+    lora.token_slots.copy_(lora.token_slots.flip(0))
+    graph.replay()
+    expected = moe_forward_reference(hidden, layer, lora, routing)
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
