@@ -301,6 +301,10 @@ def test_postgresql_registry_migrates_in_a_hook_job_before_pods_roll(production:
     assert deployment["spec"]["replicas"] == 3
     assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     assert production.all("PersistentVolumeClaim") == []
+    # /data then holds only the upload spool: a sized emptyDir.
+    volumes = {v["name"]: v for v in pod_template(deployment)["spec"]["volumes"]}
+    assert volumes["data"]["emptyDir"] == {"sizeLimit": "20Gi"}
+    assert env["MOELORA_DATA_DIR"] == "/data"
 
 
 # --- disruption budgets and autoscaling ---------------------------------------------
