@@ -47,6 +47,12 @@ class ExecutorSettings(ServiceSettings):
     preload_adapters: list[str] = Field(
         default_factory=list, description="adapter references to load and pin at start-up"
     )
+    slot_wait_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="how long a request may wait for GPU slots busy with requests in flight "
+        "before RESOURCE_EXHAUSTED (capped by its deadline)",
+    )
     max_tokens_per_request: int = Field(
         16384, ge=1, description="largest T a Forward request may carry"
     )

@@ -1,0 +1,107 @@
+"""The executor's Prometheus metrics.
+
+One ``ExecutorMetrics`` per executor, registered in a ``CollectorRegistry`` (the process-wide
+default in production; tests pass their own so that several executors in one process do not
+collide). The parts that do the work (engine, adapter manager) update it; the host cache and
+the slot manager stay metric-free and report what they did in their return values.
+
+Tiers are ``gpu`` (a slot) and ``host`` (the packed host-memory cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    5,
+    10,
+)
+
+
+class ExecutorMetrics:
+    """Every metric the executor exports."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.forward_seconds = Histogram(
+            "moelora_executor_forward_seconds",
+            "Forward compute time per request: adapters resolved and resident, kernel, output",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.forward_tokens = Counter(
+            "moelora_executor_forward_tokens_total",
+            "Tokens computed by Forward, by kind (lora: with an adapter, base: without)",
+            ["kind"],
+            registry=registry,
+        )
+        self.cache_hits = Counter(
+            "moelora_executor_adapter_hits_total",
+            "Adapter lookups that found the adapter in the tier",
+            ["tier"],
+            registry=registry,
+        )
+        self.cache_misses = Counter(
+            "moelora_executor_adapter_misses_total",
+            "Adapter lookups that had to bring the adapter into the tier",
+            ["tier"],
+            registry=registry,
+        )
+        self.evictions = Counter(
+            "moelora_executor_adapter_evictions_total",
+            "Adapters evicted from the tier to make room (least recently used first)",
+            ["tier"],
+            registry=registry,
+        )
+        self.load_seconds = Histogram(
+            "moelora_executor_adapter_load_seconds",
+            "Time to bring one adapter into the tier (host: fetch + verify + pack; gpu: copy)",
+            ["tier"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.load_bytes = Counter(
+            "moelora_executor_adapter_load_bytes_total",
+            "Packed adapter bytes brought into the tier",
+            ["tier"],
+            registry=registry,
+        )
+        self.resident = Gauge(
+            "moelora_executor_adapter_resident",
+            "1 for each adapter version (name:VERSION) held in the tier; routers read this",
+            ["adapter", "tier"],
+            registry=registry,
+        )
+        self.host_cache_used_bytes = Gauge(
+            "moelora_executor_host_cache_used_bytes",
+            "Bytes of packed adapters in the host cache",
+            registry=registry,
+        )
+        self.gpu_slots = Gauge(
+            "moelora_executor_gpu_slots",
+            "GPU adapter slots by state (free, loaded, pinned)",
+            ["state"],
+            registry=registry,
+        )
+
+    def set_resident(self, adapter: str, tier: str, resident: bool) -> None:
+        """Adds or removes one adapter's series (absent, rather than 0, once it left)."""
+        if resident:
+            self.resident.labels(adapter, tier).set(1)
+            return
+        with contextlib.suppress(KeyError):  # it was never set
+            self.resident.remove(adapter, tier)

@@ -1,0 +1,189 @@
+"""Where adapters come from: pluggable sources that resolve a reference and fetch the files.
+
+A source does two things, the same two a registry client does:
+
+* ``resolve(ref)`` turns ``name``, ``name:V``, ``name@alias`` or ``name@sha256:HEX`` into one
+  immutable version ``ResolvedAdapter(name, version, digest)``. The executor keys everything it
+  holds by the digest, so an alias that moves or a newer version makes a new entry, never a
+  stale hit.
+* ``fetch(adapter)`` returns that version's files, checked against the digest.
+
+``LocalFolderSource`` serves a folder of adapters; the registry source (end-to-end issue)
+implements the same protocol over gRPC and also fills ``base_model_fingerprint``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from shared.errors import DataLoss, FailedPrecondition, NotFound
+from shared.refs import AdapterRef
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+
+
+@dataclass(frozen=True)
+class ResolvedAdapter:
+    """One immutable adapter version."""
+
+    name: str
+    version: int
+    digest: str
+    #: Fingerprint of the base model the source validated it against; None when the source
+    #: does not know (a local folder), in which case packing against the base model decides.
+    base_model_fingerprint: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``name:VERSION``, as responses and metrics name it."""
+        return f"{self.name}:{self.version}"
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """The files of one adapter version, as the packer takes them."""
+
+    config: Mapping[str, Any]
+    weights: bytes
+
+
+class AdapterSource(Protocol):
+    """Resolves references and fetches adapter files.
+
+    Errors: NotFound (no such adapter, version, alias or digest), Unavailable (the source
+    cannot be reached: retry), DataLoss (fetched bytes do not match the digest),
+    FailedPrecondition (the stored adapter is unusable, for example a missing file).
+    """
+
+    def resolve(self, ref: AdapterRef) -> ResolvedAdapter: ...
+
+    def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles: ...
+
+
+def files_digest(sha256_by_path: Mapping[str, str]) -> str:
+    """ "sha256:" + SHA-256 over the files sorted by path, each as the UTF-8 bytes of
+    ``path`` NUL ``hex sha256`` LF: identical files give identical digests."""
+    outer = hashlib.sha256()
+    for path in sorted(sha256_by_path):
+        outer.update(f"{path}\0{sha256_by_path[path]}\n".encode())
+    return f"sha256:{outer.hexdigest()}"
+
+
+@dataclass(frozen=True)
+class _FileStamp:
+    size: int
+    mtime_ns: int
+
+
+class LocalFolderSource:
+    """Adapters in a local folder: ``ROOT/NAME/`` holds either the files themselves
+    (``adapter_config.json`` and ``adapter_model.safetensors``; that is version 1) or
+    numbered version folders ``ROOT/NAME/1/``, ``ROOT/NAME/2/``, ... A bare name resolves
+    to the highest version. Local folders have no aliases.
+
+    File hashes are remembered by (size, mtime) so that resolving a bare name on every
+    request does not re-read the weights."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._hashes: dict[Path, tuple[_FileStamp, str]] = {}
+
+    def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
+        versions = self._versions(ref.name)
+        if ref.alias is not None:
+            raise NotFound(
+                f"adapter {ref}: the local adapter folder {self.root} has no aliases; "
+                f"use {ref.name} or {ref.name}:VERSION"
+            )
+        if ref.version is not None:
+            if ref.version not in versions:
+                raise NotFound(
+                    f"adapter {ref}: no version {ref.version} in {self.root / ref.name} "
+                    f"(versions: {sorted(versions)})"
+                )
+            return self._resolved(ref.name, ref.version, versions[ref.version])
+        if ref.digest is not None:
+            for version, folder in sorted(versions.items()):
+                resolved = self._resolved(ref.name, version, folder)
+                if resolved.digest == ref.digest:
+                    return resolved
+            raise NotFound(f"adapter {ref}: no version of {ref.name} has that digest")
+        newest = max(versions)
+        return self._resolved(ref.name, newest, versions[newest])
+
+    def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles:
+        folder = self._versions(adapter.name).get(adapter.version)
+        if folder is None:
+            raise NotFound(f"adapter {adapter.label} is gone from {self.root}")
+        data = {name: self._read(folder / name) for name in ADAPTER_FILES}
+        digest = files_digest({name: hashlib.sha256(raw).hexdigest() for name, raw in data.items()})
+        if digest != adapter.digest:
+            raise DataLoss(
+                f"adapter {adapter.label}: the files in {folder} changed since it was resolved "
+                f"(digest {digest}, expected {adapter.digest})"
+            )
+        try:
+            config = json.loads(data[CONFIG_FILE])
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FailedPrecondition(
+                f"adapter {adapter.label}: {folder / CONFIG_FILE} is not valid JSON: {exc}"
+            ) from None
+        if not isinstance(config, dict):
+            raise FailedPrecondition(
+                f"adapter {adapter.label}: {folder / CONFIG_FILE} must hold a JSON object"
+            )
+        return AdapterFiles(config=config, weights=data[WEIGHTS_FILE])
+
+    def _versions(self, name: str) -> dict[int, Path]:
+        # ``name`` passed validate_name (AdapterRef.parse), so it cannot leave the root.
+        folder = self.root / name
+        if not folder.is_dir():
+            raise NotFound(f"adapter {name!r} not found in the local adapter folder {self.root}")
+        if (folder / CONFIG_FILE).exists():
+            return {1: folder}
+        versions = {
+            int(child.name): child
+            for child in folder.iterdir()
+            if child.name.isdigit() and int(child.name) >= 1 and child.is_dir()
+        }
+        if not versions:
+            raise NotFound(
+                f"adapter {name!r}: {folder} holds neither {CONFIG_FILE} nor numbered version "
+                "folders"
+            )
+        return versions
+
+    def _resolved(self, name: str, version: int, folder: Path) -> ResolvedAdapter:
+        hashes = {file: self._sha256(folder / file) for file in ADAPTER_FILES}
+        return ResolvedAdapter(name=name, version=version, digest=files_digest(hashes))
+
+    def _sha256(self, path: Path) -> str:
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            raise FailedPrecondition(f"adapter folder {path.parent} lacks {path.name}") from None
+        stamp = _FileStamp(stat.st_size, stat.st_mtime_ns)
+        with self._lock:
+            known = self._hashes.get(path)
+        if known is not None and known[0] == stamp:
+            return known[1]
+        sha = hashlib.sha256(self._read(path)).hexdigest()
+        with self._lock:
+            self._hashes[path] = (stamp, sha)
+        return sha
+
+    @staticmethod
+    def _read(path: Path) -> bytes:
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise FailedPrecondition(f"adapter folder {path.parent} lacks {path.name}") from None
