@@ -125,3 +125,17 @@ def configmap_env(release: Release, c: Obj) -> dict[str, str]:
         name = source["configMapRef"]["name"]
         env.update(release.named("ConfigMap", name)["data"])
     return env
+
+
+def container_env(release: Release, c: Obj, secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+    """Every variable the container starts with, as the kubelet would resolve them:
+    its ConfigMaps, then its own entries, with Secret references looked up in
+    ``secrets`` ((name, key) -> value)."""
+    env = configmap_env(release, c)
+    for name, entry in env_of(c).items():
+        if "value" in entry:
+            env[name] = str(entry["value"])
+        else:
+            ref = entry["valueFrom"]["secretKeyRef"]
+            env[name] = secrets[(ref["name"], ref["key"])]
+    return env
