@@ -58,17 +58,17 @@ class Release:
         return [o for o in self.objects if o["kind"] in ("Deployment", "StatefulSet", "Job", "Pod")]
 
 
-def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> Release:
-    manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+def render(
+    chart: helm.Chart, values: dict[str, Any] | None = None, release: str = RELEASE
+) -> Release:
+    manifests = chart.render(values or {}, name=release, namespace=NAMESPACE, is_install=True)
     objects: list[Obj] = []
     notes = ""
     for path, text in sorted(manifests.items()):
         if path.endswith("NOTES.txt"):
             notes = text
-            continue
-        for doc in yaml.safe_load_all(text):
-            if doc:
-                objects.append(doc)
+        else:
+            objects += [doc for doc in yaml.safe_load_all(text) if doc]
     return Release(objects, notes)
 
 

@@ -3,6 +3,7 @@ network policies, graceful termination, and settings the services actually read.
 
 from __future__ import annotations
 
+import helm_python as helm
 import pytest
 
 from executor_service.config import ExecutorSettings
@@ -18,6 +19,7 @@ from tests.helm.chart import (
     containers,
     env_of,
     pod_template,
+    render,
     selector_matches,
 )
 
@@ -542,3 +544,31 @@ def test_notes_tell_how_to_upload_an_adapter_and_call_forward(
     assert "WARNING: auth is off" in notes
     assert "WARNING" not in production.notes
     assert "MOELORA_REGISTRY_TOKEN" in production.notes
+
+
+# --- names and images ---------------------------------------------------------------
+
+
+def test_names_fit_kubernetes_limits_for_the_longest_release_name(chart: helm.Chart) -> None:
+    longest = "r" * 53  # Helm's limit for release names
+    release = render(chart, {}, release=longest)
+    for obj in release.objects:
+        assert len(obj["metadata"]["name"]) <= 63, obj["metadata"]["name"]
+    # StatefulSet pods carry "NAME-<10-char hash>" as a label value (63 at most).
+    assert len(release.one("StatefulSet")["metadata"]["name"]) <= 52
+
+
+def test_an_image_digest_wins_over_the_tag(chart: helm.Chart) -> None:
+    digest = "sha256:" + "ab" * 32
+    release = render(chart, {"images": {"executor": {"digest": digest, "tag": "ignored"}}})
+    assert container(release.one("StatefulSet"), "executor")["image"] == (
+        f"moelora/executor@{digest}"
+    )
+    assert container(release.one("Deployment"), "registry")["image"] == "moelora/registry:0.1.0"
+
+
+def test_no_executors_means_the_test_checks_only_the_registry(chart: helm.Chart) -> None:
+    release = render(chart, {"executor": {"replicas": 0}})
+    pod = release.one("Pod", "test")
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["registry-health"]
+    assert release.one("StatefulSet")["spec"]["replicas"] == 0
