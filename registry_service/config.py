@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.config import ServiceSettings
 
@@ -80,3 +80,23 @@ class RegistrySettings(ServiceSettings):
     tls_key_file: Path | None = Field(None, description="PEM private key for tls_cert_file")
     log_level: str = Field("info", description="debug, info, warning or error")
     log_format: Literal["json", "text"] = Field("json", description="json or text log lines")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        if self.max_watch_streams > self.max_workers - 4:
+            raise ValueError(
+                f"max_watch_streams ({self.max_watch_streams}) must leave at least 4 of the "
+                f"{self.max_workers} max_workers to other RPCs"
+            )
+        return self
+
+    @property
+    def data_path(self) -> Path:
+        return self.data_dir.expanduser()
+
+    @property
+    def embedded_storage(self) -> bool:
+        """SQLite and blobs under data_dir: the single-machine mode."""
+        return self.database_url is None and self.blob_url is None

@@ -3,19 +3,32 @@ translates these to and from messages (messages.py); nothing here knows gRPC."""
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Generic, TypeVar
 
-from registry_service.db.models import EventType, VersionStatus
-
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
 T = TypeVar("T")
+
+
+class VersionStatus(enum.StrEnum):
+    PENDING = "PENDING"
+    READY = "READY"
+    FAILED = "FAILED"
+    DELETED = "DELETED"
+
+
+class EventType(enum.StrEnum):
+    READY = "READY"
+    DELETED = "DELETED"
+    ALIAS_SET = "ALIAS_SET"
+    ALIAS_DELETED = "ALIAS_DELETED"
 
 
 def version_digest(files: Sequence[tuple[str, str]]) -> str:

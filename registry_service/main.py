@@ -1,44 +1,110 @@
-"""``moelora-registry``: runs the registry gRPC server."""
+"""``moelora-registry [serve|migrate|gc|hash-token]``: the registry server and
+its operator commands. Settings are flags with MOELORA_* twins (``--help``).
+
+serve (default)   run the gRPC server
+migrate           bring the database schema up to date; idempotent, exits 0
+gc                remove unreferenced blobs and dead versions, without a server
+                  (--grace-seconds N, --dry-run)
+hash-token N R    make a random token for name N with role R (read, write, admin)
+                  and print it with its token-file entry
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from collections.abc import Sequence
 
-import grpc
+from sqlalchemy.exc import SQLAlchemyError
 
-from moelora.v1 import registry_pb2, registry_pb2_grpc
+from registry_service.app import open_database, open_registry
+from registry_service.auth import Role, new_token_entry
 from registry_service.config import RegistrySettings
+from registry_service.db import migrate
+from registry_service.server import create_server
 from shared.config import parse_settings
-from shared.grpc_server import GrpcServer, ServerOptions
+from shared.errors import MoeLoraError
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 
-SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name
+COMMANDS = ("serve", "migrate", "gc", "hash-token")
+
+
+def serve(settings: RegistrySettings) -> None:
+    app = open_registry(settings)
+    server = create_server(app, settings)
+    start_metrics_server(settings.metrics_listen)
+    server.set_serving(True)
+    server.serve_forever(on_drained=app.close)
+
+
+def run_migrate(settings: RegistrySettings) -> None:
+    db = open_database(settings)
+    try:
+        revision = migrate.upgrade(db)
+    finally:
+        db.dispose()
+    print(json.dumps({"database": db.safe_url, "revision": revision}))
+
+
+def run_gc(settings: RegistrySettings, grace_seconds: int | None, dry_run: bool) -> None:
+    app = open_registry(settings, start_feed=False)
+    try:
+        report = app.registry.gc(grace_seconds, dry_run)
+    finally:
+        app.close()
+    print(
+        json.dumps(
+            {
+                "dry_run": dry_run,
+                "removed_blobs": report.removed_blobs,
+                "removed_bytes": report.removed_bytes,
+                "purged_versions": report.purged_versions,
+            }
+        )
+    )
+
+
+def hash_token(args: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="moelora-registry hash-token",
+        description="Print a new random token (give it to the client) and its entry for "
+        "the tokens file (give that to the registry).",
+    )
+    parser.add_argument("name", help="who the token is for; recorded as created_by")
+    parser.add_argument("role", choices=["read", "write", "admin"])
+    ns = parser.parse_args(args)
+    token, entry = new_token_entry(ns.name, Role.parse(ns.role))
+    print(json.dumps({"token": token, "entry": entry}))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = parse_settings(RegistrySettings, argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = args.pop(0) if args and args[0] in COMMANDS else "serve"
+    if command == "hash-token":
+        hash_token(args)
+        return
+    grace: int | None = None
+    dry_run = False
+    if command == "gc":
+        gc_parser = argparse.ArgumentParser(prog="moelora-registry gc", add_help=False)
+        gc_parser.add_argument("--grace-seconds", type=int)
+        gc_parser.add_argument("--dry-run", action="store_true")
+        gc_args, args = gc_parser.parse_known_args(args)
+        grace, dry_run = gc_args.grace_seconds, gc_args.dry_run
+    settings = parse_settings(RegistrySettings, args)
     configure_logging(settings.log_level, settings.log_format)
-
-    def register(server: grpc.Server) -> None:
-        # The generated base servicer answers every RPC with UNIMPLEMENTED.
-        base = registry_pb2_grpc.AdapterRegistryServicer()  # type: ignore[abstract]
-        registry_pb2_grpc.add_AdapterRegistryServicer_to_server(base, server)
-
-    server = GrpcServer(
-        ServerOptions(
-            listen=settings.listen,
-            max_message_bytes=settings.max_message_bytes,
-            drain_seconds=settings.drain_seconds,
-            tls_cert_file=settings.tls_cert_file,
-            tls_key_file=settings.tls_key_file,
-        ),
-        [SERVICE_NAME],
-        register,
-    )
-    start_metrics_server(settings.metrics_listen)
-    server.set_serving(True)
-    server.serve_forever()
+    try:
+        if command == "serve":
+            serve(settings)
+        elif command == "migrate":
+            run_migrate(settings)
+        else:
+            run_gc(settings, grace, dry_run)
+    except (ValueError, OSError, MoeLoraError, SQLAlchemyError) as exc:
+        print(f"moelora-registry {command}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

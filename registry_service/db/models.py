@@ -31,6 +31,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from registry_service.domain import EventType, VersionStatus
+
 
 class UTCDateTime(TypeDecorator[datetime]):
     """Timezone-aware UTC datetimes on every database (SQLite keeps no zone)."""
@@ -50,20 +52,6 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is None:
             return None
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-class VersionStatus(enum.StrEnum):
-    PENDING = "PENDING"
-    READY = "READY"
-    FAILED = "FAILED"
-    DELETED = "DELETED"
-
-
-class EventType(enum.StrEnum):
-    READY = "READY"
-    DELETED = "DELETED"
-    ALIAS_SET = "ALIAS_SET"
-    ALIAS_DELETED = "ALIAS_DELETED"
 
 
 def _enum(cls: type[enum.Enum], name: str) -> Enum:

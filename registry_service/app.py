@@ -1,0 +1,90 @@
+"""Where the registry's parts are assembled from its settings: database
+(migrated or checked), blob store, event feed, gc, auth."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from registry_service.auth import Authorizer, TokenFile, auth_required
+from registry_service.blobs import BlobStore, open_blob_store
+from registry_service.config import RegistrySettings
+from registry_service.db import migrate
+from registry_service.db.engine import Database, sqlite_url
+from registry_service.events import EventFeed
+from registry_service.gc import GarbageCollector
+from registry_service.service import Registry, RegistryLimits
+from registry_service.store import Store
+from shared.logs import log_event
+
+log = logging.getLogger(__name__)
+
+
+def open_database(settings: RegistrySettings) -> Database:
+    return Database(settings.database_url or sqlite_url(settings.data_path / "registry.db"))
+
+
+def open_blobs(settings: RegistrySettings) -> BlobStore:
+    return open_blob_store(
+        settings.blob_url,
+        settings.data_path,
+        s3_endpoint_url=settings.s3_endpoint_url,
+        s3_region=settings.s3_region,
+        s3_path_style=settings.s3_path_style,
+    )
+
+
+def open_authorizer(settings: RegistrySettings) -> Authorizer:
+    """Auth as the settings ask; refuses auth without a token file."""
+    if not auth_required(settings.auth, settings.listen, settings.embedded_storage):
+        return Authorizer(None)
+    if settings.auth_tokens_file is None:
+        why = "auth=on" if settings.auth == "on" else "auth=auto outside the embedded mode"
+        raise ValueError(
+            f"{why} needs --auth-tokens-file / MOELORA_AUTH_TOKENS_FILE "
+            "(make entries with `moelora-registry hash-token NAME ROLE`), or --auth off"
+        )
+    return Authorizer(TokenFile(settings.auth_tokens_file.expanduser()))
+
+
+@dataclass
+class RegistryApp:
+    registry: Registry
+    authorizer: Authorizer
+    db: Database
+    feed: EventFeed
+
+    def close(self) -> None:
+        self.feed.stop()
+        self.db.dispose()
+
+
+def open_registry(settings: RegistrySettings, *, start_feed: bool = True) -> RegistryApp:
+    authorizer = open_authorizer(settings)
+    db = open_database(settings)
+    if settings.migrate_on_start:
+        migrate.upgrade(db)
+    else:
+        migrate.require_current(db)
+    blobs = open_blobs(settings)
+    store = Store(db)
+    feed = EventFeed(store.last_sequence, settings.watch_poll_seconds)
+    spool_dir = settings.data_path / "spool"
+    collector = GarbageCollector(db, blobs, spool_dir, settings.event_retention_seconds)
+    limits = RegistryLimits(
+        max_upload_bytes=settings.max_upload_bytes,
+        max_rank=settings.max_rank,
+        gc_grace_seconds=settings.gc_grace_seconds,
+    )
+    registry = Registry(store, blobs, feed, collector, spool_dir, limits)
+    if start_feed:
+        feed.start()
+    log_event(
+        log,
+        "registry_opened",
+        database=db.safe_url,
+        blobs=blobs.location,
+        auth="on" if authorizer.enabled else "off",
+        max_rank=settings.max_rank,
+    )
+    return RegistryApp(registry, authorizer, db, feed)

@@ -1,0 +1,356 @@
+"""A typed client of the AdapterRegistry API: what adapterctl (and tests) call.
+
+Every call has a deadline except the streams, which move gigabytes; errors come
+back as shared.errors classes. Uploads send each file's sha256 in the header,
+so the server checks end to end what it received; downloads verify every file
+before it is renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+
+from moelora.v1 import model_pb2, registry_pb2, registry_pb2_grpc
+from registry_service.domain import ADAPTER_FILES
+from shared.auth import open_channel
+from shared.errors import DataLoss, InvalidArgument, from_rpc_error
+
+CHUNK_BYTES = 1024 * 1024
+#: gRPC messages up to this size; chunks are 1 MiB, versions a few KiB.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+T = TypeVar("T")
+Progress = Callable[[int], None]
+
+
+def _no_progress(_n: int) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    path: Path
+    size_bytes: int
+    sha256: str
+
+
+def describe_folder(folder: Path) -> list[LocalFile]:
+    """The adapter's two files with sizes and sha256, in upload order."""
+    files = []
+    for name in ADAPTER_FILES:
+        path = folder / name
+        if not path.is_file():
+            raise InvalidArgument(f"{folder}: no {name} (an adapter folder holds {ADAPTER_FILES})")
+        with path.open("rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        files.append(LocalFile(path, path.stat().st_size, digest))
+    return files
+
+
+class RegistryClient:
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self._channel = open_channel(
+            address,
+            token=token,
+            tls=tls,
+            root_certificates=root_certificates,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._stub = registry_pb2_grpc.AdapterRegistryStub(self._channel)
+        self.timeout = timeout
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _call(
+        self, method: Callable[..., Any], request: Any, response_type: type[T], **kwargs: Any
+    ) -> T:
+        try:
+            response = method(request, timeout=kwargs.pop("timeout", self.timeout), **kwargs)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        assert isinstance(response, response_type)
+        return response
+
+    # -- base models ---------------------------------------------------------------------------
+
+    def register_base_model(
+        self, base_model: model_pb2.BaseModel
+    ) -> registry_pb2.RegisterBaseModelResponse:
+        return self._call(
+            self._stub.RegisterBaseModel,
+            registry_pb2.RegisterBaseModelRequest(base_model=base_model),
+            registry_pb2.RegisterBaseModelResponse,
+        )
+
+    def get_base_model(self, name: str) -> model_pb2.BaseModel:
+        request = registry_pb2.GetBaseModelRequest(name=name)
+        return self._call(
+            self._stub.GetBaseModel, request, registry_pb2.GetBaseModelResponse
+        ).base_model
+
+    def list_base_models(self) -> Iterator[model_pb2.BaseModel]:
+        token = ""
+        while True:
+            page = self._call(
+                self._stub.ListBaseModels,
+                registry_pb2.ListBaseModelsRequest(page_token=token),
+                registry_pb2.ListBaseModelsResponse,
+            )
+            yield from page.base_models
+            token = page.next_page_token
+            if not token:
+                return
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    def upload(
+        self,
+        folder: Path,
+        name: str,
+        base_model: str,
+        *,
+        alias: str = "",
+        description: str = "",
+        labels: dict[str, str] | None = None,
+        progress: Progress = _no_progress,
+        timeout: float | None = None,
+    ) -> registry_pb2.AdapterVersion:
+        files = describe_folder(folder)
+        header = registry_pb2.UploadHeader(
+            name=name,
+            base_model=base_model,
+            description=description,
+            labels=labels or {},
+            alias=alias,
+            files=[
+                registry_pb2.AdapterFile(path=f.path.name, size_bytes=f.size_bytes, sha256=f.sha256)
+                for f in files
+            ],
+        )
+
+        def requests() -> Iterator[registry_pb2.UploadAdapterRequest]:
+            yield registry_pb2.UploadAdapterRequest(header=header)
+            for index, f in enumerate(files):
+                with f.path.open("rb") as handle:
+                    offset = 0
+                    while data := handle.read(CHUNK_BYTES):
+                        yield registry_pb2.UploadAdapterRequest(
+                            chunk=registry_pb2.FileChunk(file_index=index, offset=offset, data=data)
+                        )
+                        offset += len(data)
+                        progress(len(data))
+
+        response = self._call(
+            self._stub.UploadAdapter,
+            requests(),
+            registry_pb2.UploadAdapterResponse,
+            timeout=timeout,
+        )
+        return response.version
+
+    def get(self, ref: str) -> registry_pb2.AdapterVersion:
+        return self._call(
+            self._stub.GetAdapter,
+            registry_pb2.GetAdapterRequest(ref=ref),
+            registry_pb2.GetAdapterResponse,
+        ).version
+
+    def list_versions(
+        self,
+        *,
+        name: str = "",
+        base_model: str = "",
+        labels: dict[str, str] | None = None,
+        include_deleted: bool = False,
+        latest_only: bool = False,
+        page_size: int = 0,
+    ) -> Iterator[registry_pb2.AdapterVersion]:
+        """Every matching version, page after page."""
+        token = ""
+        while True:
+            request = registry_pb2.ListAdaptersRequest(
+                name=name,
+                base_model=base_model,
+                labels=labels or {},
+                include_deleted=include_deleted,
+                latest_only=latest_only,
+                page_size=page_size,
+                page_token=token,
+            )
+            page = self._call(self._stub.ListAdapters, request, registry_pb2.ListAdaptersResponse)
+            yield from page.versions
+            token = page.next_page_token
+            if not token:
+                return
+
+    def download(
+        self,
+        ref: str,
+        out_dir: Path,
+        *,
+        progress: Progress = _no_progress,
+        timeout: float | None = None,
+    ) -> registry_pb2.AdapterVersion:
+        """Writes the version's files into ``out_dir``, each checked against its
+        sha256 before it takes its final name."""
+        stream = self._stub.DownloadAdapter(
+            registry_pb2.DownloadAdapterRequest(ref=ref), timeout=timeout
+        )
+        try:
+            first: registry_pb2.DownloadAdapterResponse = next(stream)
+            version = first.version
+            writer = _FolderWriter(out_dir, list(version.files))
+            try:
+                for message in stream:
+                    chunk = message.chunk
+                    writer.write(chunk.file_index, chunk.offset, chunk.data)
+                    progress(len(chunk.data))
+                writer.finish()
+            finally:
+                writer.close()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return version
+
+    def download_urls(
+        self, ref: str, expires_in_seconds: int = 0
+    ) -> registry_pb2.GetDownloadUrlsResponse:
+        request = registry_pb2.GetDownloadUrlsRequest(
+            ref=ref, expires_in_seconds=expires_in_seconds
+        )
+        return self._call(self._stub.GetDownloadUrls, request, registry_pb2.GetDownloadUrlsResponse)
+
+    def download_presigned(
+        self, ref: str, out_dir: Path, *, progress: Progress = _no_progress
+    ) -> registry_pb2.AdapterVersion:
+        """Fetches the files straight from the blob store over presigned URLs."""
+        urls = self.download_urls(ref)
+        writer = _FolderWriter(out_dir, [p.file for p in urls.files])
+        try:
+            for index, presigned in enumerate(urls.files):
+                with urllib.request.urlopen(presigned.url, timeout=self.timeout) as response:
+                    offset = 0
+                    while data := response.read(CHUNK_BYTES):
+                        writer.write(index, offset, data)
+                        offset += len(data)
+                        progress(len(data))
+            writer.finish()
+        finally:
+            writer.close()
+        return urls.version
+
+    def set_alias(self, name: str, alias: str, version: int) -> registry_pb2.SetAliasResponse:
+        request = registry_pb2.SetAliasRequest(name=name, alias=alias, version=version)
+        return self._call(self._stub.SetAlias, request, registry_pb2.SetAliasResponse)
+
+    def delete_alias(self, name: str, alias: str) -> int:
+        request = registry_pb2.DeleteAliasRequest(name=name, alias=alias)
+        return self._call(
+            self._stub.DeleteAlias, request, registry_pb2.DeleteAliasResponse
+        ).previous_version
+
+    def delete(self, ref: str) -> registry_pb2.AdapterVersion:
+        request = registry_pb2.DeleteAdapterVersionRequest(ref=ref)
+        return self._call(
+            self._stub.DeleteAdapterVersion, request, registry_pb2.DeleteAdapterVersionResponse
+        ).version
+
+    def gc(
+        self, grace_seconds: int = 0, dry_run: bool = False
+    ) -> registry_pb2.GarbageCollectResponse:
+        request = registry_pb2.GarbageCollectRequest(grace_seconds=grace_seconds, dry_run=dry_run)
+        return self._call(
+            self._stub.GarbageCollect,
+            request,
+            registry_pb2.GarbageCollectResponse,
+            timeout=max(self.timeout, 600),
+        )
+
+    def watch(
+        self, *, name: str = "", base_model: str = "", after_sequence: int = 0
+    ) -> Iterator[registry_pb2.WatchAdaptersResponse]:
+        """Events as they happen, until the caller stops iterating."""
+        request = registry_pb2.WatchAdaptersRequest(
+            name=name, base_model=base_model, after_sequence=after_sequence
+        )
+        stream = self._stub.WatchAdapters(request)
+        try:
+            yield from stream
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            stream.cancel()
+
+
+class _FolderWriter:
+    """Receives a version's files into ``out_dir`` as ``.part`` files, hashing as
+    it goes; ``finish`` checks sizes and sha256, then renames them into place."""
+
+    def __init__(self, out_dir: Path, files: list[registry_pb2.AdapterFile]) -> None:
+        for f in files:
+            # The server names the files; never let it write outside out_dir.
+            if f.path not in ADAPTER_FILES:
+                raise DataLoss(f"server sent an unexpected file name {f.path!r}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._files = files
+        self._parts = [out_dir / f"{f.path}.part" for f in files]
+        self._handles = [p.open("wb") for p in self._parts]
+        self._hashes = [hashlib.sha256() for _ in files]
+        self._sizes = [0] * len(files)
+        self._out_dir = out_dir
+
+    def write(self, index: int, offset: int, data: bytes) -> None:
+        if not 0 <= index < len(self._files) or offset != self._sizes[index]:
+            raise DataLoss(f"download stream out of order at file {index} offset {offset}")
+        self._handles[index].write(data)
+        self._hashes[index].update(data)
+        self._sizes[index] += len(data)
+
+    def finish(self) -> None:
+        for i, f in enumerate(self._files):
+            self._handles[i].close()
+            digest = self._hashes[i].hexdigest()
+            if self._sizes[i] != f.size_bytes or digest != f.sha256:
+                raise DataLoss(
+                    f"{f.path}: received {self._sizes[i]} bytes with sha256 {digest}, expected "
+                    f"{f.size_bytes} bytes with sha256 {f.sha256}"
+                )
+        for part, f in zip(self._parts, self._files, strict=True):
+            part.replace(self._out_dir / f.path)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.close()
+        for part in self._parts:
+            part.unlink(missing_ok=True)

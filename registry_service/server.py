@@ -1,0 +1,233 @@
+# ruff: noqa: N802  (method names are the RPC names the proto fixes)
+"""The AdapterRegistry gRPC servicer: checks the caller's role, translates
+messages, calls the Registry. Domain errors become status codes in
+shared/grpc_server.py's interceptor."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from moelora.v1 import registry_pb2, registry_pb2_grpc
+from registry_service import messages, metrics
+from registry_service.app import RegistryApp
+from registry_service.auth import Authorizer, Principal, Role
+from registry_service.config import RegistrySettings
+from registry_service.domain import Chunk
+from registry_service.service import Registry
+from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
+from shared.grpc_server import GrpcServer, ServerOptions
+from shared.model_spec import ModelSpec
+
+SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name
+
+#: Initial metadata of a WatchAdapters stream: the sequence it starts after.
+#: Once a client has it, every later event reaches it.
+WATCH_START_METADATA = "moelora-watch-after-sequence"
+
+
+class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
+    def __init__(
+        self,
+        registry: Registry,
+        authorizer: Authorizer,
+        draining: Callable[[], bool],
+        max_watch_streams: int,
+    ) -> None:
+        self._registry = registry
+        self._authorizer = authorizer
+        self._draining = draining
+        self._watch_slots = threading.BoundedSemaphore(max_watch_streams)
+
+    def _auth(self, context: grpc.ServicerContext, role: Role) -> Principal:
+        return self._authorizer.require(context.invocation_metadata(), role)
+
+    # -- base models ---------------------------------------------------------------------------
+
+    def RegisterBaseModel(
+        self, request: registry_pb2.RegisterBaseModelRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.RegisterBaseModelResponse:
+        principal = self._auth(context, Role.ADMIN)
+        spec = ModelSpec.from_proto(request.base_model)
+        record, created = self._registry.register_base_model(
+            request.base_model.name, spec, principal.name
+        )
+        return registry_pb2.RegisterBaseModelResponse(
+            base_model=record.spec.to_proto(record.name), created=created
+        )
+
+    def GetBaseModel(
+        self, request: registry_pb2.GetBaseModelRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.GetBaseModelResponse:
+        self._auth(context, Role.READ)
+        record = self._registry.get_base_model(request.name)
+        return registry_pb2.GetBaseModelResponse(base_model=record.spec.to_proto(record.name))
+
+    def ListBaseModels(
+        self, request: registry_pb2.ListBaseModelsRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.ListBaseModelsResponse:
+        self._auth(context, Role.READ)
+        page = self._registry.list_base_models(request.page_size, request.page_token)
+        return registry_pb2.ListBaseModelsResponse(
+            base_models=[r.spec.to_proto(r.name) for r in page.items],
+            next_page_token=page.next_token,
+        )
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    def UploadAdapter(
+        self,
+        request_iterator: Iterator[registry_pb2.UploadAdapterRequest],
+        context: grpc.ServicerContext,
+    ) -> registry_pb2.UploadAdapterResponse:
+        principal = self._auth(context, Role.WRITE)
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("payload") != "header":
+            raise InvalidArgument(
+                "header missing: the first UploadAdapter message must carry the header", "header"
+            )
+        header = messages.header_from_proto(first.header)
+        version = self._registry.upload(header, _chunks(request_iterator), principal.name)
+        return registry_pb2.UploadAdapterResponse(version=messages.version_to_proto(version))
+
+    def GetAdapter(
+        self, request: registry_pb2.GetAdapterRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.GetAdapterResponse:
+        self._auth(context, Role.READ)
+        version = self._registry.get(request.ref)
+        return registry_pb2.GetAdapterResponse(version=messages.version_to_proto(version))
+
+    def ListAdapters(
+        self, request: registry_pb2.ListAdaptersRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.ListAdaptersResponse:
+        self._auth(context, Role.READ)
+        page = self._registry.list_versions(
+            messages.list_filter_from_proto(request), request.page_size, request.page_token
+        )
+        return registry_pb2.ListAdaptersResponse(
+            versions=[messages.version_to_proto(v) for v in page.items],
+            next_page_token=page.next_token,
+        )
+
+    def DownloadAdapter(
+        self, request: registry_pb2.DownloadAdapterRequest, context: grpc.ServicerContext
+    ) -> Iterator[registry_pb2.DownloadAdapterResponse]:
+        self._auth(context, Role.READ)
+        version, chunks = self._registry.download(request.ref, request.chunk_size)
+        yield registry_pb2.DownloadAdapterResponse(version=messages.version_to_proto(version))
+        for chunk in chunks:
+            yield registry_pb2.DownloadAdapterResponse(chunk=messages.chunk_to_proto(chunk))
+
+    def GetDownloadUrls(
+        self, request: registry_pb2.GetDownloadUrlsRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.GetDownloadUrlsResponse:
+        self._auth(context, Role.READ)
+        presigned = self._registry.presign(request.ref, request.expires_in_seconds)
+        return messages.presigned_to_proto(presigned)
+
+    def SetAlias(
+        self, request: registry_pb2.SetAliasRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.SetAliasResponse:
+        principal = self._auth(context, Role.WRITE)
+        change = self._registry.set_alias(
+            request.name, request.alias, request.version, principal.name
+        )
+        return registry_pb2.SetAliasResponse(
+            version=messages.version_to_proto(change.version),
+            previous_version=change.previous_version,
+        )
+
+    def DeleteAlias(
+        self, request: registry_pb2.DeleteAliasRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.DeleteAliasResponse:
+        principal = self._auth(context, Role.WRITE)
+        previous = self._registry.delete_alias(request.name, request.alias, principal.name)
+        return registry_pb2.DeleteAliasResponse(previous_version=previous)
+
+    def DeleteAdapterVersion(
+        self, request: registry_pb2.DeleteAdapterVersionRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.DeleteAdapterVersionResponse:
+        principal = self._auth(context, Role.WRITE)
+        version = self._registry.delete(request.ref, principal.name)
+        return registry_pb2.DeleteAdapterVersionResponse(version=messages.version_to_proto(version))
+
+    def WatchAdapters(
+        self, request: registry_pb2.WatchAdaptersRequest, context: grpc.ServicerContext
+    ) -> Iterator[registry_pb2.WatchAdaptersResponse]:
+        self._auth(context, Role.READ)
+        if not self._watch_slots.acquire(blocking=False):
+            raise ResourceExhausted(
+                "too many WatchAdapters streams on this replica (max_watch_streams); "
+                "retry later or on another replica"
+            )
+        metrics.WATCH_STREAMS.inc()
+        try:
+            start = self._registry.watch_start(
+                request.after_sequence, request.name, request.base_model
+            )
+            context.send_initial_metadata(((WATCH_START_METADATA, str(start)),))
+            last = start
+
+            def stop() -> bool:
+                return self._draining() or not context.is_active()
+
+            for event in self._registry.watch(start, request.name, request.base_model, stop):
+                yield messages.event_to_proto(event)
+                last = event.sequence
+            if self._draining():
+                raise Unavailable(
+                    f"registry replica is draining: reconnect with after_sequence={last}"
+                )
+        finally:
+            metrics.WATCH_STREAMS.dec()
+            self._watch_slots.release()
+
+    def GarbageCollect(
+        self, request: registry_pb2.GarbageCollectRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.GarbageCollectResponse:
+        self._auth(context, Role.ADMIN)
+        report = self._registry.gc(request.grace_seconds or None, request.dry_run)
+        return registry_pb2.GarbageCollectResponse(
+            removed_blobs=report.removed_blobs,
+            removed_bytes=report.removed_bytes,
+            purged_versions=report.purged_versions,
+        )
+
+
+def _chunks(requests: Iterator[registry_pb2.UploadAdapterRequest]) -> Iterator[Chunk]:
+    for request in requests:
+        kind: Any = request.WhichOneof("payload")
+        if kind == "chunk":
+            yield messages.chunk_from_proto(request.chunk)
+        elif kind == "header":
+            raise InvalidArgument("header repeated: only the first message carries it", "header")
+        else:
+            raise InvalidArgument("empty UploadAdapter message: set header or chunk", "payload")
+
+
+def create_server(app: RegistryApp, settings: RegistrySettings) -> GrpcServer:
+    """The gRPC server (bound, not started) serving ``app`` as the settings say."""
+    server: GrpcServer | None = None
+
+    def draining() -> bool:
+        return server is not None and server.draining
+
+    servicer = RegistryServicer(app.registry, app.authorizer, draining, settings.max_watch_streams)
+    server = GrpcServer(
+        ServerOptions(
+            listen=settings.listen,
+            max_message_bytes=settings.max_message_bytes,
+            max_workers=settings.max_workers,
+            drain_seconds=settings.drain_seconds,
+            tls_cert_file=settings.tls_cert_file,
+            tls_key_file=settings.tls_key_file,
+        ),
+        [SERVICE_NAME],
+        lambda grpc_server: registry_pb2_grpc.add_AdapterRegistryServicer_to_server(
+            servicer, grpc_server
+        ),
+    )
+    return server

@@ -1,0 +1,397 @@
+"""The registry's logic as a plain Python class: uploads, reads, aliases,
+deletes, watches and gc over the SQL store and the blob store. The gRPC
+servicer only translates messages; tests drive this class directly."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import BinaryIO
+
+from registry_service import metrics
+from registry_service.blobs import BlobStore, blob_key
+from registry_service.domain import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterSummary,
+    AliasChange,
+    Chunk,
+    Event,
+    FileInfo,
+    GcReport,
+    ListFilter,
+    Page,
+    StoredFile,
+    UploadHeader,
+    VersionInfo,
+    version_digest,
+)
+from registry_service.events import EventFeed
+from registry_service.gc import GarbageCollector
+from registry_service.paging import decode_token, encode_token, page_size
+from registry_service.store import BaseModelRecord, BlobsMissing, Store
+from registry_service.upload import SpooledFile, UploadSpool, check_header, check_labels
+from registry_service.validation import validate_adapter
+from shared.errors import DataLoss, InvalidArgument, MoeLoraError, OutOfRange
+from shared.logs import log_event
+from shared.model_spec import ModelSpec
+from shared.refs import AdapterRef, validate_alias, validate_name
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT_SECONDS = 30.0
+_BLOB_WRITE_ATTEMPTS = 3
+_WATCH_BATCH = 500
+#: How often a waiting watch stream checks whether it should stop.
+_WATCH_WAKE_SECONDS = 0.25
+DEFAULT_CHUNK_BYTES = 1024 * 1024
+MIN_CHUNK_BYTES = 64 * 1024
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+DEFAULT_URL_SECONDS = 900
+MAX_URL_SECONDS = 7 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class RegistryLimits:
+    max_upload_bytes: int
+    max_rank: int
+    gc_grace_seconds: int
+
+
+@dataclass(frozen=True)
+class PresignedFile:
+    file: FileInfo
+    url: str
+
+
+@dataclass(frozen=True)
+class PresignedVersion:
+    version: VersionInfo
+    files: list[PresignedFile]
+    expire_time: datetime
+
+
+class Registry:
+    def __init__(
+        self,
+        store: Store,
+        blobs: BlobStore,
+        feed: EventFeed,
+        collector: GarbageCollector,
+        spool_dir: Path,
+        limits: RegistryLimits,
+    ) -> None:
+        self.store = store
+        self.blobs = blobs
+        self.feed = feed
+        self.collector = collector
+        self.spool_dir = spool_dir
+        self.limits = limits
+
+    # -- base models ---------------------------------------------------------------------------
+
+    def register_base_model(
+        self, name: str, spec: ModelSpec, by: str
+    ) -> tuple[BaseModelRecord, bool]:
+        validate_name(name, "base_model.name")
+        if spec.checkpoint_dtype not in ("bfloat16", "float16", "float32"):
+            raise InvalidArgument(
+                f"base_model.checkpoint_dtype: {spec.checkpoint_dtype} is not a float type",
+                "checkpoint_dtype",
+            )
+        if not spec.fingerprint.startswith("sha256:") or len(spec.fingerprint) != 71:
+            raise InvalidArgument(
+                "base_model.fingerprint: expected 'sha256:' + 64 hex digits", "fingerprint"
+            )
+        record, created = self.store.add_base_model(name, spec, by)
+        if created:
+            log_event(log, "base_model_registered", name=name, fingerprint=spec.fingerprint, by=by)
+        return record, created
+
+    def get_base_model(self, name: str) -> BaseModelRecord:
+        return self.store.get_base_model(validate_name(name))
+
+    def list_base_models(self, size: int, token: str) -> Page[BaseModelRecord]:
+        limit = page_size(size)
+        after = decode_token(token, "base_models")
+        rows = self.store.list_base_models(str(after[0]) if after else None, limit + 1)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        next_token = encode_token([rows[-1].name], "base_models") if more else ""
+        return Page(rows, next_token)
+
+    # -- upload --------------------------------------------------------------------------------
+
+    def upload(self, header: UploadHeader, chunks: Iterable[Chunk], by: str) -> VersionInfo:
+        """Receives, validates and stores one adapter version; visible only once
+        READY. On any failure the PENDING row becomes FAILED and no blob is
+        written unless validation passed."""
+        started = time.perf_counter()
+        try:
+            check_header(header, self.limits.max_upload_bytes)
+        except MoeLoraError as exc:
+            metrics.UPLOADS.labels(exc.code.name).inc()
+            raise
+        pending = self.store.begin_upload(header, by)
+        try:
+            with UploadSpool(self.spool_dir, header.files) as spool:
+                beat = time.monotonic()
+                for chunk in chunks:
+                    spool.write(chunk)
+                    if time.monotonic() - beat > _HEARTBEAT_SECONDS:
+                        self.store.heartbeat(pending.id)
+                        beat = time.monotonic()
+                files = {f.info.path: f for f in spool.finish()}
+                summary = validate_adapter(
+                    files[CONFIG_FILE].path,
+                    files[WEIGHTS_FILE].path,
+                    pending.base_model.spec,
+                    self.limits.max_rank,
+                )
+                version, _ = self._commit(pending.id, list(files.values()), summary, header.alias)
+        except BaseException as exc:
+            code = exc.code.name if isinstance(exc, MoeLoraError) else "INTERNAL"
+            metrics.UPLOADS.labels(code).inc()
+            self._mark_failed(pending.id, header, exc)
+            raise
+        self.feed.notify()
+        seconds = time.perf_counter() - started
+        metrics.UPLOADS.labels("OK").inc()
+        metrics.UPLOAD_BYTES.inc(version.size_bytes)
+        log_event(
+            log,
+            "adapter_uploaded",
+            name=version.name,
+            version=version.version,
+            digest=version.digest,
+            bytes=version.size_bytes,
+            seconds=round(seconds, 3),
+            by=by,
+        )
+        return version
+
+    def _commit(
+        self,
+        pending_id: int,
+        files: list[SpooledFile],
+        summary: AdapterSummary,
+        alias: str | None,
+    ) -> tuple[VersionInfo, int]:
+        stored = [StoredFile(f.info, blob_key(f.info.sha256)) for f in files]
+        digest = version_digest([(f.info.path, f.info.sha256) for f in files])
+        for attempt in range(1, _BLOB_WRITE_ATTEMPTS + 1):
+            # Blobs first: no row ever points at an incomplete object.
+            for f in files:
+                self.blobs.put_file(blob_key(f.info.sha256), f.path)
+            try:
+                return self.store.complete_upload(
+                    pending_id, summary, stored, digest, alias, self._all_present
+                )
+            except BlobsMissing as exc:
+                log_event(
+                    log, "upload_blob_raced_gc", logging.WARNING, attempt=attempt, keys=str(exc)
+                )
+        raise DataLoss("blob store kept losing freshly written blobs (gc with a grace of 0?)")
+
+    def _all_present(self, keys: Iterable[str]) -> bool:
+        return all(self.blobs.exists(key) for key in keys)
+
+    def _mark_failed(self, pending_id: int, header: UploadHeader, exc: BaseException) -> None:
+        reason = str(exc) or type(exc).__name__
+        log_event(
+            log,
+            "upload_failed",
+            logging.WARNING,
+            name=header.name,
+            base_model=header.base_model,
+            error=reason,
+        )
+        try:
+            self.store.fail_upload(pending_id, reason)
+        except Exception:
+            # gc will find the PENDING row by its stale heartbeat.
+            log_event(log, "upload_fail_mark_failed", logging.ERROR, exc_info=True)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def get(self, ref: str) -> VersionInfo:
+        return self.store.resolve(AdapterRef.parse(ref))
+
+    def list_versions(self, flt: ListFilter, size: int, token: str) -> Page[VersionInfo]:
+        if flt.name:
+            validate_name(flt.name, "name")
+        if flt.base_model:
+            validate_name(flt.base_model, "base_model")
+        check_labels(flt.labels, "labels")
+        limit = page_size(size)
+        filters = [
+            flt.name,
+            flt.base_model,
+            sorted(flt.labels.items()),
+            flt.include_deleted,
+            flt.latest_only,
+        ]
+        after = decode_token(token, filters)
+        key = None
+        if after is not None:
+            if len(after) != 2 or not isinstance(after[0], str) or not isinstance(after[1], int):
+                raise InvalidArgument("page_token: malformed; pass next_page_token unchanged")
+            key = (after[0], after[1])
+        rows = self.store.list_versions(flt, key, limit + 1)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        next_token = encode_token([rows[-1].name, rows[-1].version], filters) if more else ""
+        return Page(rows, next_token)
+
+    def download(self, ref: str, chunk_size: int) -> tuple[VersionInfo, Iterator[Chunk]]:
+        """The version and a lazy stream of its files' bytes; each file is checked
+        against its sha256 before any of its bytes are handed out."""
+        if chunk_size == 0:
+            chunk_size = DEFAULT_CHUNK_BYTES
+        if not MIN_CHUNK_BYTES <= chunk_size <= MAX_CHUNK_BYTES:
+            raise InvalidArgument(
+                f"chunk_size: {chunk_size} is outside {MIN_CHUNK_BYTES}-{MAX_CHUNK_BYTES}",
+                "chunk_size",
+            )
+        version, files = self.store.resolve_files(AdapterRef.parse(ref))
+        return version, self._stream(version, files, chunk_size)
+
+    def _stream(
+        self, version: VersionInfo, files: list[StoredFile], chunk_size: int
+    ) -> Iterator[Chunk]:
+        for index, stored in enumerate(files):
+            try:
+                with self.blobs.local_copy(stored.blob_key) as path, path.open("rb") as handle:
+                    _verify(handle, stored, version)
+                    handle.seek(0)
+                    offset = 0
+                    while data := handle.read(chunk_size):
+                        yield Chunk(index, offset, data)
+                        offset += len(data)
+                        metrics.DOWNLOAD_BYTES.inc(len(data))
+            except FileNotFoundError:
+                raise DataLoss(
+                    f"{version.name}:{version.version} {stored.info.path}: blob "
+                    f"{stored.blob_key} is missing from the blob store"
+                ) from None
+
+    def presign(self, ref: str, expires_in_seconds: int) -> PresignedVersion:
+        seconds = expires_in_seconds or DEFAULT_URL_SECONDS
+        if not 1 <= seconds <= MAX_URL_SECONDS:
+            raise InvalidArgument(
+                f"expires_in_seconds: {seconds} is outside 1-{MAX_URL_SECONDS}",
+                "expires_in_seconds",
+            )
+        version, files = self.store.resolve_files(AdapterRef.parse(ref))
+        expire_time = self.store.clock() + timedelta(seconds=seconds)
+        urls = [PresignedFile(f.info, self.blobs.presign_get(f.blob_key, seconds)) for f in files]
+        return PresignedVersion(version, urls, expire_time)
+
+    # -- aliases and deletes -------------------------------------------------------------------
+
+    def set_alias(self, name: str, alias: str, version: int, by: str) -> AliasChange:
+        validate_name(name)
+        validate_alias(alias)
+        if version < 1:
+            raise InvalidArgument("version: must be a positive version number", "version")
+        change = self.store.set_alias(name, alias, version)
+        self.feed.notify()
+        log_event(
+            log,
+            "alias_set",
+            name=name,
+            alias=alias,
+            version=version,
+            previous_version=change.previous_version,
+            by=by,
+        )
+        return change
+
+    def delete_alias(self, name: str, alias: str, by: str) -> int:
+        validate_name(name)
+        validate_alias(alias)
+        previous = self.store.delete_alias(name, alias)
+        self.feed.notify()
+        log_event(log, "alias_deleted", name=name, alias=alias, version=previous, by=by)
+        return previous
+
+    def delete(self, ref: str, by: str) -> VersionInfo:
+        version, changed = self.store.delete_version(AdapterRef.parse(ref))
+        if changed:
+            self.feed.notify()
+            log_event(
+                log,
+                "adapter_deleted",
+                name=version.name,
+                version=version.version,
+                digest=version.digest,
+                by=by,
+            )
+        return version
+
+    # -- watch ---------------------------------------------------------------------------------
+
+    def watch_start(self, after_sequence: int, name: str, base_model: str) -> int:
+        """Checks a watch's filters; the sequence it resumes after. OutOfRange when
+        events after ``after_sequence`` are no longer all kept."""
+        if name:
+            validate_name(name, "name")
+        if base_model:
+            validate_name(base_model, "base_model")
+        latest = self.store.last_sequence()
+        if after_sequence == 0:
+            return latest
+        if after_sequence > latest:
+            raise OutOfRange(
+                f"after_sequence {after_sequence} is beyond the newest event {latest} (was the "
+                "registry database replaced?): re-list, then watch from 0"
+            )
+        oldest = self.store.oldest_sequence()
+        first_kept = latest + 1 if oldest is None else oldest
+        if after_sequence + 1 < first_kept:
+            raise OutOfRange(
+                f"after_sequence {after_sequence}: events before {first_kept} are no longer "
+                "kept; re-list, then watch from 0"
+            )
+        return after_sequence
+
+    def watch(
+        self, after: int, name: str, base_model: str, stop: Callable[[], bool]
+    ) -> Iterator[Event]:
+        """Events after ``after`` matching the filters, as they are committed,
+        until ``stop()`` says so. ``after`` comes from ``watch_start``."""
+        cursor = after
+        while not stop():
+            newest = self.feed.wait_beyond(cursor, _WATCH_WAKE_SECONDS)
+            if newest <= cursor:
+                continue
+            batch = self.store.events(cursor, newest, name, base_model, _WATCH_BATCH)
+            yield from batch
+            cursor = batch[-1].sequence if len(batch) == _WATCH_BATCH else newest
+
+    # -- gc ------------------------------------------------------------------------------------
+
+    def gc(self, grace_seconds: int | None, dry_run: bool) -> GcReport:
+        grace = self.limits.gc_grace_seconds if grace_seconds is None else grace_seconds
+        if grace < 0:
+            raise InvalidArgument("grace_seconds: must not be negative", "grace_seconds")
+        report = self.collector.collect(grace, dry_run)
+        if not dry_run:
+            metrics.GC_REMOVED_BLOBS.inc(len(report.removed_blobs))
+            metrics.GC_REMOVED_BYTES.inc(report.removed_bytes)
+        return report
+
+
+def _verify(handle: BinaryIO, stored: StoredFile, version: VersionInfo) -> None:
+    digest = hashlib.file_digest(handle, "sha256").hexdigest()  # type: ignore[arg-type]
+    if digest != stored.info.sha256:
+        metrics.DATA_LOSS.inc()
+        raise DataLoss(
+            f"{version.name}:{version.version} {stored.info.path}: stored bytes have sha256 "
+            f"{digest}, expected {stored.info.sha256} (blob {stored.blob_key} is corrupt)"
+        )

@@ -1,0 +1,202 @@
+"""Where upload bytes are received: the header is checked, then every chunk is
+checked for order and size, hashed and spooled to a temporary file, so that
+validation and the blob write work on complete, hashed files.
+
+Nothing here touches the database or the blob store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from registry_service.domain import ADAPTER_FILES, Chunk, DeclaredFile, FileInfo, UploadHeader
+from shared.errors import InvalidArgument, ResourceExhausted
+from shared.refs import validate_alias, validate_name
+
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+MAX_DESCRIPTION_CHARS = 4096
+MAX_LABELS = 64
+MAX_LABEL_VALUE_CHARS = 256
+#: adapter_config.json is a few hundred bytes; anything near this is not a config.
+MAX_CONFIG_BYTES = 1024 * 1024
+
+_LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def check_header(header: UploadHeader, max_file_bytes: int) -> UploadHeader:
+    """Returns the header if it is acceptable; raises naming the field otherwise."""
+    validate_name(header.name, "header.name")
+    validate_name(header.base_model, "header.base_model")
+    if header.alias:
+        validate_alias(header.alias, "header.alias")
+    if len(header.description) > MAX_DESCRIPTION_CHARS:
+        raise InvalidArgument(
+            f"header.description: {len(header.description)} characters, at most "
+            f"{MAX_DESCRIPTION_CHARS}",
+            "header.description",
+        )
+    check_labels(header.labels, "header.labels")
+    paths = [f.path for f in header.files]
+    if sorted(paths) != sorted(ADAPTER_FILES):
+        raise InvalidArgument(
+            f"header.files: got {paths}, expected exactly {list(ADAPTER_FILES)} (in any order)",
+            "header.files",
+        )
+    for i, f in enumerate(header.files):
+        field = f"header.files[{i}]"
+        if f.size_bytes <= 0:
+            raise InvalidArgument(f"{field}: {f.path} has size_bytes 0", field)
+        limit = MAX_CONFIG_BYTES if f.path == ADAPTER_FILES[0] else max_file_bytes
+        if f.size_bytes > limit:
+            raise ResourceExhausted(
+                f"{field}: {f.path} is {f.size_bytes} bytes, larger than this server's limit "
+                f"of {limit} bytes",
+                field,
+            )
+        if f.sha256 is not None and not _SHA256_HEX.fullmatch(f.sha256):
+            raise InvalidArgument(
+                f"{field}: sha256 must be 64 lower-case hex digits or empty", field
+            )
+    return header
+
+
+def check_labels(labels: Mapping[str, str], field: str) -> None:
+    if len(labels) > MAX_LABELS:
+        raise InvalidArgument(f"{field}: {len(labels)} labels, at most {MAX_LABELS}", field)
+    for key, value in labels.items():
+        if not _LABEL_KEY.fullmatch(key):
+            raise InvalidArgument(
+                f"{field}: key {key!r} must be 1-63 characters of A-Z a-z 0-9 . _ / -", field
+            )
+        if len(value) > MAX_LABEL_VALUE_CHARS or any(ord(c) < 0x20 for c in value):
+            raise InvalidArgument(
+                f"{field}[{key}]: values are at most {MAX_LABEL_VALUE_CHARS} printable characters",
+                field,
+            )
+
+
+@dataclass(frozen=True)
+class SpooledFile:
+    info: FileInfo
+    path: Path
+
+
+class _Receiving:
+    def __init__(self, declared: DeclaredFile, path: Path) -> None:
+        self.declared = declared
+        self.path = path
+        self.handle = path.open("wb")
+        self.hash = hashlib.sha256()
+        self.received = 0
+
+
+class UploadSpool:
+    """Temporary files for one upload's declared files; removed on close."""
+
+    def __init__(self, spool_dir: Path, files: Sequence[DeclaredFile]) -> None:
+        spool_dir.mkdir(parents=True, exist_ok=True)
+        self._dir = Path(tempfile.mkdtemp(prefix="upload-", dir=spool_dir))
+        # check_header allowed only the two fixed file names, so they are safe here.
+        self._files = [_Receiving(f, self._dir / f.path) for f in files]
+        self._current = 0
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(f.received for f in self._files)
+
+    def write(self, chunk: Chunk) -> None:
+        """Appends one chunk; chunks must come file by file, in order, without gaps."""
+        while self._current < len(self._files) and self._complete(self._current):
+            self._current += 1
+        if chunk.file_index >= len(self._files):
+            raise InvalidArgument(
+                f"chunk.file_index {chunk.file_index}: the header declares "
+                f"{len(self._files)} files",
+                "chunk.file_index",
+            )
+        if self._current == len(self._files):
+            raise InvalidArgument(
+                "chunk after every declared byte arrived: check the header's size_bytes",
+                "chunk",
+            )
+        if chunk.file_index != self._current:
+            expected = self._files[self._current].declared.path
+            raise InvalidArgument(
+                f"chunk out of order: got file_index {chunk.file_index}, expected "
+                f"{self._current} ({expected}) until it is complete",
+                "chunk.file_index",
+            )
+        target = self._files[chunk.file_index]
+        name = target.declared.path
+        if chunk.offset != target.received:
+            raise InvalidArgument(
+                f"chunk out of order: {name} offset {chunk.offset}, expected {target.received}",
+                "chunk.offset",
+            )
+        if not chunk.data or len(chunk.data) > MAX_CHUNK_BYTES:
+            raise InvalidArgument(
+                f"chunk.data: {len(chunk.data)} bytes; chunks carry 1 to {MAX_CHUNK_BYTES}",
+                "chunk.data",
+            )
+        if target.received + len(chunk.data) > target.declared.size_bytes:
+            raise InvalidArgument(
+                f"{name}: more bytes than the declared size_bytes {target.declared.size_bytes}",
+                "chunk.data",
+            )
+        target.handle.write(chunk.data)
+        target.hash.update(chunk.data)
+        target.received += len(chunk.data)
+
+    def _complete(self, index: int) -> bool:
+        f = self._files[index]
+        return f.received == f.declared.size_bytes
+
+    def finish(self) -> list[SpooledFile]:
+        """Checks that every file arrived whole with the declared sha256, makes
+        the files durable and returns them."""
+        done = []
+        for f in self._files:
+            name = f.declared.path
+            if f.received != f.declared.size_bytes:
+                raise InvalidArgument(
+                    f"{name}: upload ended after {f.received} of {f.declared.size_bytes} bytes",
+                    "chunk",
+                )
+            digest = f.hash.hexdigest()
+            if f.declared.sha256 is not None and f.declared.sha256 != digest:
+                raise InvalidArgument(
+                    f"{name}: sha256 of the bytes received is {digest}, the header says "
+                    f"{f.declared.sha256}",
+                    "header.files",
+                )
+            f.handle.flush()
+            # The local blob store may hard-link this file: make its bytes durable.
+            os.fsync(f.handle.fileno())
+            f.handle.close()
+            done.append(SpooledFile(FileInfo(name, f.received, digest), f.path))
+        return done
+
+    def close(self) -> None:
+        for f in self._files:
+            f.handle.close()
+            f.path.unlink(missing_ok=True)
+        self._dir.rmdir()
+
+    def __enter__(self) -> UploadSpool:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

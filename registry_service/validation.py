@@ -1,0 +1,69 @@
+"""Where an uploaded adapter is checked before it may become READY: the
+config parses, the safetensors header is sound and matches the file size,
+every tensor fits the registered base model at a rank within the limit, and
+no weight is NaN or infinite. The format rules live in shared/ (the executor
+applies the same ones); this module runs them over spooled files and says
+which file a problem is in."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+from registry_service.domain import CONFIG_FILE, WEIGHTS_FILE, AdapterSummary
+from shared.adapter_format import (
+    AdapterFormat,
+    check_finite,
+    inspect_adapter,
+    parse_adapter_config,
+)
+from shared.errors import InvalidArgument
+from shared.model_spec import ModelSpec
+from shared.safetensors_header import read_header
+
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+_FORMATS = {AdapterFormat.TARGET_PARAMETERS: "peft_3d", AdapterFormat.PER_EXPERT: "peft_2d"}
+
+
+def validate_adapter(
+    config_path: Path, weights_path: Path, spec: ModelSpec, max_rank: int
+) -> AdapterSummary:
+    """What the adapter is; InvalidArgument naming the file and tensor otherwise.
+    Reads the header and then the weights once (memory-mapped, not loaded)."""
+    try:
+        config = parse_adapter_config(config_path.read_bytes())
+    except InvalidArgument as err:
+        raise _in_file(CONFIG_FILE, err) from None
+    header = read_header(weights_path)  # names the file itself
+    try:
+        layout = inspect_adapter(config, header, spec, max_rank)
+    except InvalidArgument as err:
+        raise _in_file(
+            f"{WEIGHTS_FILE} (base model {spec.model_type} {spec.fingerprint[:19]})", err
+        ) from None
+    problem = None
+    with (
+        weights_path.open("rb") as handle,
+        mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+        memoryview(mapped) as view,
+    ):
+        try:
+            check_finite(header, view)
+        except InvalidArgument as err:
+            # Raised only after the map is closed: the traceback holds views into it.
+            problem = _in_file(WEIGHTS_FILE, err)
+    if problem is not None:
+        raise problem
+    return AdapterSummary(
+        format=_FORMATS[layout.format],
+        rank=layout.rank,
+        lora_alpha=layout.lora_alpha,
+        use_rslora=layout.use_rslora,
+        target_parameters=layout.target_parameters,
+        layers=tuple(sorted(layout.layers)),
+        dtype=_DTYPES[layout.dtype],
+    )
+
+
+def _in_file(where: str, err: InvalidArgument) -> InvalidArgument:
+    return InvalidArgument(f"{where}: {err.message}", err.field)

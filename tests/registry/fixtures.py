@@ -1,0 +1,123 @@
+"""Tiny checkpoints and PEFT adapters written with numpy + safetensors (no torch):
+a qwen3_moe base model (H=16, I=8, E=4, k=2, 2 MoE layers) and 3D
+``target_parameters`` adapters for it, plus helpers that break them."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    hidden: int = 16
+    inter: int = 8
+    experts: int = 4
+    top_k: int = 2
+    layers: int = 2
+
+
+SHAPE = TinyShape()
+
+
+def write_base_model(folder: Path, shape: TinyShape = SHAPE, seed: int = 0) -> Path:
+    """A qwen3_moe checkpoint folder: config.json + model.safetensors (MoE tensors only)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": shape.hidden,
+        "intermediate_size": 4 * shape.hidden,
+        "moe_intermediate_size": shape.inter,
+        "num_experts": shape.experts,
+        "num_experts_per_tok": shape.top_k,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    h, i, e = shape.hidden, shape.inter, shape.experts
+    for layer in range(shape.layers):
+        mlp = f"model.layers.{layer}.mlp"
+        tensors[f"{mlp}.gate.weight"] = rng.standard_normal((e, h), dtype=np.float32)
+        for expert in range(e):
+            for proj, dims in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+                tensors[f"{mlp}.experts.{expert}.{proj}.weight"] = rng.standard_normal(
+                    dims, dtype=np.float32
+                )
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def adapter_tensors(
+    shape: TinyShape = SHAPE,
+    rank: int = 4,
+    layers: tuple[int, ...] = (0, 1),
+    dtype: type[np.floating] = np.float32,
+    seed: int = 1,
+) -> dict[str, np.ndarray]:
+    """PEFT 3D tensors: gate_up_proj is the inner ``base_layer`` wrapper, down_proj the outer."""
+    rng = np.random.default_rng(seed)
+    h, i, e = shape.hidden, shape.inter, shape.experts
+    out = {}
+    for layer in layers:
+        stem = f"base_model.model.model.layers.{layer}.mlp.experts"
+        out[f"{stem}.base_layer.lora_A.weight"] = rng.standard_normal((rank * e, h)).astype(dtype)
+        out[f"{stem}.base_layer.lora_B.weight"] = rng.standard_normal((2 * i, rank * e)).astype(
+            dtype
+        )
+        out[f"{stem}.lora_A.weight"] = rng.standard_normal((rank * e, i)).astype(dtype)
+        out[f"{stem}.lora_B.weight"] = rng.standard_normal((h, rank * e)).astype(dtype)
+    return out
+
+
+def adapter_config(rank: int = 4, alpha: float = 8.0) -> dict[str, object]:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "use_rslora": False,
+        "target_modules": [],
+        "target_parameters": ["gate_up_proj", "down_proj"],
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "bias": "none",
+    }
+
+
+def write_adapter(
+    folder: Path,
+    *,
+    rank: int = 4,
+    alpha: float = 8.0,
+    shape: TinyShape = SHAPE,
+    seed: int = 1,
+    tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(adapter_config(rank, alpha), indent=2))
+    data = tensors if tensors is not None else adapter_tensors(shape, rank, seed=seed)
+    save_file(data, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def write_raw_weights(folder: Path, header: Mapping[str, object], data: bytes) -> None:
+    """adapter_model.safetensors from a hand-made header (for headers that lie)."""
+    raw = json.dumps(header).encode()
+    (folder / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data)

@@ -1,0 +1,85 @@
+"""adapterctl against a real registry subprocess: register, upload, list, show,
+download (byte-identical), on SQLite and PostgreSQL, local and S3 blobs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.registry.conftest import BASE, BlobSetting, adapterctl, launch_registry
+from tests.registry.fixtures import write_adapter
+
+
+def _ok(result: Any) -> Any:
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout) if result.stdout.strip().startswith(("{", "[")) else None
+
+
+def test_upload_list_show_download_round_trip(
+    start_server: Any,
+    tmp_path: Path,
+    database_url: str,
+    blob_setting: BlobSetting,
+    base_model_dir: Path,
+) -> None:
+    registry = launch_registry(
+        start_server,
+        tmp_path / "data",
+        "--database-url",
+        database_url,
+        "--auth",
+        "off",
+        *blob_setting.flags(),
+    )
+    address = registry.address
+    adapter = write_adapter(tmp_path / "adapter", rank=4)
+
+    registered = _ok(adapterctl(address, "--json", "base-model", "register", str(base_model_dir)))
+    assert registered["created"] is True and registered["base_model"]["name"] == BASE
+
+    uploaded = _ok(
+        adapterctl(
+            address,
+            "upload",
+            str(adapter),
+            "--name",
+            "sql-expert",
+            "--base-model",
+            BASE,
+            "--alias",
+            "prod",
+            "--label",
+            "team=data",
+            "--description",
+            "text to SQL",
+            "--json",
+        )
+    )
+    assert uploaded["version"] == 1 and uploaded["status"] == "ADAPTER_STATUS_READY"
+    assert uploaded["rank"] == 4 and uploaded["format"] == "ADAPTER_FORMAT_PEFT_3D"
+
+    listed = _ok(adapterctl(address, "list", "--json", "--label", "team=data"))
+    assert [(v["name"], v["version"]) for v in listed] == [("sql-expert", 1)]
+
+    shown = _ok(adapterctl(address, "show", "sql-expert@prod", "--json"))
+    assert shown["digest"] == uploaded["digest"] and shown["aliases"] == ["prod"]
+
+    out = tmp_path / "downloaded"
+    _ok(adapterctl(address, "download", "sql-expert@prod", "-o", str(out)))
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (out / name).read_bytes() == (adapter / name).read_bytes()
+    if blob_setting.kind == "s3":
+        direct = tmp_path / "presigned"
+        _ok(adapterctl(address, "download", "sql-expert:1", "-o", str(direct), "--presigned"))
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            assert (direct / name).read_bytes() == (adapter / name).read_bytes()
+
+    # Human output and errors: one readable line, a meaningful exit code.
+    table = adapterctl(address, "list")
+    assert table.returncode == 0 and "sql-expert" in table.stdout
+    missing = adapterctl(address, "show", "sql-expert:7")
+    assert missing.returncode == 3
+    assert missing.stderr.strip().splitlines() == [
+        "adapterctl: NOT_FOUND: adapter 'sql-expert' has no READY version 7"
+    ]
