@@ -14,6 +14,10 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
+#: Initial metadata of a WatchAdapters stream: the sequence it starts after.
+#: Once a client has received it, every later event reaches the stream.
+WATCH_START_METADATA = "moelora-watch-after-sequence"
+
 T = TypeVar("T")
 
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 
 from moelora.v1 import model_pb2, registry_pb2, registry_pb2_grpc
-from registry_service.domain import ADAPTER_FILES
+from registry_service.domain import ADAPTER_FILES, WATCH_START_METADATA
 from shared.auth import open_channel
 from shared.errors import DataLoss, InvalidArgument, from_rpc_error
 
@@ -299,18 +299,47 @@ class RegistryClient:
 
     def watch(
         self, *, name: str = "", base_model: str = "", after_sequence: int = 0
-    ) -> Iterator[registry_pb2.WatchAdaptersResponse]:
-        """Events as they happen, until the caller stops iterating."""
+    ) -> WatchStream:
+        """Opens a change stream; returns once the server has started it."""
         request = registry_pb2.WatchAdaptersRequest(
             name=name, base_model=base_model, after_sequence=after_sequence
         )
-        stream = self._stub.WatchAdapters(request)
+        return WatchStream(self._stub.WatchAdapters(request))
+
+
+class WatchStream:
+    """An open WatchAdapters stream. ``start_sequence`` is where it starts:
+    every event after it arrives, in order, until ``cancel``."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        metadata = dict(call.initial_metadata() or ())
+        if WATCH_START_METADATA not in metadata:  # refused before it started
+            self._raise()
+        self.start_sequence = int(metadata[WATCH_START_METADATA])
+
+    def _raise(self) -> None:
         try:
-            yield from stream
+            next(self._call)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        finally:
-            stream.cancel()
+        raise DataLoss("WatchAdapters stream started without its start sequence")
+
+    def __iter__(self) -> Iterator[registry_pb2.WatchAdaptersResponse]:
+        try:
+            yield from self._call
+        except grpc.RpcError as exc:
+            if self._call.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(exc) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> WatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
 
 
 class _FolderWriter:

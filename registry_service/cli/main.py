@@ -335,10 +335,12 @@ def cmd_gc(client: RegistryClient, args: argparse.Namespace, out: Output) -> Non
 
 
 def cmd_watch(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
-    for event in client.watch(
+    with client.watch(
         name=args.name or "", base_model=args.base_model or "", after_sequence=args.after
-    ):
-        print(json.dumps(out.message(event), sort_keys=True), flush=True)
+    ) as stream:
+        out.err.print(f"watching events after sequence {stream.start_sequence}")
+        for event in stream:
+            print(json.dumps(out.message(event), sort_keys=True), flush=True)
 
 
 # -- parsing -----------------------------------------------------------------------------------
