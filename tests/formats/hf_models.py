@@ -98,9 +98,9 @@ def save_model(model: PreTrainedModel, folder: Path, **kwargs: Any) -> Path:
     return folder
 
 
-def moe_block(model: PreTrainedModel, layer: int) -> torch.nn.Module:
-    mlp: torch.nn.Module = model.model.layers[layer].mlp
-    return mlp
+def moe_block(model: torch.nn.Module, layer: int) -> torch.nn.Module:
+    """Decoder layer ``layer``'s MLP block of a causal LM (or of PEFT's wrapped model)."""
+    return model.get_submodule(f"model.layers.{layer}.mlp")
 
 
 def run_block(block: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
