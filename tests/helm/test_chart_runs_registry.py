@@ -1,74 +1,23 @@
 """The registry runs from exactly the configuration the chart renders: the migration
-Job's command and environment, then the Deployment's, on SQLite and on PostgreSQL +
-S3 (moto) with auth; `helm test`'s probe then finds it SERVING. Only what a pod
-cannot have here is moved: listen ports to free loopback ports, paths under tmp."""
+Job's command and environment (twice: upgrades rerun it), then the Deployment's, on
+PostgreSQL + S3 (moto) with auth, and on the default SQLite; `helm test`'s probe then
+finds it SERVING."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 
-from tests.conftest import REPO, free_port, wait_for
-from tests.helm.chart import Release, container, container_env
+from tests.helm.chart import REGISTRY_SERVICE, Release, container, container_env
+from tests.helm.local_pods import AWS, BIN, clean_env, relocate, s3_client, start_serving
 from tests.registry.conftest import pg_schema_url, s3_endpoint
 
 # The registry tests' fixtures: a PostgreSQL schema of its own, moto's S3 server.
 __all__ = ["pg_schema_url", "s3_endpoint"]
-
-PROBE = REPO / "docker" / "grpc_health_probe.py"
-BIN = Path(sys.executable).parent
-AWS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-
-
-def relocate(env: dict[str, str], tmp: Path) -> dict[str, str]:
-    """The pod's environment, runnable here: free loopback ports, volumes under tmp."""
-    moved = {}
-    for name, value in env.items():
-        if name in ("MOELORA_LISTEN", "MOELORA_METRICS_LISTEN") and value:
-            value = f"127.0.0.1:{free_port()}"
-        for mount in ("/data", "/etc/moelora/auth"):
-            value = value.replace(mount, f"{tmp}{mount}")
-        moved[name] = value
-    return moved
-
-
-def clean_env(env: dict[str, str]) -> dict[str, str]:
-    """This process's environment without MOELORA_* and AWS_*, plus ``env``."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("MOELORA_", "AWS_"))}
-    return {**base, "PYTHONUNBUFFERED": "1", **env}
-
-
-def probe_serving(address: str) -> bool:
-    result = subprocess.run(
-        [sys.executable, str(PROBE), "--service=moelora.v1.AdapterRegistry", address],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return result.returncode == 0
-
-
-def serve_and_check(start_server: Any, env: dict[str, str]) -> Any:
-    server = start_server("moelora-registry", "serve", env=env)
-    address = env["MOELORA_LISTEN"]
-    try:
-        wait_for(lambda: server.proc.poll() is not None or probe_serving(address), timeout=60)
-    except TimeoutError:
-        pytest.fail(f"registry not SERVING:\n{server.log()}")
-    assert server.proc.poll() is None, server.log()
-    metrics = urllib.request.urlopen(f"http://{env['MOELORA_METRICS_LISTEN']}/metrics").read()
-    # The probe's health checks went through the server's RPC metrics.
-    health_ok = b'code="OK",method="/grpc.health.v1.Health/Check"'
-    assert b"moelora_grpc_server_handled_total{" + health_ok in metrics
-    return server
 
 
 def test_sqlite_registry_runs_from_the_default_configuration(
@@ -77,7 +26,7 @@ def test_sqlite_registry_runs_from_the_default_configuration(
     pod = container(defaults.one("Deployment", "registry"), "registry")
     assert pod["args"] == ["serve"]
     env = clean_env(relocate(container_env(defaults, pod, {}), tmp_path))
-    server = serve_and_check(start_server, env)
+    server = start_serving(start_server, ["moelora-registry", *pod["args"]], REGISTRY_SERVICE, env)
     assert (tmp_path / "data" / "registry.db").exists()
     assert server.terminate() == 0
 
@@ -90,13 +39,7 @@ def test_production_registry_migrates_in_the_job_then_serves_with_auth(
     pg_schema_url: str,
     s3_endpoint: str,
 ) -> None:
-    boto3.client(
-        "s3",
-        endpoint_url=s3_endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=AWS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=AWS["AWS_SECRET_ACCESS_KEY"],
-    ).create_bucket(Bucket="moelora-adapters")
+    s3_client(s3_endpoint).create_bucket(Bucket="moelora-adapters")
     secrets = {
         ("moelora-database", "database-url"): pg_schema_url,
         ("moelora-s3", "AWS_ACCESS_KEY_ID"): AWS["AWS_ACCESS_KEY_ID"],
@@ -135,7 +78,7 @@ def test_production_registry_migrates_in_the_job_then_serves_with_auth(
     env["MOELORA_S3_ENDPOINT_URL"] = s3_endpoint  # the only address moved off the cluster
     env = clean_env(env)
     assert env["MOELORA_MIGRATE_ON_START"] == "false"
-    server = serve_and_check(start_server, env)
+    server = start_serving(start_server, ["moelora-registry", *pod["args"]], REGISTRY_SERVICE, env)
 
     def adapterctl(token: str | None) -> subprocess.CompletedProcess[str]:
         args = [str(BIN / "adapterctl"), "--address", env["MOELORA_LISTEN"], "list"]
