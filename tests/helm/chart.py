@@ -15,9 +15,10 @@ from tests.conftest import REPO
 CHART_DIR = REPO / "helm" / "moe-lora-serve"
 RELEASE = "demo"
 NAMESPACE = "ml"
-# The Kubernetes version whose JSON schemas the manifests must satisfy: recent, and
-# at least the chart's kubeVersion floor (gRPC probes, preStop sleep).
-KUBE_VERSION = "1.33.0"
+# The Kubernetes versions whose API schemas the manifests must satisfy: the chart's
+# floor (Chart.yaml kubeVersion: gRPC probes, the preStop sleep action) and the newest
+# the pinned kubernetes-validate ships.
+KUBE_VERSIONS = ("1.30.0", "1.37.0")
 REGISTRY_SERVICE = "moelora.v1.AdapterRegistry"
 EXECUTOR_SERVICE = "moelora.v1.Executor"
 

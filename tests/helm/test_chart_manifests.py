@@ -12,7 +12,7 @@ import pytest
 
 from tests.helm.chart import (
     CHART_DIR,
-    KUBE_VERSION,
+    KUBE_VERSIONS,
     NAMESPACE,
     Obj,
     Release,
@@ -32,31 +32,37 @@ def values_for(name: str) -> dict[str, Any]:
     return {} if name == "defaults" else ci_values(name)
 
 
-def validate(obj: Obj) -> None:
-    kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+def validate(obj: Obj, kube_version: str = KUBE_VERSIONS[-1]) -> None:
+    kubernetes_validate.validate(obj, kube_version, strict=True)
 
 
 def test_ci_values_files_are_the_expected_ones() -> None:
     assert ci_value_names() == ["autoscaling", "cpu", "production"]
 
 
+def test_the_oldest_version_checked_is_the_charts_floor(chart: helm.Chart) -> None:
+    assert chart.metadata["kubeVersion"] == f">={KUBE_VERSIONS[0]}-0"
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 @pytest.mark.parametrize("values_name", VALUES_FILES)
-def test_lint_reports_no_warning_or_error(values_name: str) -> None:
+def test_lint_reports_no_warning_or_error(values_name: str, kube_version: str) -> None:
     report = helm.lint(
         CHART_DIR,
         values_for(values_name),
         strict=True,
         namespace=NAMESPACE,
-        kube_version=f"v{KUBE_VERSION}",
+        kube_version=f"v{kube_version}",
     )
     # Severity 1 is informational ("icon is recommended"); 2 warning, 3 error.
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert problems == [] and report["errors"] == []
 
 
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 @pytest.mark.parametrize("values_name", VALUES_FILES)
 def test_every_manifest_satisfies_the_kubernetes_schema(
-    chart: helm.Chart, values_name: str
+    chart: helm.Chart, values_name: str, kube_version: str
 ) -> None:
     release = render(chart, values_for(values_name))
     kinds = set()
@@ -67,7 +73,7 @@ def test_every_manifest_satisfies_the_kubernetes_schema(
             assert obj["apiVersion"] == "monitoring.coreos.com/v1"
             continue
         try:
-            validate(obj)
+            validate(obj, kube_version)
         except kubernetes_validate.ValidationError as exc:
             where = ".".join(str(p) for p in exc.path)
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {where}: {exc.message}")
