@@ -25,12 +25,8 @@ from botocore.exceptions import ClientError
 from registry_service.blobs.base import KEY_PREFIX, BlobStat, is_blob_key
 
 _MIB = 1024 * 1024
-_TRANSFER = TransferConfig(
-    multipart_threshold=64 * _MIB,
-    multipart_chunksize=64 * _MIB,
-    max_concurrency=8,
-    use_threads=True,
-)
+#: Files above this go up and down in parts of this size, 8 at a time.
+DEFAULT_PART_BYTES = 64 * _MIB
 
 
 class S3BlobStore:
@@ -44,11 +40,18 @@ class S3BlobStore:
         region: str | None = None,
         path_style: bool = False,
         max_attempts: int = 8,
+        part_bytes: int = DEFAULT_PART_BYTES,
     ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.scratch_dir = scratch_dir
         self._endpoint = endpoint_url
+        self._transfer = TransferConfig(
+            multipart_threshold=part_bytes,
+            multipart_chunksize=part_bytes,
+            max_concurrency=8,
+            use_threads=True,
+        )
         config = Config(
             region_name=region,
             signature_version="s3v4",
@@ -91,7 +94,7 @@ class S3BlobStore:
     def put_file(self, key: str, source: Path) -> None:
         if self._size(key) == source.stat().st_size:
             return
-        self._client.upload_file(str(source), self.bucket, self._object(key), Config=_TRANSFER)
+        self._client.upload_file(str(source), self.bucket, self._object(key), Config=self._transfer)
 
     def exists(self, key: str) -> bool:
         return self._size(key) is not None
@@ -103,7 +106,9 @@ class S3BlobStore:
         self.scratch_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=self.scratch_dir, prefix="download-") as tmp:
             path = Path(tmp.name)
-            self._client.download_file(self.bucket, self._object(key), str(path), Config=_TRANSFER)
+            self._client.download_file(
+                self.bucket, self._object(key), str(path), Config=self._transfer
+            )
             yield path
 
     def delete(self, key: str) -> None:

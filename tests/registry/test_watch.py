@@ -125,7 +125,7 @@ def test_out_of_range(serve: Callable[..., Served], tmp_path: Path, base_model_d
 
 
 def test_events_reach_watchers_on_other_replicas(
-    serve: Callable[..., Served], database_url: str, tmp_path: Path, base_model_dir: Path
+    database_url: str, serve: Callable[..., Served], tmp_path: Path, base_model_dir: Path
 ) -> None:
     """Two registries on one database: the watcher's replica learns of the
     other's commits by polling the database (watch_poll_seconds)."""
