@@ -1,22 +1,22 @@
 """Token/expert alignment: group the (token, expert) pairs into BLOCK_M-row blocks, LoRA-aware.
 
-Pair ``p = t * k + j`` is token t's j-th routed expert. The pairs are laid out in rows sorted
-by expert, and within an expert by adapter slot (pairs without an adapter first); each expert's
-rows are padded to a multiple of BLOCK_M, so every block belongs to one expert. Blocks are *not*
-split by slot: a block may hold a few slots, one after the other ("segments"), and the GEMM
-kernels give each segment its adapter. That keeps the padding (wasted MMA rows) that of the base
-MoE, where per-(expert, slot) blocks would pad every (expert, slot) group.
+Pair ``p = t * k + j`` is token t's j-th routed expert. The pairs are laid out in rows grouped
+by expert, each expert's rows padded to a multiple of BLOCK_M, so every block belongs to one
+expert. Blocks are *not* split by adapter slot: a block may hold rows of a few slots
+("segments"), and the LoRA kernels give each segment its adapter. That keeps the padding
+(wasted MMA rows) that of the base MoE, where per-(expert, slot) blocks would pad every
+(expert, slot) group, and keeps the sort key space small (E keys, not E·S).
 
 Outputs (``Alignment``):
     sorted_pair_ids (max_rows,)   int32: the pair in each row, -1 for padding rows
-    row_slots       (max_rows,)   int32: the pair's effective slot, -1 for none/padding
-                                   (None without LoRA)
+    row_slots       (max_rows,)   int32: the pair's effective slot, -1 for none (no adapter,
+                                   disabled slot) and padding; None without LoRA
     block_experts   (max_blocks,) int32: each block's expert, -1 past the last used block
 
 The sizes are upper bounds known on the host (so no GPU→host synchronisation and the whole
 forward can be captured in a CUDA graph); rows of unused blocks are left unwritten and never
-read. The order of pairs that share (expert, slot) is decided by atomics and may vary between
-runs; it does not change any result, since every row is computed independently.
+read. The order of the pairs within an expert is decided by atomics and may vary between runs;
+it does not change any result, since every row is computed independently.
 
 Two implementations of the same layout: one program for small batches (one launch), and
 count / layout / scatter launches across the GPU for large ones.
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 #: Up to this many pairs a single program aligns everything (one launch, no memset).
-SINGLE_PROGRAM_MAX_PAIRS = 4096
+SINGLE_PROGRAM_MAX_PAIRS = 2048
 _BLOCK_P = 1024  # pairs per program step
 _BLOCK_B = 64  # blocks per step when writing block_experts
 
@@ -57,26 +57,18 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _pair_keys(
-    topk_ids_ptr,
-    token_slots_ptr,
-    enabled_ptr,
-    offs,
-    num_pairs,
-    top_k,
-    SLOT_STRIDE: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-):
-    """Sort key ``expert * SLOT_STRIDE + slot + 1`` of the pairs ``offs``, their slot, a mask."""
+def _pair_experts(topk_ids_ptr, offs, num_pairs):
+    """Expert of the pairs ``offs`` and which of them exist."""
     mask = offs < num_pairs
-    expert = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
-    if HAS_LORA:
-        slot = tl.load(token_slots_ptr + offs // top_k, mask=mask, other=-1)
-        enabled = tl.load(enabled_ptr + tl.maximum(slot, 0), mask=mask & (slot >= 0), other=0)
-        slot = tl.where(enabled != 0, slot, -1)
-    else:
-        slot = tl.full(offs.shape, -1, tl.int32)
-    return expert * SLOT_STRIDE + slot + 1, slot, mask
+    return tl.load(topk_ids_ptr + offs, mask=mask, other=0), mask
+
+
+@triton.jit
+def _pair_slots(token_slots_ptr, enabled_ptr, offs, mask, top_k):
+    """Effective adapter slot of the pairs ``offs``: -1 without one or if it is disabled."""
+    slot = tl.load(token_slots_ptr + offs // top_k, mask=mask, other=-1)
+    enabled = tl.load(enabled_ptr + tl.maximum(slot, 0), mask=mask & (slot >= 0), other=0)
+    return tl.where(enabled != 0, slot, -1)
 
 
 @triton.jit
@@ -88,23 +80,18 @@ def _write_layout(
     block_experts_ptr,
     max_blocks,
     E_P2: tl.constexpr,
-    SLOT_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_B: tl.constexpr,
     HAS_LORA: tl.constexpr,
 ):
-    """From the per-key counts: each key's first row (into the cursors), the padding rows'
-    sentinels, and every block's expert."""
-    counts = tl.reshape(counts, (E_P2, SLOT_STRIDE))
-    expert_counts = tl.sum(counts, axis=1)
-    padded = tl.cdiv(expert_counts, BLOCK_M) * BLOCK_M
+    """From the per-expert counts: each expert's first row (into the cursors), the padding
+    rows' sentinels, and every block's expert."""
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     expert_end = tl.cumsum(padded, 0)
     expert_start = expert_end - padded
-    key_start = expert_start[:, None] + tl.cumsum(counts, 1) - counts
-    keys = tl.arange(0, E_P2)[:, None] * SLOT_STRIDE + tl.arange(0, SLOT_STRIDE)[None, :]
-    tl.store(cursor_ptr + keys, key_start)
+    tl.store(cursor_ptr + tl.arange(0, E_P2), expert_start)
 
-    pad_rows = (expert_start + expert_counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    pad_rows = (expert_start + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
     pad_mask = pad_rows < expert_end[:, None]
     tl.store(pair_ids_ptr + pad_rows, -1, mask=pad_mask)
     if HAS_LORA:
@@ -122,12 +109,23 @@ def _write_layout(
 
 @triton.jit
 def _scatter_pairs(
-    key, slot, mask, offs, cursor_ptr, pair_ids_ptr, row_slots_ptr, HAS_LORA: tl.constexpr
+    topk_ids_ptr,
+    token_slots_ptr,
+    enabled_ptr,
+    cursor_ptr,
+    pair_ids_ptr,
+    row_slots_ptr,
+    offs,
+    num_pairs,
+    top_k,
+    HAS_LORA: tl.constexpr,
 ):
-    """Each pair takes the next free row of its key."""
-    row = tl.atomic_add(cursor_ptr + key, 1, mask=mask)
+    """Each pair of ``offs`` takes the next free row of its expert."""
+    expert, mask = _pair_experts(topk_ids_ptr, offs, num_pairs)
+    row = tl.atomic_add(cursor_ptr + expert, 1, mask=mask, sem="relaxed")
     tl.store(pair_ids_ptr + row, offs, mask=mask)
     if HAS_LORA:
+        slot = _pair_slots(token_slots_ptr, enabled_ptr, offs, mask, top_k)
         tl.store(row_slots_ptr + row, slot, mask=mask)
 
 
@@ -144,54 +142,33 @@ def _align_single_program_kernel(
     top_k,
     max_blocks,
     E_P2: tl.constexpr,
-    SLOT_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_B: tl.constexpr,
     HAS_LORA: tl.constexpr,
 ):
-    NUM_KEYS: tl.constexpr = E_P2 * SLOT_STRIDE
-    counts = tl.zeros([NUM_KEYS], dtype=tl.int32)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
-        offs = p0 + tl.arange(0, BLOCK_P)
-        key, slot, mask = _pair_keys(
-            topk_ids_ptr, token_slots_ptr, enabled_ptr, offs, num_pairs, top_k,
-            SLOT_STRIDE, HAS_LORA,
-        )  # fmt: skip
-        counts += tl.histogram(key, NUM_KEYS, mask=mask)
+        expert, mask = _pair_experts(topk_ids_ptr, p0 + tl.arange(0, BLOCK_P), num_pairs)
+        counts += tl.histogram(expert, E_P2, mask=mask)
     _write_layout(
         counts, cursor_ptr, pair_ids_ptr, row_slots_ptr, block_experts_ptr, max_blocks,
-        E_P2, SLOT_STRIDE, BLOCK_M, BLOCK_B, HAS_LORA,
+        E_P2, BLOCK_M, BLOCK_B, HAS_LORA,
     )  # fmt: skip
     tl.debug_barrier()  # the cursors just stored are incremented by other threads below
     for p0 in range(0, num_pairs, BLOCK_P):
-        offs = p0 + tl.arange(0, BLOCK_P)
-        key, slot, mask = _pair_keys(
-            topk_ids_ptr, token_slots_ptr, enabled_ptr, offs, num_pairs, top_k,
-            SLOT_STRIDE, HAS_LORA,
+        _scatter_pairs(
+            topk_ids_ptr, token_slots_ptr, enabled_ptr, cursor_ptr, pair_ids_ptr,
+            row_slots_ptr, p0 + tl.arange(0, BLOCK_P), num_pairs, top_k, HAS_LORA,
         )  # fmt: skip
-        _scatter_pairs(key, slot, mask, offs, cursor_ptr, pair_ids_ptr, row_slots_ptr, HAS_LORA)
 
 
 @triton.jit
-def _count_kernel(
-    topk_ids_ptr,
-    token_slots_ptr,
-    enabled_ptr,
-    counts_ptr,
-    num_pairs,
-    top_k,
-    NUM_KEYS: tl.constexpr,
-    SLOT_STRIDE: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-):
+def _count_kernel(topk_ids_ptr, counts_ptr, num_pairs, E_P2: tl.constexpr, BLOCK_P: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    key, _, mask = _pair_keys(
-        topk_ids_ptr, token_slots_ptr, enabled_ptr, offs, num_pairs, top_k, SLOT_STRIDE, HAS_LORA
-    )
-    counts = tl.histogram(key, NUM_KEYS, mask=mask)
-    tl.atomic_add(counts_ptr + tl.arange(0, NUM_KEYS), counts, mask=counts > 0)
+    expert, mask = _pair_experts(topk_ids_ptr, offs, num_pairs)
+    counts = tl.histogram(expert, E_P2, mask=mask)
+    tl.atomic_add(counts_ptr + tl.arange(0, E_P2), counts, mask=counts > 0, sem="relaxed")
 
 
 @triton.jit
@@ -202,16 +179,15 @@ def _layout_kernel(
     block_experts_ptr,
     max_blocks,
     E_P2: tl.constexpr,
-    SLOT_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_B: tl.constexpr,
     HAS_LORA: tl.constexpr,
 ):
-    # The cursors hold the counts on entry and each key's first row on exit.
-    counts = tl.load(cursor_ptr + tl.arange(0, E_P2 * SLOT_STRIDE))
+    # The cursors hold the counts on entry and each expert's first row on exit.
+    counts = tl.load(cursor_ptr + tl.arange(0, E_P2))
     _write_layout(
         counts, cursor_ptr, pair_ids_ptr, row_slots_ptr, block_experts_ptr, max_blocks,
-        E_P2, SLOT_STRIDE, BLOCK_M, BLOCK_B, HAS_LORA,
+        E_P2, BLOCK_M, BLOCK_B, HAS_LORA,
     )  # fmt: skip
 
 
@@ -225,15 +201,13 @@ def _scatter_kernel(
     row_slots_ptr,
     num_pairs,
     top_k,
-    SLOT_STRIDE: tl.constexpr,
     BLOCK_P: tl.constexpr,
     HAS_LORA: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    key, slot, mask = _pair_keys(
-        topk_ids_ptr, token_slots_ptr, enabled_ptr, offs, num_pairs, top_k, SLOT_STRIDE, HAS_LORA
-    )
-    _scatter_pairs(key, slot, mask, offs, cursor_ptr, pair_ids_ptr, row_slots_ptr, HAS_LORA)
+    _scatter_pairs(
+        topk_ids_ptr, token_slots_ptr, enabled_ptr, cursor_ptr, pair_ids_ptr, row_slots_ptr,
+        tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P), num_pairs, top_k, HAS_LORA,
+    )  # fmt: skip
 
 
 def align_pairs(
@@ -245,8 +219,8 @@ def align_pairs(
 ) -> Alignment:
     """Lay out the pairs of ``topk_ids`` (T, k) int32 in expert-homogeneous BLOCK_M blocks.
 
-    With ``token_slots`` (T,) int32 and ``enabled`` (S,) int32, rows within an expert are sorted
-    by effective slot (-1 = no adapter, or a disabled slot) and ``row_slots`` is returned.
+    With ``token_slots`` (T,) int32 and ``enabled`` (S,) int32, ``row_slots`` gives each row's
+    effective slot (-1 = no adapter, or a disabled slot).
     """
     has_lora = token_slots is not None
     if has_lora and enabled is None:
@@ -263,36 +237,28 @@ def align_pairs(
         return Alignment(pair_ids, row_slots, block_experts, block_m)
 
     e_p2 = triton.next_power_of_2(num_experts)
-    slot_stride = 1
-    if enabled is not None and token_slots is not None:
-        slot_stride = triton.next_power_of_2(enabled.numel() + 1)
-    num_keys = e_p2 * slot_stride
     # Unused pointer arguments get a valid tensor; the kernels never read them.
     slots_arg = token_slots if token_slots is not None else topk_ids
     enabled_arg = enabled if enabled is not None else topk_ids
     row_slots_arg = row_slots if row_slots is not None else pair_ids
-    common = {"SLOT_STRIDE": slot_stride, "HAS_LORA": has_lora}
     if num_pairs <= SINGLE_PROGRAM_MAX_PAIRS:
-        cursor = torch.empty(num_keys, dtype=torch.int32, device=device)
+        cursor = torch.empty(e_p2, dtype=torch.int32, device=device)
         _align_single_program_kernel[(1,)](
             topk_ids, slots_arg, enabled_arg, cursor, pair_ids, row_slots_arg, block_experts,
             num_pairs, top_k, max_blocks,
-            E_P2=e_p2, BLOCK_M=block_m, BLOCK_P=_BLOCK_P, BLOCK_B=_BLOCK_B, **common,
+            E_P2=e_p2, BLOCK_M=block_m, BLOCK_P=_BLOCK_P, BLOCK_B=_BLOCK_B, HAS_LORA=has_lora,
             num_warps=8,
         )  # fmt: skip
     else:
-        cursor = torch.zeros(num_keys, dtype=torch.int32, device=device)
+        cursor = torch.zeros(e_p2, dtype=torch.int32, device=device)
         grid = (triton.cdiv(num_pairs, _BLOCK_P),)
-        _count_kernel[grid](
-            topk_ids, slots_arg, enabled_arg, cursor, num_pairs, top_k,
-            NUM_KEYS=num_keys, BLOCK_P=_BLOCK_P, **common,
-        )  # fmt: skip
+        _count_kernel[grid](topk_ids, cursor, num_pairs, E_P2=e_p2, BLOCK_P=_BLOCK_P)
         _layout_kernel[(1,)](
             cursor, pair_ids, row_slots_arg, block_experts, max_blocks,
-            E_P2=e_p2, BLOCK_M=block_m, BLOCK_B=_BLOCK_B, **common, num_warps=8,
+            E_P2=e_p2, BLOCK_M=block_m, BLOCK_B=_BLOCK_B, HAS_LORA=has_lora, num_warps=8,
         )  # fmt: skip
         _scatter_kernel[grid](
             topk_ids, slots_arg, enabled_arg, cursor, pair_ids, row_slots_arg,
-            num_pairs, top_k, BLOCK_P=_BLOCK_P, **common,
+            num_pairs, top_k, BLOCK_P=_BLOCK_P, HAS_LORA=has_lora,
         )  # fmt: skip
     return Alignment(pair_ids, row_slots, block_experts, block_m)

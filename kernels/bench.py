@@ -31,7 +31,7 @@ import triton.testing
 from kernels.align import Alignment, align_pairs
 from kernels.configs import MoEConfig, get_config
 from kernels.forward import fused_moe, moe_forward
-from kernels.fused_moe import w13_stage
+from kernels.fused_moe import LoRABuffers, w13_stage
 from kernels.reference import moe_forward_reference
 from kernels.synthetic import (
     random_hidden,
@@ -154,13 +154,19 @@ def stage_times_us(
         )
 
     def align_w13() -> object:
+        alignment = align()
+        assert alignment.row_slots is not None
+        buffers = LoRABuffers(slots.a13, slots.b13, slots.a2, slots.b2, alignment.row_slots)
         return w13_stage(
             hidden, layer.w13, layer.b13, layer.activation, layer.swiglu_alpha,
-            layer.swiglu_limit, routing.topk_ids.shape[1], align(), (slots.a13, slots.b13),
-            config, None,
+            layer.swiglu_limit, routing.topk_ids.shape[1], alignment, buffers, config, None,
         )  # fmt: skip
 
+    def align_base() -> Alignment:
+        return align_pairs(routing.topk_ids, layer.num_experts, config.block_m)
+
     return {
+        "align base": graph_time_us(align_base),
         "align": graph_time_us(align),
         "align+w13": graph_time_us(align_w13),
         "all": graph_time_us(lambda: fused_moe(hidden, layer, lora, routing, config)),
@@ -183,7 +189,9 @@ def bench_cell(
     hidden = random_hidden(tokens, shape.hidden, device=device, seed=tokens)
     routing = random_routing(tokens, shape.experts, shape.top_k, device=device, seed=tokens)
     lora = LoRAContext(slots, round_robin_slots(tokens, min(tokens, MAX_ADAPTERS), device))
-    config = get_config(tokens, shape.experts, shape.hidden, shape.inter, shape.top_k, RANK, device)
+    config = get_config(
+        tokens, shape.experts, shape.hidden, shape.inter, shape.top_k, RANK, torch.bfloat16, device
+    )
     err_lora = relative_error(
         moe_forward(hidden, layer, lora, routing),
         moe_forward_reference(hidden, layer, lora, routing),

@@ -14,6 +14,7 @@ Table format::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -109,27 +110,54 @@ def load_table(name: str) -> dict[str, dict[int, MoEConfig]]:
     }
 
 
+#: Shared memory the main loops' pipeline stages may take (H100/H200: 227 KB per block),
+#: leaving room for the epilogue's layout conversions.
+SMEM_BUDGET = 160 * 1024
+
+
+def fit_stages(config: MoEConfig, elem_size: int) -> MoEConfig:
+    """Lower num_stages where the operand tiles of ``elem_size``-byte elements (fp32: 4)
+    would not fit ``SMEM_BUDGET``."""
+
+    def fit(gemm: GemmConfig, tile_rows: int) -> GemmConfig:
+        per_stage = (config.block_m + tile_rows) * gemm.block_k * elem_size
+        stages = max(2, min(gemm.num_stages, SMEM_BUDGET // per_stage))
+        return dataclasses.replace(gemm, num_stages=stages)
+
+    return dataclasses.replace(
+        config, w13=fit(config.w13, 2 * config.w13.block_n), w2=fit(config.w2, config.w2.block_n)
+    )
+
+
 def heuristic_config(
-    num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int, rank: int
+    num_tokens: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    top_k: int,
+    elem_size: int = 2,
 ) -> MoEConfig:
     """A reasonable configuration for shapes nobody tuned."""
     rows_per_expert = num_tokens * top_k / num_experts
-    if rows_per_expert <= 16:
-        block_m, segments = 16, 4
-    elif rows_per_expert <= 64:
-        block_m, segments = 32, 4
-    elif rows_per_expert <= 256:
-        block_m, segments = 64, 2
+    if rows_per_expert <= 24:
+        # Weight streaming: narrow tiles, one per program, so every SM keeps loading.
+        config = MoEConfig(
+            block_m=16 if rows_per_expert <= 12 else 32,
+            lora_segments=4,
+            w13=GemmConfig(block_n=32, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4),
+            w2=GemmConfig(block_n=64, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4),
+        )
     else:
-        block_m, segments = 128, 2
-    if block_m <= 32:
-        # Weight-streaming regime: many narrow tiles keep every SM loading.
-        w13 = GemmConfig(block_n=32, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4)
-        w2 = GemmConfig(block_n=64, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4)
-    else:
-        w13 = GemmConfig(block_n=64, block_k=64, tiles_per_program=4, num_warps=8, num_stages=3)
-        w2 = GemmConfig(block_n=128, block_k=64, tiles_per_program=4, num_warps=8, num_stages=3)
-    return MoEConfig(block_m=block_m, lora_segments=segments if rank else 1, w13=w13, w2=w2)
+        # Tensor-core bound: large tiles; programs sweep several N tiles.
+        config = MoEConfig(
+            block_m=64 if rows_per_expert <= 128 else 128,
+            lora_segments=4,
+            w13=GemmConfig(block_n=64, block_k=64, tiles_per_program=4, num_warps=8, num_stages=3),
+            w2=GemmConfig(block_n=128, block_k=64, tiles_per_program=4, num_warps=8, num_stages=3),
+        )
+    # Scalar fp32 atomics cost more than the (T*k, H) round trip once there are millions.
+    atomic_sum = num_tokens * top_k * hidden <= (1 << 22)
+    return fit_stages(dataclasses.replace(config, atomic_sum=atomic_sum), elem_size)
 
 
 def get_config(
@@ -139,12 +167,14 @@ def get_config(
     inter: int,
     top_k: int,
     rank: int,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> MoEConfig:
     """The tuned configuration nearest to ``num_tokens`` for this shape and GPU, else the
     heuristic's. ``rank`` is the LoRA slots' rank, 0 without LoRA."""
+    elem_size = torch.finfo(dtype).bits // 8
     table = load_table(device_name(device)).get(shape_key(num_experts, hidden, inter, top_k, rank))
     if not table:
-        return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, rank)
+        return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, elem_size)
     nearest = min(table, key=lambda m: (abs(math.log(m / num_tokens)), m))
-    return table[nearest]
+    return fit_stages(table[nearest], elem_size)

@@ -9,7 +9,7 @@ import torch
 
 from kernels.align import align_pairs
 from kernels.configs import MoEConfig, get_config
-from kernels.fused_moe import fused_experts
+from kernels.fused_moe import LoRABuffers, fused_experts
 from kernels.reference import moe_forward_reference, shared_expert_forward
 from kernels.routing import route
 from kernels.types import LoRAContext, MoELayerWeights, Routing, validate_forward_inputs
@@ -41,6 +41,9 @@ def fused_moe(
         token_slots=None if lora is None else lora.token_slots,
         enabled=None if slots is None else slots.enabled,
     )
+    buffers = None
+    if slots is not None and alignment.row_slots is not None:
+        buffers = LoRABuffers(slots.a13, slots.b13, slots.a2, slots.b2, alignment.row_slots)
     shared = None
     if layer.shared is not None:
         shared = shared_expert_forward(hidden, layer.shared, hidden.dtype)
@@ -55,7 +58,7 @@ def fused_moe(
         layer.swiglu_limit,
         routing.topk_weights.contiguous(),
         alignment,
-        None if slots is None else ((slots.a13, slots.b13), (slots.a2, slots.b2)),
+        buffers,
         config,
         addend=shared,
     )
@@ -100,6 +103,7 @@ def moe_forward(
         layer.intermediate_size,
         layer.router.top_k,
         rank,
+        hidden.dtype,
         hidden.device,
     )
     return fused_moe(hidden, layer, lora, routing, config)

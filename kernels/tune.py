@@ -44,19 +44,19 @@ from kernels.types import LoRAContext, MoELayerWeights
 
 # (block_n, block_k, tiles_per_program, num_warps, num_stages); w13's block_n is per half.
 W13_STREAMING = [
-    (32, 128, 1, 4, 4), (64, 128, 1, 4, 4), (32, 256, 1, 4, 3),
-    (64, 64, 1, 4, 6), (16, 256, 1, 4, 4), (128, 64, 1, 8, 4),
+    (32, 128, 1, 4, 4), (16, 128, 1, 4, 4), (64, 128, 1, 4, 4), (16, 256, 1, 4, 3),
+    (32, 256, 1, 4, 3), (32, 64, 1, 4, 6),
 ]  # fmt: skip
 W13_COMPUTE = [
-    (64, 64, 4, 8, 3), (64, 64, 1, 4, 4), (128, 64, 2, 8, 3),
-    (64, 128, 4, 8, 3), (128, 64, 8, 8, 4), (64, 64, 16, 8, 4),
+    (64, 64, 4, 8, 3), (128, 64, 4, 8, 3), (128, 64, 64, 8, 3), (64, 64, 64, 4, 4),
+    (64, 128, 4, 8, 3), (128, 64, 1, 8, 4),
 ]  # fmt: skip
 W2_STREAMING = [
-    (64, 128, 1, 4, 4), (32, 128, 1, 4, 4), (128, 128, 1, 4, 3),
-    (64, 256, 1, 4, 3), (128, 64, 1, 4, 5),
+    (64, 128, 1, 4, 4), (32, 128, 1, 4, 4), (128, 128, 1, 4, 3), (32, 256, 1, 4, 3),
+    (64, 64, 1, 4, 6),
 ]  # fmt: skip
 W2_COMPUTE = [
-    (128, 64, 4, 8, 3), (128, 64, 1, 4, 4), (256, 64, 2, 8, 3),
+    (128, 64, 4, 8, 3), (256, 64, 4, 8, 3), (256, 64, 64, 8, 3), (128, 64, 64, 8, 4),
     (128, 128, 4, 8, 3), (64, 64, 8, 4, 4),
 ]  # fmt: skip
 
@@ -68,8 +68,6 @@ def block_m_options(rows_per_expert: float) -> list[int]:
         return [16, 32]
     if rows_per_expert <= 64:
         return [16, 32, 64]
-    if rows_per_expert <= 256:
-        return [32, 64, 128]
     return [64, 128]
 
 
@@ -117,9 +115,9 @@ class Tuner:
         return relative_error(got, expected)
 
 
-def tune_cell(tuner: Tuner, shape: Shape, tokens: int, rank: int) -> MoEConfig:
+def tune_cell(tuner: Tuner, shape: Shape, tokens: int) -> MoEConfig:
     rows_per_expert = tokens * shape.top_k / shape.experts
-    start = heuristic_config(tokens, shape.experts, shape.hidden, shape.inter, shape.top_k, rank)
+    start = heuristic_config(tokens, shape.experts, shape.hidden, shape.inter, shape.top_k)
     best = tuner.best_of(
         [dataclasses.replace(start, block_m=bm) for bm in block_m_options(rows_per_expert)]
     )
@@ -130,7 +128,7 @@ def tune_cell(tuner: Tuner, shape: Shape, tokens: int, rank: int) -> MoEConfig:
         [best] + [dataclasses.replace(best, w13=GemmConfig(*c)) for c in w13_space]
     )
     best = tuner.best_of([best] + [dataclasses.replace(best, w2=GemmConfig(*c)) for c in w2_space])
-    segments = [2, 4] if streaming else [1, 2, 3, 4]
+    segments = [2, 4, 8]
     best = tuner.best_of(
         [best]
         + [dataclasses.replace(best, lora_segments=s) for s in segments]
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 shape.experts, shape.hidden, shape.inter, shape.top_k, device=device
             )
         tuner = Tuner(shape, layers[key], tokens, rank)
-        best = tune_cell(tuner, shape, tokens, rank)
+        best = tune_cell(tuner, shape, tokens)
         err = tuner.error(best)
         if not err < BF16_TOLERANCE:
             raise SystemExit(f"{key} M={tokens} r={rank}: best config wrong, error {err:.2e}")

@@ -81,7 +81,7 @@ def test_float32_is_exact_on_the_gpu() -> None:
     lora = _lora(layer, 200)
     for atomic_sum in (True, False):
         config = dataclasses.replace(
-            heuristic_config(200, 16, 512, 256, 4, 16), atomic_sum=atomic_sum
+            heuristic_config(200, 16, 512, 256, 4, elem_size=4), atomic_sum=atomic_sum
         )
         got = fused_moe(hidden, layer, lora, routing, config)
         expected = moe_forward_reference(hidden, layer, lora, routing)
