@@ -541,6 +541,7 @@ def test_notes_tell_how_to_upload_an_adapter_and_call_forward(
     assert "adapterctl upload" in notes and "adapterctl base-model register" in notes
     assert "stub.Forward(" in notes
     assert "dns:///demo-moe-lora-serve-executor-headless.ml.svc:50052" in notes
+    assert "admits only client pods labelled moelora.io/executor-client=true" in notes
     assert "WARNING: auth is off" in notes
     assert "WARNING" not in production.notes
     assert "MOELORA_REGISTRY_TOKEN" in production.notes
