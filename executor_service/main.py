@@ -4,41 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import grpc
-
+from executor_service.app import ExecutorApp
 from executor_service.config import ExecutorSettings
-from moelora.v1 import executor_pb2, executor_pb2_grpc
+from executor_service.metrics import ExecutorMetrics
 from shared.config import parse_settings
-from shared.grpc_server import GrpcServer, ServerOptions
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
-
-SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(ExecutorSettings, argv)
     configure_logging(settings.log_level, settings.log_format)
-
-    def register(server: grpc.Server) -> None:
-        # The generated base servicer answers every RPC with UNIMPLEMENTED.
-        base = executor_pb2_grpc.ExecutorServicer()  # type: ignore[abstract]
-        executor_pb2_grpc.add_ExecutorServicer_to_server(base, server)
-
-    server = GrpcServer(
-        ServerOptions(
-            listen=settings.listen,
-            max_message_bytes=settings.max_message_bytes,
-            drain_seconds=settings.drain_seconds,
-            tls_cert_file=settings.tls_cert_file,
-            tls_key_file=settings.tls_key_file,
-        ),
-        [SERVICE_NAME],
-        register,
-    )
+    app = ExecutorApp(settings, ExecutorMetrics())
     start_metrics_server(settings.metrics_listen)
-    # NOT_SERVING until a base model is loaded (the executor issue loads it).
-    server.serve_forever()
+    app.serve_forever()
+    if app.load_error is not None:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

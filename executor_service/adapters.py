@@ -1,0 +1,370 @@
+"""Where adapters are resolved and moved between tiers: source → host cache → GPU slot.
+
+``AdapterManager`` is what the engine and the admin RPCs talk to. It resolves references to
+immutable versions (keyed by digest), brings missing adapters into the host cache — fetching
+and packing each digest once even when many requests ask for it at the same moment
+(single-flight) — acquires GPU slots for a batch, and keeps the metrics of both tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from enum import Enum
+
+import torch
+
+from executor_service.host_cache import HostCache, HostEntry
+from executor_service.metrics import ExecutorMetrics
+from executor_service.packer import PackedAdapter, pack_adapter
+from executor_service.slot_buffers import DeviceEvent
+from executor_service.slots import SlotDataMissing, SlotLease, SlotManager, SlotStatus
+from executor_service.sources import AdapterSource, ResolvedAdapter
+from shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from shared.logs import log_event
+from shared.model_spec import ModelSpec
+from shared.refs import AdapterRef
+
+log = logging.getLogger(__name__)
+
+
+class Location(Enum):
+    """Where an adapter version lives; the values are the metrics' ``tier`` labels."""
+
+    GPU = "gpu"
+    HOST = "host"
+    #: Loaded and already evicted again by other traffic before the answer was built.
+    NONE = "none"
+
+
+GPU = Location.GPU.value
+HOST = Location.HOST.value
+
+
+@dataclass(frozen=True)
+class AdapterStatus:
+    """Where one adapter version lives, as ListLoadedAdapters reports it."""
+
+    adapter: ResolvedAdapter
+    location: Location
+    slot: int | None
+    pinned: bool
+    rank: int
+    nbytes: int
+    in_flight: int
+    last_used: float | None
+
+
+@dataclass(frozen=True)
+class PackSettings:
+    """What adapters are packed for: the base model, the slots' rank, the compute dtype."""
+
+    spec: ModelSpec
+    base_model_name: str
+    max_rank: int
+    dtype: torch.dtype
+
+
+class AdapterManager:
+    """Resolves, loads, pins and evicts adapters for one executor."""
+
+    def __init__(
+        self,
+        source: AdapterSource | None,
+        pack: PackSettings,
+        host: HostCache,
+        slots: SlotManager,
+        metrics: ExecutorMetrics,
+    ) -> None:
+        self._source = source
+        self._pack = pack
+        self.host = host
+        self.slots = slots
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._loading: dict[str, Future[PackedAdapter]] = {}
+        self._update_slot_gauges()
+
+    # -- references ----------------------------------------------------------------------
+
+    def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
+        """The version ``ref`` names now. A version number or digest that the executor holds
+        resolves locally; a bare name or alias always asks the source (it may have moved)."""
+        if ref.is_pinned_version:
+            for adapter in self._held():
+                if (
+                    adapter.name == ref.name
+                    and ref.version in (None, adapter.version)
+                    and (ref.digest in (None, adapter.digest))
+                ):
+                    return adapter
+        if self._source is None:
+            raise NotFound(
+                f"adapter {ref} not found: the executor has no adapter source (set --adapter-dir)"
+            )
+        adapter = self._source.resolve(ref)
+        fingerprint = adapter.base_model_fingerprint
+        if fingerprint is not None and fingerprint != self._pack.spec.fingerprint:
+            raise FailedPrecondition(
+                f"adapter {adapter.label} was made for base model {fingerprint}, but this "
+                f"executor serves {self._pack.base_model_name} ({self._pack.spec.fingerprint})"
+            )
+        return adapter
+
+    # -- Forward's path ------------------------------------------------------------------
+
+    def acquire(self, adapters: Sequence[ResolvedAdapter], timeout: float) -> SlotLease:
+        """Holds GPU slots for ``adapters`` (distinct digests), loading what is missing.
+        Release with ``release`` after the kernel."""
+        data: dict[str, PackedAdapter] = {}
+        need = [a for a in adapters if not self.slots.holds(a.digest)]
+        while True:
+            for adapter in need:
+                data[adapter.digest] = self._packed(adapter)
+            try:
+                lease = self.slots.acquire(adapters, data, timeout)
+            except SlotDataMissing as exc:
+                # Evicted between the check and the acquisition: fetch those too, retry.
+                need = list(exc.adapters)
+                continue
+            break
+        self._count_gpu(lease)
+        return lease
+
+    def release(self, lease: SlotLease, done: DeviceEvent) -> None:
+        self.slots.release(lease, done)
+
+    # -- admin ---------------------------------------------------------------------------
+
+    def load(self, ref: AdapterRef, to_gpu: bool, timeout: float) -> AdapterStatus:
+        """Brings the adapter into the host cache and, if ``to_gpu``, into a slot."""
+        adapter = self.resolve(ref)
+        if to_gpu:
+            lease = self.acquire([adapter], timeout)
+            try:
+                status = self.status_of(adapter)
+            finally:
+                self.release(lease, self.slots.buffers.sync.record())
+            # Taken while this call held the slot: do not count that hold.
+            return replace(status, in_flight=status.in_flight - 1)
+        known = self._find(adapter)
+        if known is not None:
+            return known
+        packed = self._packed(adapter)
+        if packed.nbytes > self.host.budget_bytes:
+            raise ResourceExhausted(
+                f"adapter {adapter.label} packs to {packed.nbytes} bytes, more than the host "
+                f"cache's budget of {self.host.budget_bytes} bytes; load it with to_gpu"
+            )
+        return self._find(adapter) or AdapterStatus(
+            adapter=adapter,
+            location=Location.NONE,
+            slot=None,
+            pinned=False,
+            rank=packed.rank,
+            nbytes=packed.nbytes,
+            in_flight=0,
+            last_used=None,
+        )
+
+    def pin(self, ref: AdapterRef, timeout: float) -> AdapterStatus:
+        """Loads the adapter into a slot and pins it there."""
+        adapter = self.resolve(ref)
+        lease = self.acquire([adapter], timeout)
+        try:
+            slot = self.slots.pin(adapter.digest)
+        finally:
+            self.release(lease, self.slots.buffers.sync.record())
+        self._update_slot_gauges()
+        log_event(log, "adapter_pinned", adapter=adapter.label, slot=slot.slot)
+        # Taken while this call held the slot: do not count that hold.
+        return replace(self._from_slot(slot), in_flight=slot.in_flight - 1)
+
+    def unpin(self, ref: AdapterRef) -> AdapterStatus:
+        adapter = self._held_version(ref)
+        slot = self.slots.unpin(adapter.digest)
+        if slot is None:
+            return self.status_of(adapter)
+        self._update_slot_gauges()
+        log_event(log, "adapter_unpinned", adapter=adapter.label)
+        return self._from_slot(slot)
+
+    def unload(self, ref: AdapterRef, timeout: float) -> AdapterStatus:
+        """Drops the adapter from its slot (after the requests using it) and the host cache."""
+        adapter = self._held_version(ref)
+        before = self.status_of(adapter)
+        if self.slots.evict(adapter.digest, timeout) is not None:
+            self._metrics.set_resident(adapter.label, GPU, False)
+        if self.host.remove(adapter.digest) is not None:
+            self._metrics.set_resident(adapter.label, HOST, False)
+            self._metrics.host_cache_used_bytes.set(self.host.used_bytes)
+        self._update_slot_gauges()
+        log_event(log, "adapter_unloaded", adapter=adapter.label)
+        return before
+
+    def list_loaded(self) -> list[AdapterStatus]:
+        """GPU slots first (by slot), then the host cache (most recently used first)."""
+        on_gpu = [self._from_slot(s) for s in self.slots.status()]
+        gpu_digests = {s.adapter.digest for s in on_gpu}
+        on_host = [
+            self._from_host(e)
+            for e in reversed(self.host.entries())
+            if e.adapter.digest not in gpu_digests
+        ]
+        return on_gpu + on_host
+
+    def status_of(self, adapter: ResolvedAdapter) -> AdapterStatus:
+        status = self._find(adapter)
+        if status is None:
+            raise NotFound(f"adapter {adapter.label} is not loaded")
+        return status
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _find(self, adapter: ResolvedAdapter) -> AdapterStatus | None:
+        for status in self.list_loaded():
+            if status.adapter.digest == adapter.digest:
+                return status
+        return None
+
+    def _held(self) -> list[ResolvedAdapter]:
+        on_gpu = [s.adapter for s in self.slots.status()]
+        return on_gpu + [e.adapter for e in self.host.entries()]
+
+    def _held_version(self, ref: AdapterRef) -> ResolvedAdapter:
+        """The held version ``ref`` names (resolved as everywhere), or NotFound."""
+        adapter = self.resolve(ref)
+        held = [a for a in self._held() if a.name == adapter.name]
+        if adapter.digest not in {a.digest for a in held}:
+            loaded = ", ".join(a.label for a in held) or "none"
+            raise NotFound(
+                f"adapter {ref} resolves to {adapter.label}, which is not loaded "
+                f"(loaded versions of {adapter.name}: {loaded})"
+            )
+        return adapter
+
+    def _packed(self, adapter: ResolvedAdapter) -> PackedAdapter:
+        """The packed adapter from the host cache, else fetched and packed once per digest
+        however many callers ask at the same time."""
+        entry = self.host.get(adapter.digest)
+        if entry is not None:
+            self._metrics.cache_hits.labels(HOST).inc()
+            return entry.packed
+        with self._lock:
+            future = self._loading.get(adapter.digest)
+            leader = future is None
+            if future is None:
+                future = Future()
+                self._loading[adapter.digest] = future
+        if not leader:
+            return future.result()
+        try:
+            entry = self._fetch_and_pack(adapter)
+            future.set_result(entry.packed)
+            return entry.packed
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                del self._loading[adapter.digest]
+
+    def _fetch_and_pack(self, adapter: ResolvedAdapter) -> HostEntry:
+        self._metrics.cache_misses.labels(HOST).inc()
+        if self._source is None:  # resolve() found it held; it has been evicted since
+            raise NotFound(f"adapter {adapter.label} was evicted and there is no adapter source")
+        start = time.perf_counter()
+        files = self._source.fetch(adapter)
+        pack = self._pack
+        try:
+            packed = pack_adapter(files.config, files.weights, pack.spec, pack.max_rank, pack.dtype)
+        except InvalidArgument as exc:
+            # The request was fine; the stored adapter does not fit this executor.
+            raise FailedPrecondition(
+                f"adapter {adapter.label} cannot be used with base model "
+                f"{pack.base_model_name}: {exc.message}"
+            ) from None
+        put = self.host.put(adapter, packed)
+        seconds = time.perf_counter() - start
+        self._metrics.load_seconds.labels(HOST).observe(seconds)
+        self._metrics.load_bytes.labels(HOST).inc(packed.nbytes)
+        if put.stored:
+            self._metrics.set_resident(adapter.label, HOST, True)
+        for gone in put.evicted:
+            self._metrics.evictions.labels(HOST).inc()
+            self._metrics.set_resident(gone.label, HOST, False)
+        self._metrics.host_cache_used_bytes.set(self.host.used_bytes)
+        log_event(
+            log,
+            "adapter_packed",
+            adapter=adapter.label,
+            digest=adapter.digest,
+            rank=packed.rank,
+            bytes=packed.nbytes,
+            cached=put.stored,
+            evicted=[a.label for a in put.evicted],
+            ms=round(seconds * 1000, 2),
+        )
+        return put.entry
+
+    def _count_gpu(self, lease: SlotLease) -> None:
+        metrics = self._metrics
+        metrics.cache_hits.labels(GPU).inc(lease.hits)
+        if not lease.loaded:
+            return
+        metrics.cache_misses.labels(GPU).inc(len(lease.loaded))
+        metrics.evictions.labels(GPU).inc(len(lease.evicted))
+        for gone in lease.evicted:
+            metrics.set_resident(gone.label, GPU, False)
+        for adapter, seconds, nbytes in zip(
+            lease.loaded, lease.load_seconds, lease.load_bytes, strict=True
+        ):
+            metrics.set_resident(adapter.label, GPU, True)
+            metrics.load_seconds.labels(GPU).observe(seconds)
+            metrics.load_bytes.labels(GPU).inc(nbytes)
+        self._update_slot_gauges()
+        log_event(
+            log,
+            "adapters_to_gpu",
+            loaded=[a.label for a in lease.loaded],
+            slots=[lease.slots[a.digest] for a in lease.loaded],
+            evicted=[a.label for a in lease.evicted],
+        )
+
+    def _update_slot_gauges(self) -> None:
+        free = self.slots.free_slots()
+        pinned = self.slots.pinned_slots()
+        gauge = self._metrics.gpu_slots
+        gauge.labels("free").set(free)
+        gauge.labels("pinned").set(pinned)
+        gauge.labels("loaded").set(self.slots.num_slots - free - pinned)
+
+    @staticmethod
+    def _from_slot(status: SlotStatus) -> AdapterStatus:
+        return AdapterStatus(
+            adapter=status.adapter,
+            location=Location.GPU,
+            slot=status.slot,
+            pinned=status.pinned,
+            rank=status.rank,
+            nbytes=status.nbytes,
+            in_flight=status.in_flight,
+            last_used=status.last_used,
+        )
+
+    @staticmethod
+    def _from_host(entry: HostEntry) -> AdapterStatus:
+        return AdapterStatus(
+            adapter=entry.adapter,
+            location=Location.HOST,
+            slot=None,
+            pinned=False,
+            rank=entry.packed.rank,
+            nbytes=entry.packed.nbytes,
+            in_flight=0,
+            last_used=None,
+        )

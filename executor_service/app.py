@@ -1,0 +1,104 @@
+"""The executor process: the gRPC server up at once, the base model loaded in the background.
+
+Health says NOT_SERVING (and RPCs answer UNAVAILABLE) while the model loads, so that probes get
+answers during a long load; SERVING once it is ready. A model that fails to load stops the
+server, and ``main`` exits non-zero. Without ``--base-model-path`` the server stays NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from executor_service.config import ExecutorSettings
+from executor_service.engine import KernelFn
+from executor_service.metrics import ExecutorMetrics
+from executor_service.runtime import ExecutorRuntime, build_runtime
+from executor_service.server import ExecutorServicer
+from executor_service.sources import AdapterSource
+from moelora.v1 import executor_pb2, executor_pb2_grpc
+from shared.grpc_server import GrpcServer, ServerOptions
+from shared.logs import log_event
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+
+
+class ExecutorApp:
+    """One executor: its server, servicer and loading thread. ``kernel`` and ``source``
+    replace the defaults (see ``build_runtime``)."""
+
+    def __init__(
+        self,
+        settings: ExecutorSettings,
+        metrics: ExecutorMetrics,
+        kernel: KernelFn | None = None,
+        source: AdapterSource | None = None,
+    ) -> None:
+        self.settings = settings
+        self._metrics = metrics
+        self._kernel = kernel
+        self._source = source
+        self.servicer = ExecutorServicer()
+        self.server = GrpcServer(
+            ServerOptions(
+                listen=settings.listen,
+                max_message_bytes=settings.max_message_bytes,
+                drain_seconds=settings.drain_seconds,
+                tls_cert_file=settings.tls_cert_file,
+                tls_key_file=settings.tls_key_file,
+            ),
+            [SERVICE_NAME],
+            lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(self.servicer, server),
+        )
+        #: The loaded runtime, once ``loaded`` is set without ``load_error``.
+        self.runtime: ExecutorRuntime | None = None
+        #: Set once loading ended, successfully or not.
+        self.loaded = threading.Event()
+        self.load_error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def start(self) -> None:
+        """Starts serving and loading; returns at once (tests and embedding)."""
+        self.server.start()
+        self._start_loading()
+
+    def serve_forever(self) -> None:
+        """Starts, drains on SIGTERM or SIGINT, returns once stopped (the process)."""
+        self._start_loading()
+        self.server.serve_forever()
+
+    def drain(self) -> None:
+        self.server.drain()
+
+    def _start_loading(self) -> None:
+        if self.settings.base_model_path is None:
+            log_event(log, "no_base_model", hint="set --base-model-path; staying NOT_SERVING")
+            return
+        threading.Thread(target=self._load, name="load-base-model", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            runtime = build_runtime(self.settings, self._metrics, self._kernel, self._source)
+        except BaseException as exc:
+            self.load_error = exc
+            log_event(
+                log,
+                "base_model_load_failed",
+                logging.ERROR,
+                exc_info=True,
+                path=str(self.settings.base_model_path),
+                error=str(exc),
+            )
+            self.loaded.set()
+            self.server.drain()
+            return
+        self.runtime = runtime
+        self.servicer.attach(runtime)
+        if not self.server.draining:
+            self.server.set_serving(True)
+        self.loaded.set()

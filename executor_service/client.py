@@ -1,0 +1,265 @@
+"""A Python client of the Executor for backends: torch tensors in and out, deadlines on every
+call, retries only where they are safe, errors as ``shared.errors`` classes.
+
+Retries: a call is retried only on UNAVAILABLE (the server drains, is still loading, or the
+connection failed), with exponential backoff inside the call's deadline, and only when running
+it twice does no harm. Forward is a pure function of its request, and Load/Pin/Unpin leave the
+same state however often they run, so those retry. UnloadAdapter does not (a retry after a
+first attempt that did run would answer NOT_FOUND), nor does ForwardStream (its requests may
+have run).
+
+    with ExecutorClient("127.0.0.1:50052") as client:
+        result = client.forward(layer=3, hidden=h, segments=[(5, "sql:2"), (3, None)])
+        result.output  # (8, H) torch tensor, h's dtype
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TypeVar
+
+import grpc
+import torch
+
+from moelora.v1 import executor_pb2, executor_pb2_grpc
+from shared import codec
+from shared.errors import MoeLoraError, error_for_code, from_rpc_error
+from shared.grpc_server import wait_until_serving
+
+T = TypeVar("T")
+
+#: (num_tokens, adapter reference or None for the base model), in token order.
+Segments = Sequence[tuple[int, str | None]]
+#: Precomputed routing: topk_ids (T, k) int32/int64 and topk_weights (T, k) float32.
+RoutingTensors = tuple[torch.Tensor, torch.Tensor]
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """Forward's answer: output (T, H) on the CPU in the input's dtype; ``name:VERSION`` per
+    segment ("" for base segments); time spent in the executor."""
+
+    output: torch.Tensor
+    resolved_adapters: list[str]
+    server_time_us: int
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    """One request of ``ExecutorClient.forward_stream``."""
+
+    layer: int
+    hidden: torch.Tensor
+    segments: Segments | None = None
+    routing: RoutingTensors | None = None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Attempts in all (1 = no retry) and the backoff between them (doubling, jittered)."""
+
+    attempts: int = 4
+    initial_backoff: float = 0.05
+    max_backoff: float = 1.0
+
+
+def forward_request(
+    layer: int,
+    hidden: torch.Tensor,
+    segments: Segments | None = None,
+    routing: RoutingTensors | None = None,
+) -> executor_pb2.ForwardRequest:
+    """The ForwardRequest message for torch inputs."""
+    request = executor_pb2.ForwardRequest(
+        layer=layer,
+        hidden_states=codec.from_torch(hidden),
+        segments=[
+            executor_pb2.Segment(num_tokens=n, adapter=ref or "") for n, ref in segments or ()
+        ],
+    )
+    if routing is not None:
+        ids, weights = routing
+        request.routing.topk_ids.CopyFrom(codec.from_torch(ids))
+        request.routing.topk_weights.CopyFrom(codec.from_torch(weights))
+    return request
+
+
+def forward_result(response: executor_pb2.ForwardResponse) -> ForwardResult:
+    output = codec.to_torch(response.output, "output").clone()  # writable, owns its memory
+    return ForwardResult(
+        output=output,
+        resolved_adapters=list(response.resolved_adapters),
+        server_time_us=response.server_time_us,
+    )
+
+
+class ExecutorClient:
+    """Typed calls to one executor. ``timeout`` is each call's default deadline in seconds."""
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 30.0,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        max_message_bytes: int = 512 * 1024 * 1024,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls:
+            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        self.address = address
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+
+    def __enter__(self) -> ExecutorClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def wait_until_serving(self, timeout: float = 60.0) -> None:
+        """Blocks until health says SERVING (the base model is loaded)."""
+        wait_until_serving(self._channel, "moelora.v1.Executor", timeout=timeout)
+
+    # -- compute -------------------------------------------------------------------------
+
+    def forward(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        segments: Segments | None = None,
+        routing: RoutingTensors | None = None,
+        timeout: float | None = None,
+    ) -> ForwardResult:
+        """One MoE layer for ``hidden`` (T, H), float32/float16/bfloat16. ``segments`` cover
+        the T tokens in order; None = all tokens on the base model."""
+        request = forward_request(layer, hidden, segments, routing)
+        return forward_result(self._call(self._stub.Forward, request, timeout, idempotent=True))
+
+    def forward_stream(
+        self, calls: Iterable[ForwardCall], timeout: float | None = None
+    ) -> Iterator[ForwardResult | MoeLoraError]:
+        """Pipelines ``calls`` over one stream; yields, in order, each call's result or the
+        error that failed only that call. ``timeout`` bounds the whole stream."""
+
+        def requests() -> Iterator[executor_pb2.ForwardStreamRequest]:
+            for request_id, call in enumerate(calls):
+                forward = forward_request(call.layer, call.hidden, call.segments, call.routing)
+                yield executor_pb2.ForwardStreamRequest(request_id=request_id, forward=forward)
+
+        try:
+            for answer in self._stub.ForwardStream(requests(), timeout=timeout or self.timeout):
+                if answer.HasField("error"):
+                    code = _CODES.get(answer.error.code, grpc.StatusCode.UNKNOWN)
+                    yield error_for_code(code, answer.error.message)
+                else:
+                    yield forward_result(answer.forward)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    # -- admin ---------------------------------------------------------------------------
+
+    def load_adapter(
+        self, adapter: str, to_gpu: bool = False, timeout: float | None = None
+    ) -> executor_pb2.LoadedAdapter:
+        request = executor_pb2.LoadAdapterRequest(adapter=adapter, to_gpu=to_gpu)
+        response: executor_pb2.LoadAdapterResponse = self._call(
+            self._stub.LoadAdapter, request, timeout, idempotent=True
+        )
+        return response.adapter
+
+    def unload_adapter(
+        self, adapter: str, timeout: float | None = None
+    ) -> executor_pb2.LoadedAdapter:
+        request = executor_pb2.UnloadAdapterRequest(adapter=adapter)
+        response: executor_pb2.UnloadAdapterResponse = self._call(
+            self._stub.UnloadAdapter, request, timeout, idempotent=False
+        )
+        return response.adapter
+
+    def pin_adapter(self, adapter: str, timeout: float | None = None) -> executor_pb2.LoadedAdapter:
+        request = executor_pb2.PinAdapterRequest(adapter=adapter)
+        response: executor_pb2.PinAdapterResponse = self._call(
+            self._stub.PinAdapter, request, timeout, idempotent=True
+        )
+        return response.adapter
+
+    def unpin_adapter(
+        self, adapter: str, timeout: float | None = None
+    ) -> executor_pb2.LoadedAdapter:
+        request = executor_pb2.UnpinAdapterRequest(adapter=adapter)
+        response: executor_pb2.UnpinAdapterResponse = self._call(
+            self._stub.UnpinAdapter, request, timeout, idempotent=True
+        )
+        return response.adapter
+
+    def list_loaded_adapters(
+        self, timeout: float | None = None
+    ) -> executor_pb2.ListLoadedAdaptersResponse:
+        request = executor_pb2.ListLoadedAdaptersRequest()
+        response: executor_pb2.ListLoadedAdaptersResponse = self._call(
+            self._stub.ListLoadedAdapters, request, timeout, idempotent=True
+        )
+        return response
+
+    def get_executor_info(
+        self, timeout: float | None = None
+    ) -> executor_pb2.GetExecutorInfoResponse:
+        request = executor_pb2.GetExecutorInfoRequest()
+        response: executor_pb2.GetExecutorInfoResponse = self._call(
+            self._stub.GetExecutorInfo, request, timeout, idempotent=True
+        )
+        return response
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _call(
+        self,
+        method: Callable[..., T],
+        request: object,
+        timeout: float | None,
+        idempotent: bool,
+    ) -> T:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        attempts = self.retry.attempts if idempotent else 1
+        backoff = self.retry.initial_backoff
+        attempt = 1
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return method(request, timeout=max(remaining, 0.001))
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc)
+                pause = random.uniform(backoff / 2, backoff)
+                retry = (
+                    error.code is grpc.StatusCode.UNAVAILABLE
+                    and attempt < attempts
+                    and time.monotonic() + pause < deadline
+                )
+                if not retry:
+                    raise error from None
+            time.sleep(pause)
+            attempt += 1
+            backoff = min(backoff * 2, self.retry.max_backoff)

@@ -1,0 +1,118 @@
+"""Where packed adapters wait in host memory: a byte budget, least recently used out first.
+
+The host cache is the tier between the adapter source (slow: a registry download, a disk
+read, then packing) and the GPU slots (fast: one host→device copy). Entries are keyed by
+digest. On a CUDA executor the tensors are copied into page-locked (pinned) memory once, on
+insertion, so that the copies into GPU slots can run asynchronously on the side stream.
+
+Evicting an entry only drops the host copy: an adapter that sits in a GPU slot stays there
+(the slot holds its own copy), and a host→GPU copy still in flight keeps its source alive
+(torch's pinned-memory allocator does not reuse a block until the copies reading it finished).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import torch
+
+from executor_service.packer import PackedAdapter, PackedLayer
+from executor_service.sources import ResolvedAdapter
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """One packed adapter in host memory."""
+
+    adapter: ResolvedAdapter
+    packed: PackedAdapter
+    inserted_at: float
+
+
+@dataclass(frozen=True)
+class HostPut:
+    """What ``HostCache.put`` did."""
+
+    entry: HostEntry
+    #: False when the adapter alone is larger than the whole budget: it was not kept.
+    stored: bool
+    evicted: tuple[ResolvedAdapter, ...]
+
+
+def pin_packed(packed: PackedAdapter) -> PackedAdapter:
+    """A copy of ``packed`` in page-locked memory (for asynchronous copies to the GPU)."""
+
+    def pin(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.pin_memory()
+
+    layers = {
+        index: PackedLayer(a13=pin(lay.a13), b13=pin(lay.b13), a2=pin(lay.a2), b2=pin(lay.b2))
+        for index, lay in packed.layers.items()
+    }
+    return replace(packed, layers=layers)
+
+
+class HostCache:
+    """Packed adapters by digest within ``budget_bytes`` (``PackedAdapter.nbytes`` each)."""
+
+    def __init__(self, budget_bytes: int, pin_memory: bool) -> None:
+        self.budget_bytes = budget_bytes
+        self.pin_memory = pin_memory
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, HostEntry] = OrderedDict()
+        self._used = 0
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    def get(self, digest: str) -> HostEntry | None:
+        """The entry, now the most recently used; None on a miss."""
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is not None:
+                self._entries.move_to_end(digest)
+            return entry
+
+    def peek(self, digest: str) -> HostEntry | None:
+        """The entry without touching its recency."""
+        with self._lock:
+            return self._entries.get(digest)
+
+    def put(self, adapter: ResolvedAdapter, packed: PackedAdapter) -> HostPut:
+        """Inserts (pinning first when configured), evicting least recently used entries
+        until it fits. An adapter larger than the budget is returned but not kept."""
+        if self.pin_memory:
+            packed = pin_packed(packed)
+        entry = HostEntry(adapter=adapter, packed=packed, inserted_at=time.time())
+        if packed.nbytes > self.budget_bytes:
+            return HostPut(entry=entry, stored=False, evicted=())
+        evicted: list[ResolvedAdapter] = []
+        with self._lock:
+            previous = self._entries.pop(adapter.digest, None)
+            if previous is not None:
+                self._used -= previous.packed.nbytes
+            while self._used + packed.nbytes > self.budget_bytes:
+                _, oldest = self._entries.popitem(last=False)
+                self._used -= oldest.packed.nbytes
+                evicted.append(oldest.adapter)
+            self._entries[adapter.digest] = entry
+            self._used += packed.nbytes
+        return HostPut(entry=entry, stored=True, evicted=tuple(evicted))
+
+    def remove(self, digest: str) -> HostEntry | None:
+        """Drops the entry; returns it, or None when it was not held."""
+        with self._lock:
+            entry = self._entries.pop(digest, None)
+            if entry is not None:
+                self._used -= entry.packed.nbytes
+            return entry
+
+    def entries(self) -> list[HostEntry]:
+        """Every entry, least recently used first."""
+        with self._lock:
+            return list(self._entries.values())

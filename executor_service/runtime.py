@@ -1,0 +1,146 @@
+"""Where the executor's parts are built from its settings: device, base model, slot buffers,
+host cache, adapter source, adapter manager and engine, wired together explicitly."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from executor_service.adapters import AdapterManager, PackSettings
+from executor_service.config import ExecutorSettings
+from executor_service.engine import EngineSettings, ForwardEngine, KernelFn
+from executor_service.host_cache import HostCache
+from executor_service.metrics import ExecutorMetrics
+from executor_service.model_loader import BaseModel, load_base_model
+from executor_service.slot_buffers import DeviceSync, SlotBuffers
+from executor_service.slots import SlotManager
+from executor_service.sources import AdapterSource, LocalFolderSource
+from kernels.forward import Backend
+from shared.errors import InvalidArgument
+from shared.logs import log_event
+from shared.refs import AdapterRef
+
+log = logging.getLogger(__name__)
+
+#: GetExecutorInfo's ``backend`` per device type.
+BACKENDS = {"cuda": "triton", "cpu": "torch-reference"}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and in what the executor computes."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def kernel_backend(self) -> Backend:
+        return "triton" if self.device.type == "cuda" else "torch"
+
+    @property
+    def backend_name(self) -> str:
+        return BACKENDS[self.device.type]
+
+    @property
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return str(torch.cuda.get_device_name(self.device))
+        return "cpu"
+
+
+def placement(settings: ExecutorSettings) -> Placement:
+    """``auto`` = the GPU with bfloat16 if there is one, else the CPU with float32."""
+    name = settings.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type not in BACKENDS:
+        raise InvalidArgument(f"--device: {settings.device!r} is not auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgument(f"--device: {settings.device!r} but no CUDA GPU is visible")
+        device = torch.device("cuda", device.index if device.index is not None else 0)
+    dtype_name = settings.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    return Placement(device=device, dtype=getattr(torch, dtype_name))
+
+
+@dataclass(frozen=True)
+class ExecutorRuntime:
+    """Everything a loaded executor serves with."""
+
+    settings: ExecutorSettings
+    placement: Placement
+    model: BaseModel
+    adapters: AdapterManager
+    engine: ForwardEngine
+
+
+def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
+    """The local adapter folder when configured. The registry source is wired by the
+    end-to-end work; until then ``registry_address`` is not used."""
+    if settings.adapter_dir is None:
+        return None
+    return LocalFolderSource(settings.adapter_dir.expanduser())
+
+
+def build_runtime(
+    settings: ExecutorSettings,
+    metrics: ExecutorMetrics,
+    kernel: KernelFn | None = None,
+    source: AdapterSource | None = None,
+) -> ExecutorRuntime:
+    """Loads the base model and builds every part. ``kernel`` replaces
+    ``kernels.moe_forward`` (tests slow it down); ``source`` replaces the configured one."""
+    if settings.base_model_path is None:
+        raise InvalidArgument("--base-model-path is not set")
+    where = placement(settings)
+    folder = settings.base_model_path.expanduser()
+    model = load_base_model(folder, where.device, where.dtype, settings.base_model_name)
+    sync = DeviceSync(where.device)
+    buffers = SlotBuffers(model.layers, settings.num_slots, settings.max_rank, where.dtype, sync)
+    manager = AdapterManager(
+        source=source if source is not None else adapter_source(settings),
+        pack=PackSettings(
+            spec=model.spec,
+            base_model_name=model.name,
+            max_rank=settings.max_rank,
+            dtype=where.dtype,
+        ),
+        host=HostCache(settings.host_cache_bytes, pin_memory=where.device.type == "cuda"),
+        slots=SlotManager(buffers),
+        metrics=metrics,
+    )
+    engine = ForwardEngine(
+        model=model,
+        adapters=manager,
+        settings=EngineSettings(
+            device=where.device,
+            dtype=where.dtype,
+            max_tokens_per_request=settings.max_tokens_per_request,
+        ),
+        kernel=kernel or functools.partial(kernels.moe_forward, backend=where.kernel_backend),
+        metrics=metrics,
+    )
+    runtime = ExecutorRuntime(
+        settings=settings, placement=where, model=model, adapters=manager, engine=engine
+    )
+    for text in settings.preload_adapters:
+        status = manager.pin(AdapterRef.parse(text, "preload_adapters"), settings.slot_wait_seconds)
+        log_event(log, "adapter_preloaded", adapter=status.adapter.label, slot=status.slot)
+    log_event(
+        log,
+        "executor_ready",
+        base_model=model.name,
+        fingerprint=model.spec.fingerprint,
+        device=where.device_name,
+        dtype=str(where.dtype).removeprefix("torch."),
+        backend=where.backend_name,
+        moe_layers=len(model.layers),
+    )
+    return runtime

@@ -1,0 +1,211 @@
+"""The Executor gRPC servicer: translates messages and nothing else.
+
+Decoding, encoding and the proto ↔ dataclass mapping happen here; the work happens in the
+``ForwardEngine`` and the ``AdapterManager`` of the attached ``ExecutorRuntime``. Domain errors
+raised below become status codes in ``shared.grpc_server``'s interceptor; ForwardStream turns
+them into per-request ``RequestError`` answers so that one bad request does not end the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from importlib import metadata
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from typing_extensions import override
+
+from executor_service.adapters import AdapterStatus, Location
+from executor_service.engine import ForwardInput, Segment
+from executor_service.runtime import ExecutorRuntime
+from moelora.v1 import executor_pb2, executor_pb2_grpc
+from shared import codec
+from shared.errors import MoeLoraError, Unavailable
+from shared.logs import log_event
+from shared.refs import AdapterRef
+
+log = logging.getLogger(__name__)
+
+_LOCATIONS = {
+    Location.GPU: executor_pb2.ADAPTER_LOCATION_GPU,
+    Location.HOST: executor_pb2.ADAPTER_LOCATION_HOST,
+    Location.NONE: executor_pb2.ADAPTER_LOCATION_UNSPECIFIED,
+}
+
+
+def decode_forward(request: executor_pb2.ForwardRequest) -> ForwardInput:
+    """The request as the engine takes it (tensors view the message's bytes)."""
+    routing = request.routing if request.HasField("routing") else None
+    has_ids = routing is not None and routing.HasField("topk_ids")
+    has_weights = routing is not None and routing.HasField("topk_weights")
+    return ForwardInput(
+        layer=request.layer,
+        hidden=codec.to_torch(request.hidden_states, "hidden_states"),
+        segments=[Segment(s.num_tokens, s.adapter) for s in request.segments],
+        topk_ids=codec.to_torch(request.routing.topk_ids, "routing.topk_ids") if has_ids else None,
+        topk_weights=(
+            codec.to_torch(request.routing.topk_weights, "routing.topk_weights")
+            if has_weights
+            else None
+        ),
+    )
+
+
+def loaded_adapter(status: AdapterStatus) -> executor_pb2.LoadedAdapter:
+    message = executor_pb2.LoadedAdapter(
+        name=status.adapter.name,
+        version=status.adapter.version,
+        digest=status.adapter.digest,
+        location=_LOCATIONS[status.location],
+        slot=-1 if status.slot is None else status.slot,
+        pinned=status.pinned,
+        rank=status.rank,
+        size_bytes=status.nbytes,
+        in_flight=status.in_flight,
+    )
+    if status.last_used is not None:
+        stamp = Timestamp()
+        stamp.FromNanoseconds(int(status.last_used * 1e9))
+        message.last_used_time.CopyFrom(stamp)
+    return message
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    """Answers UNAVAILABLE until ``attach`` hands it the loaded runtime."""
+
+    def __init__(self) -> None:
+        self._runtime: ExecutorRuntime | None = None
+
+    def attach(self, runtime: ExecutorRuntime) -> None:
+        self._runtime = runtime
+
+    def _ready(self) -> ExecutorRuntime:
+        runtime = self._runtime
+        if runtime is None:
+            raise Unavailable("the executor is still loading its base model; retry shortly")
+        return runtime
+
+    def _forward(
+        self, request: executor_pb2.ForwardRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.ForwardResponse:
+        runtime = self._ready()
+        start = time.perf_counter()
+        result = runtime.engine.forward(decode_forward(request), _slot_wait(runtime, context))
+        response = executor_pb2.ForwardResponse(
+            output=codec.from_torch(result.output),
+            resolved_adapters=result.resolved_adapters,
+        )
+        response.server_time_us = int((time.perf_counter() - start) * 1e6)
+        return response
+
+    @override
+    def Forward(
+        self, request: executor_pb2.ForwardRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.ForwardResponse:
+        return self._forward(request, context)
+
+    @override
+    def ForwardStream(
+        self,
+        request_iterator: Iterator[executor_pb2.ForwardStreamRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[executor_pb2.ForwardStreamResponse]:
+        for item in request_iterator:
+            try:
+                answer = self._forward(item.forward, context)
+            except MoeLoraError as exc:
+                error = executor_pb2.RequestError(code=exc.code.value[0], message=exc.message)
+            except Exception:
+                error_id = uuid.uuid4().hex[:12]
+                log_event(
+                    log,
+                    "forward_stream_internal_error",
+                    logging.ERROR,
+                    exc_info=True,
+                    request_id=item.request_id,
+                    error_id=error_id,
+                )
+                error = executor_pb2.RequestError(
+                    code=grpc.StatusCode.INTERNAL.value[0],
+                    message=f"internal error (id {error_id}); see the server log",
+                )
+            else:
+                yield executor_pb2.ForwardStreamResponse(request_id=item.request_id, forward=answer)
+                continue
+            yield executor_pb2.ForwardStreamResponse(request_id=item.request_id, error=error)
+
+    @override
+    def LoadAdapter(
+        self, request: executor_pb2.LoadAdapterRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.LoadAdapterResponse:
+        runtime = self._ready()
+        ref = AdapterRef.parse(request.adapter, "adapter")
+        status = runtime.adapters.load(ref, request.to_gpu, _slot_wait(runtime, context))
+        return executor_pb2.LoadAdapterResponse(adapter=loaded_adapter(status))
+
+    @override
+    def UnloadAdapter(
+        self, request: executor_pb2.UnloadAdapterRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.UnloadAdapterResponse:
+        runtime = self._ready()
+        ref = AdapterRef.parse(request.adapter, "adapter")
+        status = runtime.adapters.unload(ref, _slot_wait(runtime, context))
+        return executor_pb2.UnloadAdapterResponse(adapter=loaded_adapter(status))
+
+    @override
+    def PinAdapter(
+        self, request: executor_pb2.PinAdapterRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.PinAdapterResponse:
+        runtime = self._ready()
+        ref = AdapterRef.parse(request.adapter, "adapter")
+        status = runtime.adapters.pin(ref, _slot_wait(runtime, context))
+        return executor_pb2.PinAdapterResponse(adapter=loaded_adapter(status))
+
+    @override
+    def UnpinAdapter(
+        self, request: executor_pb2.UnpinAdapterRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.UnpinAdapterResponse:
+        runtime = self._ready()
+        ref = AdapterRef.parse(request.adapter, "adapter")
+        status = runtime.adapters.unpin(ref)
+        return executor_pb2.UnpinAdapterResponse(adapter=loaded_adapter(status))
+
+    @override
+    def ListLoadedAdapters(
+        self, request: executor_pb2.ListLoadedAdaptersRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.ListLoadedAdaptersResponse:
+        adapters = self._ready().adapters
+        return executor_pb2.ListLoadedAdaptersResponse(
+            adapters=[loaded_adapter(s) for s in adapters.list_loaded()],
+            num_slots=adapters.slots.num_slots,
+            free_slots=adapters.slots.free_slots(),
+            host_cache_used_bytes=adapters.host.used_bytes,
+        )
+
+    @override
+    def GetExecutorInfo(
+        self, request: executor_pb2.GetExecutorInfoRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.GetExecutorInfoResponse:
+        runtime = self._ready()
+        settings, where = runtime.settings, runtime.placement
+        return executor_pb2.GetExecutorInfoResponse(
+            base_model=runtime.model.spec.to_proto(runtime.model.name),
+            compute_dtype=codec.dtype_from_name(str(where.dtype)),
+            num_slots=settings.num_slots,
+            max_rank=settings.max_rank,
+            device=where.device_name,
+            backend=where.backend_name,
+            slot_memory_bytes=runtime.adapters.slots.buffers.nbytes,
+            host_cache_bytes=settings.host_cache_bytes,
+            max_tokens_per_request=settings.max_tokens_per_request,
+            max_message_bytes=settings.max_message_bytes,
+            server_version=metadata.version("moe-lora-serve"),
+        )
+
+
+def _slot_wait(runtime: ExecutorRuntime, context: grpc.ServicerContext) -> float:
+    """How long an RPC may wait for GPU slots: the setting, capped by its deadline."""
+    return min(runtime.settings.slot_wait_seconds, float(context.time_remaining()))

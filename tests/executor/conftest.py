@@ -1,0 +1,168 @@
+"""Executors run in-process on 127.0.0.1 (real gRPC server, real client), over worlds of tiny
+transformers models and PEFT adapters built once per session."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from executor_service.app import ExecutorApp
+from executor_service.client import ExecutorClient, RetryPolicy
+from executor_service.config import ExecutorSettings
+from executor_service.engine import KernelFn
+from executor_service.metrics import ExecutorMetrics
+from executor_service.sources import AdapterFiles, AdapterSource, ResolvedAdapter
+from executor_service.synthetic import (
+    SyntheticAdapter,
+    SyntheticBase,
+    write_adapter,
+    write_base_checkpoint,
+)
+from kernels import LoRAContext, MoELayerWeights, Routing, moe_forward
+from shared.refs import AdapterRef
+from tests.executor.worlds import LEGACY_2D, Recipe, World, build_world
+
+#: float32 on the CPU: the executor's torch reference vs transformers + PEFT, both float32,
+#: differ by rounding only (different summation orders): |Δ| <= ATOL + RTOL·|reference|.
+ATOL = 1e-5
+RTOL = 1e-4
+
+#: The adapters of the shared qwen3_moe world: every PEFT variant, a legacy 2D one, and more
+#: adapters than the executors' slots so that they must churn.
+QWEN_RECIPES = [
+    Recipe("alpha", "both", 1),
+    Recipe("beta", "down_only", 2),
+    Recipe("gamma", "rslora", 3),
+    Recipe("delta", "target_modules", 4),
+    Recipe("eps", "patterns", 5),
+    Recipe("zeta", LEGACY_2D, 6),
+    Recipe("eta", "gate_up_only", 7),
+]
+#: An adapter of the right format for a *different* base model (another hidden size).
+FOREIGN = "foreign"
+#: ``multi`` has two versions: 1 is a copy of alpha, 2 a copy of beta.
+MULTI = "multi"
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.fixture(scope="session")
+def qwen_world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    root = tmp_path_factory.mktemp("qwen_world")
+    world = build_world("qwen3_moe", root, QWEN_RECIPES)
+    other = write_base_checkpoint(root / "other_base", SyntheticBase("qwen3_moe", hidden_size=32))
+    write_adapter(world.adapter_dir / FOREIGN, other, SyntheticAdapter(rank=4))
+    for version, source in ((1, "alpha"), (2, "beta")):
+        shutil.copytree(world.adapter_dir / source, world.adapter_dir / MULTI / str(version))
+    return world
+
+
+@dataclass
+class Running:
+    """An executor started by ``start_executor`` and a client connected to it."""
+
+    app: ExecutorApp
+    client: ExecutorClient
+    registry: CollectorRegistry
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    def slots(self) -> dict[str, int]:
+        """name:VERSION -> slot of every adapter in a GPU slot."""
+        listing = self.client.list_loaded_adapters()
+        return {f"{a.name}:{a.version}": a.slot for a in listing.adapters if a.slot >= 0}
+
+
+StartExecutor = Callable[..., Running]
+
+
+@contextlib.contextmanager
+def running_executor(
+    world: World,
+    *,
+    kernel: KernelFn | None = None,
+    source: AdapterSource | None = None,
+    wait: bool = True,
+    **overrides: Any,
+) -> Iterator[Running]:
+    """An executor on a free port over ``world`` (settings overridable), drained on exit.
+    ``wait``: return once the base model loaded."""
+    values: dict[str, Any] = {
+        "listen": "127.0.0.1:0",
+        "base_model_path": world.checkpoint,
+        "adapter_dir": world.adapter_dir,
+        "num_slots": 4,
+        "max_rank": 8,
+        "host_cache_bytes": 64 * 1024**2,
+        "metrics_listen": "",
+        "drain_seconds": 5.0,
+        "log_format": "text",
+        **overrides,
+    }
+    registry = CollectorRegistry()
+    app = ExecutorApp(ExecutorSettings(**values), ExecutorMetrics(registry), kernel, source)
+    app.start()
+    client = ExecutorClient(app.address, timeout=30, retry=RetryPolicy(attempts=1))
+    try:
+        if wait:
+            assert app.loaded.wait(60), "the base model did not load within 60 s"
+            assert app.load_error is None, app.load_error
+        yield Running(app, client, registry)
+    finally:
+        client.close()
+        app.drain()
+
+
+@pytest.fixture
+def start_executor() -> Iterator[StartExecutor]:
+    """``start_executor(world, **kwargs)`` as ``running_executor``; drained at teardown."""
+    with contextlib.ExitStack() as stack:
+        yield lambda world, **kwargs: stack.enter_context(running_executor(world, **kwargs))
+
+
+def slowed_kernel(seconds: float) -> KernelFn:
+    """The torch reference, entered only after ``seconds``: a request holds its slots that
+    long before the kernel reads them, so an overwrite in between would show in its output."""
+
+    def kernel(
+        hidden: torch.Tensor,
+        layer: MoELayerWeights,
+        lora: LoRAContext | None,
+        routing: Routing | None,
+    ) -> torch.Tensor:
+        threading.Event().wait(seconds)
+        return moe_forward(hidden, layer, lora, routing, backend="torch")
+
+    return kernel
+
+
+class GatedSource:
+    """A real adapter source whose fetches are counted and can be held at a gate."""
+
+    def __init__(self, inner: AdapterSource, gate: threading.Event | None = None) -> None:
+        self._inner = inner
+        self._gate = gate
+        self._lock = threading.Lock()
+        self.fetches: dict[str, int] = {}
+
+    def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
+        return self._inner.resolve(ref)
+
+    def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles:
+        with self._lock:
+            self.fetches[adapter.label] = self.fetches.get(adapter.label, 0) + 1
+        if self._gate is not None:
+            assert self._gate.wait(30), "the test never opened the gate"
+        return self._inner.fetch(adapter)
