@@ -140,19 +140,25 @@ def _fill(
     """A (E, rank, fan_in) and B (E, fan_out, rank) of one packed projection (float32)."""
     if not rank:
         return None, None
+    if len(pairs) == 1 and pairs[0].expert is None:  # 3D: one pair covers every expert
+        a, b = _pair_factors(pairs[0], header, data, num_experts)
+        return a, _deinterleave(b) if deinterleave else b
     a = torch.zeros(num_experts, rank, fan_in)
     b = torch.zeros(num_experts, fan_out, rank)
     half = fan_out // 2
     rows = {Projection.GATE: slice(0, half), Projection.UP: slice(half, fan_out)}
     for pair in pairs:
         pair_a, pair_b = _pair_factors(pair, header, data, num_experts)
-        if deinterleave:  # gpt_oss: out features alternate gate, up
-            pair_b = torch.cat((pair_b[:, 0::2], pair_b[:, 1::2]), dim=1)
         experts = slice(None) if pair.expert is None else slice(pair.expert, pair.expert + 1)
         ranks = slice(pair.rank_offset, pair.rank_offset + pair.rank)
         a[experts, ranks] = pair_a
         b[experts, rows.get(pair.projection, slice(None)), ranks] = pair_b
     return a, b
+
+
+def _deinterleave(b: torch.Tensor) -> torch.Tensor:
+    """gpt_oss: rows of its gate_up B alternate gate, up; make them [gate; up]."""
+    return torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)
 
 
 def _pair_factors(
@@ -171,9 +177,10 @@ def _pair_factors(
 def _cast(tensor: torch.Tensor | None, dtype: torch.dtype, name: str) -> torch.Tensor | None:
     if tensor is None:
         return None
-    cast = tensor.to(dtype).contiguous()
-    if not bool(torch.isfinite(cast).all()):
+    # Rounding is monotonic: the largest magnitude overflows iff any value does.
+    low, high = torch.aminmax(tensor)
+    if not bool(torch.isfinite(torch.stack((low, high)).to(dtype)).all()):
         raise InvalidArgument(
             f"adapter LoRA {name} overflows {str(dtype).removeprefix('torch.')} once scaled"
         )
-    return cast
+    return tensor.to(dtype, memory_format=torch.contiguous_format)

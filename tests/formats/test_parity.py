@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save
 
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.packer import PackedAdapter, pack_adapter
@@ -27,6 +27,7 @@ from executor_service.synthetic import (
 )
 from kernels import LoRAContext, LoRASlots, moe_forward
 from shared.adapter_format import AdapterFormat
+from shared.errors import InvalidArgument
 from tests.formats.conftest import HFCheckpoint
 from tests.formats.hf_models import HIDDEN, MODEL_TYPES, moe_block, run_block
 from tests.formats.peft_adapters import load_peft_adapter, make_peft_adapter
@@ -240,3 +241,16 @@ def test_bf16_packing_rounds_the_float32_fold(tmp_path: Path) -> None:
             got = getattr(bf16.layers[index], name)
             assert got.dtype == torch.bfloat16
             assert torch.equal(got, expected.to(torch.bfloat16))
+
+
+def test_fold_that_overflows_the_serving_dtype_is_refused(tmp_path: Path) -> None:
+    spec = write_base_checkpoint(tmp_path / "base", SyntheticBase("olmoe"), dtype=torch.float32)
+    folder = write_adapter(tmp_path / "adapter", spec, SyntheticAdapter(alpha=16.0, rank=8))
+    config = json.loads((folder / "adapter_config.json").read_text())
+    tensors = load_file(folder / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.mlp.experts.lora_B.weight"
+    tensors[key][3, 5] = 40000.0  # finite in float16, but not once scaled by 16 / 8
+    weights = save(tensors)
+    assert pack_adapter(config, weights, spec, 8, torch.float32).rank == 8
+    with pytest.raises(InvalidArgument, match="adapter LoRA b2 overflows float16 once scaled"):
+        pack_adapter(config, weights, spec, 8, torch.float16)
