@@ -2,23 +2,23 @@
 
 The kernels run over the blocks of ``kernels.align`` (BLOCK_M pairs of one expert each):
 
-``_lora_shrink_kernel`` (LoRA only): ``xa13 = x A13[s,e]ᵀ`` for every row, once per block, into
-    a small (rows, R) float32 buffer.
+``_lora_shrink_kernel`` (LoRA only): ``xa = x A[s,e]ᵀ`` for every aligned row, once per block,
+    into a small (rows, R) float32 buffer; run on the hidden states with A13 before w13 and on
+    the activation with A2 before w2.
 ``_w13_kernel``: ``g_u = x W13[e]ᵀ (+ b13) + B13[s,e] xa13``, then the activation, stored as
     the (rows, I) intermediate ``a`` in the aligned row order. Gate and up columns are
     interleaved in one tile (gate column i next to up column i), so one dot yields both and
     the activation runs in the epilogue: the (rows, 2I) pre-activation never goes to memory.
-    With LoRA the epilogue also starts w2's shrink: each program adds its ``a`` tile times
-    the matching columns of A2[s,e] into a per-program partial of ``xa2 = a A2[s,e]ᵀ``.
 ``_w2_kernel``: ``y = a W2[e]ᵀ (+ b2) + B2[s,e] xa2``, times the pair's routed weight, either
     atomically added (fp32) into the (T, H) output, so the sum over k needs no (T*k, H)
     buffer, or stored per pair for ``_sum_k_kernel`` (deterministic); the launch configuration
     chooses (``MoEConfig.atomic_sum``).
 
-LoRA is kept out of the main K loops, which are the base MoE's: the shrink of w13 costs one
-read of x and A13 per block (not per N tile, which would multiply the x and A re-reads by the
-number of tiles), w2's shrink rides on the activation tiles w13 already holds, and both expands
-are a small dot in the epilogues. Only rank-R vectors per row go through memory.
+LoRA is kept out of the main K loops, which are the base MoE's: each shrink costs one read of
+its input rows and of the A matrices per block (inside the GEMMs it would be repeated for every
+N tile, multiplying the re-reads of x and A by the number of tiles), and each expand is a small
+dot in the epilogue. Only rank-R vectors per row go through memory, and every sum has a fixed
+order.
 
 A block may hold rows of several adapter slots ("segments", numbered by slot). Up to
 ``NSEG`` segments are handled by *one* dot against their A (or B) matrices stacked side by
@@ -158,56 +158,21 @@ def _lora_expand(
 
 
 @triton.jit
-def _lora_shrink_tile(
-    x,
-    slot,
-    seg,
-    n_seg,
-    a_ptr,
-    expert,
-    k_offs,
-    k_mask,
-    R,
-    stride_as,
-    stride_ae,
-    stride_ar,
-    BLOCK_M: tl.constexpr,
-    NSEG: tl.constexpr,
-    RP: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Each row's x tile (BLOCK_M, BLOCK_K) times its slot's A[s, e] columns ``k_offs``:
-    the (BLOCK_M, RP) fp32 contribution of this K range to x·A[s, e]ᵀ."""
-    xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-    for chunk in range(0, tl.cdiv(n_seg, NSEG)):
-        col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, R, NSEG, RP)
-        a_ptrs = (
-            a_ptr
-            + expert * stride_ae
-            + (col_slot * stride_as + col_rank * stride_ar)[None, :]
-            + k_offs[:, None]
-        )
-        a = tl.load(a_ptrs, mask=col_ok[None, :] & k_mask[:, None], other=0.0)
-        stacked = tl.dot(x, a, input_precision=PRECISION)
-        xa += _collapse(stacked, seg, chunk, BLOCK_M, NSEG, RP)
-    return xa
-
-
-@triton.jit
 def _lora_shrink_kernel(
-    x_ptr,  # (T, H) hidden states
-    a_ptr,  # (S, E, R, H) LoRA A13
-    xa_ptr,  # (max_rows, RP) fp32 out: x·A13[s, e]ᵀ per aligned row
+    x_ptr,  # GATHER: (T, K) hidden states, row of token; else (max_rows, K) aligned rows
+    a_ptr,  # (S, E, R, K) LoRA A
+    xa_ptr,  # (max_rows, RP) fp32 out: x·A[s, e]ᵀ per aligned row
     pair_ids_ptr,
     row_slots_ptr,
     block_experts_ptr,
-    H,
+    K,
     top_k,
     R,
-    stride_xt,
+    stride_x,
     stride_as,
     stride_ae,
     stride_ar,
+    GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NSEG: tl.constexpr,
@@ -221,10 +186,13 @@ def _lora_shrink_kernel(
         return
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ids_ptr + rows)
     slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-    x_mask = (pair >= 0) & (seg >= 0)
-    x_row_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
+    x_mask = seg >= 0  # rows without an adapter (padding included) read nothing
+    if GATHER:
+        pair = tl.load(pair_ids_ptr + rows)
+        x_row_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+    else:
+        x_row_ptrs = x_ptr + rows.to(tl.int64) * stride_x
     offs_k = tl.arange(0, BLOCK_K)
     xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
     # Chunks of segments outside, K inside: the K loop is the one that gets pipelined.
@@ -232,8 +200,8 @@ def _lora_shrink_kernel(
         col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, R, NSEG, RP)
         a_cols = a_ptr + expert * stride_ae + col_slot * stride_as + col_rank * stride_ar
         stacked = tl.zeros((BLOCK_M, NSEG * RP), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k_mask = offs_k < H - k0
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
             x = tl.load(
                 x_row_ptrs[:, None] + (k0 + offs_k)[None, :],
                 mask=x_mask[:, None] & k_mask[None, :],
@@ -254,10 +222,8 @@ def _w13_kernel(
     x_ptr,  # (T, H) hidden states
     w_ptr,  # (E, 2I, H)
     bias_ptr,  # (E, 2I) or unused
-    xa_ptr,  # (max_rows, RP) fp32 from _lora_shrink_kernel
+    xa_ptr,  # (max_rows, RP) fp32 x·A13ᵀ from _lora_shrink_kernel
     b_ptr,  # (S, E, 2I, R) LoRA B13
-    a2_ptr,  # (S, E, R, I) LoRA A2
-    xa2_ptr,  # (programs along N, max_rows, RP) fp32 out: partial a·A2ᵀ
     out_ptr,  # (max_rows, I) activation, aligned row order
     pair_ids_ptr,
     row_slots_ptr,
@@ -279,9 +245,6 @@ def _w13_kernel(
     stride_be,
     stride_bn,
     stride_br,
-    stride_a2s,
-    stride_a2e,
-    stride_a2r,
     stride_om,
     ACTIVATION: tl.constexpr,  # 0 silu, 1 gpt_oss
     HAS_BIAS: tl.constexpr,
@@ -318,7 +281,6 @@ def _w13_kernel(
     if HAS_LORA:
         slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
         xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
-        xa2 = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
 
     # Tile columns interleave gate and up: column c is gate (c even) or up (c odd) of
     # intermediate index n0 + c // 2, i.e. row (n0 + c // 2) + (c % 2) * I of W13.
@@ -350,19 +312,9 @@ def _w13_kernel(
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
             act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-        act = act.to(out_ptr.dtype.element_ty)
         out_cols = n0 + tl.arange(0, BLOCK_N)
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + out_cols[None, :]
-        tl.store(out_ptrs, act, mask=(out_cols < inter)[None, :])
-        if HAS_LORA:
-            # w2's shrink over this tile's columns of a, on the rounded a that w2 reads.
-            xa2 += _lora_shrink_tile(
-                act, slot, seg, n_seg, a2_ptr, expert, out_cols, out_cols < inter, R,
-                stride_a2s, stride_a2e, stride_a2r, BLOCK_M, NSEG, RP, PRECISION,
-            )  # fmt: skip
-    if HAS_LORA:
-        partial = xa2_ptr + (pid_n * tl.num_programs(0) * BLOCK_M + rows)[:, None] * RP
-        tl.store(partial + tl.arange(0, RP)[None, :], xa2)
+        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=(out_cols < inter)[None, :])
 
 
 @triton.jit
@@ -370,14 +322,13 @@ def _w2_kernel(
     act_ptr,  # (max_rows, I) activation from _w13_kernel
     w_ptr,  # (E, H, I)
     bias_ptr,  # (E, H) or unused
-    xa_ptr,  # (num_partials, max_rows, RP) fp32 partial a·A2ᵀ from _w13_kernel
+    xa_ptr,  # (max_rows, RP) fp32 a·A2ᵀ from _lora_shrink_kernel
     b_ptr,  # (S, E, H, R) LoRA B2
     out_ptr,  # ATOMIC_SUM: (T, H) fp32 zeroed by _w13_kernel; else (T*k, H), row per pair
     pair_ids_ptr,
     row_slots_ptr,
     block_experts_ptr,
     topk_weights_ptr,  # (T*k,) fp32
-    num_partials,
     H,
     inter,
     top_k,
@@ -423,10 +374,7 @@ def _w2_kernel(
         out_rows = out_ptr + pair.to(tl.int64) * stride_out
     if HAS_LORA:
         slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-        xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-        partials = xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :]
-        for p in range(0, num_partials):  # fixed order: deterministic
-            xa += tl.load(partials + p * tl.num_programs(0) * BLOCK_M * RP)
+        xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
 
     num_tiles = tl.cdiv(H, BLOCK_N)
     first = pid_n * TILES_PER_PROGRAM
@@ -500,19 +448,29 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def lora_shrink_stage(
-    hidden: torch.Tensor, top_k: int, alignment: Alignment, lora: LoRABuffers, config: MoEConfig
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    gather: bool,
+    top_k: int,
+    alignment: Alignment,
+    lora: LoRABuffers,
+    config: MoEConfig,
 ) -> torch.Tensor:
-    """x·A13[s, e]ᵀ for every aligned row: (max_rows, RP) float32."""
-    nseg, rp, s_p2 = _lora_meta(lora.a13.shape[2], config.lora_segments, lora.a13.shape[0])
+    """x·A[s, e]ᵀ for every aligned row: (max_rows, RP) float32.
+
+    x: the hidden states (T, K), rows gathered by token (``gather``), or the aligned
+    activation (max_rows, K); lora_a (S, E, R, K).
+    """
+    nseg, rp, s_p2 = _lora_meta(lora_a.shape[2], config.lora_segments, lora_a.shape[0])
     rows = alignment.max_blocks * alignment.block_m
-    xa = torch.empty((rows, rp), dtype=torch.float32, device=hidden.device)
-    block_k = _SHRINK_BLOCK_K if hidden.element_size() == 2 else _SHRINK_BLOCK_K // 2
+    xa = torch.empty((rows, rp), dtype=torch.float32, device=x.device)
+    block_k = _SHRINK_BLOCK_K if x.element_size() == 2 else _SHRINK_BLOCK_K // 2
     _lora_shrink_kernel[(alignment.max_blocks,)](
-        hidden, lora.a13, xa, alignment.sorted_pair_ids, lora.row_slots, alignment.block_experts,
-        hidden.shape[1], top_k, lora.a13.shape[2],
-        hidden.stride(0), lora.a13.stride(0), lora.a13.stride(1), lora.a13.stride(2),
-        BLOCK_M=alignment.block_m, BLOCK_K=block_k, NSEG=nseg, RP=rp, S_P2=s_p2,
-        PRECISION=_dot_precision(hidden.dtype), num_warps=4, num_stages=3,
+        x, lora_a, xa, alignment.sorted_pair_ids, lora.row_slots, alignment.block_experts,
+        x.shape[1], top_k, lora_a.shape[2],
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        GATHER=gather, BLOCK_M=alignment.block_m, BLOCK_K=block_k, NSEG=nseg, RP=rp,
+        S_P2=s_p2, PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3,
     )  # fmt: skip
     return xa
 
@@ -529,9 +487,8 @@ def w13_stage(
     lora: LoRABuffers | None,
     config: MoEConfig,
     clear: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """act = activation(x W13ᵀ (+ b13) + LoRA) for every aligned row: (max_rows, I), and with
-    LoRA the partial sums of act·A2ᵀ (programs along N, max_rows, RP) float32.
+) -> torch.Tensor:
+    """act = activation(x W13ᵀ (+ b13) + LoRA) for every aligned row: (max_rows, I).
 
     hidden (T, H); w13 (E, 2I, H); b13 (E, 2I) or None. ``clear``: a float32 buffer this
     launch zeroes on the side.
@@ -539,34 +496,30 @@ def w13_stage(
     h = hidden.shape[1]
     inter = w13.shape[1] // 2
     block_m, max_blocks = alignment.block_m, alignment.max_blocks
-    rows = max_blocks * block_m
     device = hidden.device
-    cfg = config.w13
-    grid = (max_blocks, triton.cdiv(triton.cdiv(inter, cfg.block_n), cfg.tiles_per_program))
-    act = torch.empty((rows, inter), dtype=hidden.dtype, device=device)
-    xa2 = None
+    act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=device)
     if lora is not None:
         nseg, rp, s_p2 = _lora_meta(lora.a13.shape[2], config.lora_segments, lora.a13.shape[0])
-        xa = lora_shrink_stage(hidden, top_k, alignment, lora, config)
-        xa2 = torch.empty((grid[1], rows, rp), dtype=torch.float32, device=device)
-        b, a2, row_slots, rank = lora.b13, lora.a2, lora.row_slots, lora.a13.shape[2]
+        xa = lora_shrink_stage(hidden, lora.a13, True, top_k, alignment, lora, config)
+        b, row_slots, rank = lora.b13, lora.row_slots, lora.a13.shape[2]
     else:
         nseg, rp, s_p2, rank = 1, 16, 1, 1
         # Placeholders for pointer arguments the kernel does not read without LoRA.
         xa = act
-        b = a2 = torch.empty((1, 1, 1, 1), dtype=hidden.dtype, device=device)
+        b = torch.empty((1, 1, 1, 1), dtype=hidden.dtype, device=device)
         row_slots = alignment.sorted_pair_ids
     bias = b13 if b13 is not None else w13
+    cfg = config.w13
+    grid = (max_blocks, triton.cdiv(triton.cdiv(inter, cfg.block_n), cfg.tiles_per_program))
     clear_numel = 0 if clear is None else clear.numel()
     clear_per_program = triton.cdiv(triton.cdiv(clear_numel, grid[0] * grid[1]), _CLEAR_BLOCK)
     _w13_kernel[grid](
-        hidden, w13, bias, xa, b, a2, xa2 if xa2 is not None else act, act,
+        hidden, w13, bias, xa, b, act,
         alignment.sorted_pair_ids, row_slots, alignment.block_experts,
         clear if clear is not None else act, clear_numel, clear_per_program * _CLEAR_BLOCK,
         h, inter, top_k, rank, alpha, limit,
         hidden.stride(0), w13.stride(0), w13.stride(1), bias.stride(0),
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
-        a2.stride(0), a2.stride(1), a2.stride(2),
         act.stride(0),
         ACTIVATION=0 if activation is Activation.SILU else 1,
         HAS_BIAS=b13 is not None, HAS_LORA=lora is not None,
@@ -575,12 +528,11 @@ def w13_stage(
         EVEN_K=h % cfg.block_k == 0, PRECISION=_dot_precision(hidden.dtype),
         CLEAR_BLOCK=_CLEAR_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return act, xa2
+    return act
 
 
 def w2_stage(
     act: torch.Tensor,
-    xa2: torch.Tensor | None,
     w2: torch.Tensor,
     b2: torch.Tensor | None,
     topk_weights: torch.Tensor,
@@ -591,15 +543,16 @@ def w2_stage(
 ) -> None:
     """y = w_j · (a W2ᵀ (+ b2) + LoRA) for every pair, into ``out``.
 
-    act (max_rows, I) and xa2 (partials, max_rows, RP) from ``w13_stage``; w2 (E, H, I);
-    b2 (E, H) or None; topk_weights (T, k) float32. With ``config.atomic_sum`` ``out`` is
-    (T, H) float32, zeroed, and receives Σ_j y_j; else it is (T*k, H) and row p receives
-    pair p's y.
+    act (max_rows, I) from ``w13_stage``; w2 (E, H, I); b2 (E, H) or None; topk_weights
+    (T, k) float32. With ``config.atomic_sum`` ``out`` is (T, H) float32, zeroed, and
+    receives Σ_j y_j; else it is (T*k, H) and row p receives pair p's y.
     """
     h, inter = w2.shape[1], w2.shape[2]
-    if lora is not None and xa2 is not None:
+    top_k = topk_weights.shape[1]
+    if lora is not None:
         nseg, rp, s_p2 = _lora_meta(lora.a2.shape[2], config.lora_segments, lora.a2.shape[0])
-        b, row_slots, rank, xa = lora.b2, lora.row_slots, lora.a2.shape[2], xa2
+        xa = lora_shrink_stage(act, lora.a2, False, top_k, alignment, lora, config)
+        b, row_slots, rank = lora.b2, lora.row_slots, lora.a2.shape[2]
     else:
         nseg, rp, s_p2, rank = 1, 16, 1, 1
         b = torch.empty((1, 1, 1, 1), dtype=act.dtype, device=act.device)
@@ -610,7 +563,7 @@ def w2_stage(
     _w2_kernel[grid](
         act, w2, bias, xa, b, out,
         alignment.sorted_pair_ids, row_slots, alignment.block_experts, topk_weights,
-        xa.shape[0] if xa2 is not None else 0, h, inter, topk_weights.shape[1], rank,
+        h, inter, top_k, rank,
         act.stride(0), w2.stride(0), w2.stride(1), bias.stride(0),
         b.stride(0), b.stride(1), b.stride(2), b.stride(3),
         out.stride(0),
@@ -661,12 +614,12 @@ def fused_experts(
     args = (hidden, w13, b13, activation, alpha, limit, top_k, alignment, lora, config)
     if config.atomic_sum:
         acc = torch.empty((t, h), dtype=torch.float32, device=hidden.device)
-        act, xa2 = w13_stage(*args, clear=acc)
-        w2_stage(act, xa2, w2, b2, topk_weights, alignment, lora, config, acc)
+        act = w13_stage(*args, clear=acc)
+        w2_stage(act, w2, b2, topk_weights, alignment, lora, config, acc)
         if addend is not None:
             acc += addend
         return acc.to(hidden.dtype)
-    act, xa2 = w13_stage(*args, clear=None)
+    act = w13_stage(*args, clear=None)
     y = torch.empty((t * top_k, h), dtype=hidden.dtype, device=hidden.device)
-    w2_stage(act, xa2, w2, b2, topk_weights, alignment, lora, config, y)
+    w2_stage(act, w2, b2, topk_weights, alignment, lora, config, y)
     return sum_over_k(y, top_k, addend)
