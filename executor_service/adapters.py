@@ -148,7 +148,7 @@ class AdapterManager:
             try:
                 status = self.status_of(adapter)
             finally:
-                self.release(lease, self.slots.buffers.sync.record())
+                self.release(lease, None)  # nothing read the slot
             # Taken while this call held the slot: do not count that hold.
             return replace(status, in_flight=status.in_flight - 1)
         known = self._find(adapter)
@@ -178,7 +178,7 @@ class AdapterManager:
         try:
             slot = self.slots.pin(adapter.digest)
         finally:
-            self.release(lease, self.slots.buffers.sync.record())
+            self.release(lease, None)  # nothing read the slot
         self._update_slot_gauges()
         log_event(log, "adapter_pinned", adapter=adapter.label, slot=slot.slot)
         # Taken while this call held the slot: do not count that hold.
@@ -196,15 +196,20 @@ class AdapterManager:
     def unload(self, ref: AdapterRef, timeout: float) -> AdapterStatus:
         """Drops the adapter from its slot (after the requests using it) and the host cache."""
         adapter = self._held_version(ref)
-        before = self.status_of(adapter)
-        if self.slots.evict(adapter.digest, timeout) is not None:
+        slot = self.slots.evict(adapter.digest, timeout)
+        if slot is not None:
             self._metrics.set_resident(adapter.label, GPU, False)
-        if self.host.remove(adapter.digest) is not None:
+        entry = self.host.remove(adapter.digest)
+        if entry is not None:
             self._metrics.set_resident(adapter.label, HOST, False)
             self._metrics.host_cache_used_bytes.set(self.host.used_bytes)
         self._update_slot_gauges()
         log_event(log, "adapter_unloaded", adapter=adapter.label)
-        return before
+        if slot is not None:
+            return self._from_slot(slot)
+        if entry is not None:
+            return self._from_host(entry)
+        raise NotFound(f"adapter {adapter.label} is not loaded")  # evicted meanwhile
 
     def list_loaded(self) -> list[AdapterStatus]:
         """GPU slots first (by slot), then the host cache (most recently used first)."""

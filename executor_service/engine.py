@@ -99,25 +99,29 @@ class ForwardEngine:
         resolved = {text: self.adapters.resolve(ref) for text, ref in refs.items()}
         distinct = list({a.digest: a for a in resolved.values()}.values())
         device, dtype = self.settings.device, self.settings.dtype
-        x = hidden.to(device=device, dtype=dtype)
+        buffers = self.adapters.slots.buffers
         lease = self.adapters.acquire(distinct, slot_wait) if distinct else None
-        sync = self.adapters.slots.buffers.sync
         try:
-            lora = None
-            if lease is not None:
-                per_segment = [
-                    lease.slots[resolved[s.adapter].digest] if s.adapter else -1 for s in segments
-                ]
-                token_slots = torch.repeat_interleave(
-                    torch.tensor(per_segment, dtype=torch.int32),
-                    torch.tensor([s.num_tokens for s in segments]),
-                ).to(device)
-                sync.wait(lease.ready)
-                lora = LoRAContext(self.adapters.slots.buffers.layer(request.layer), token_slots)
-            out = self._kernel(x, layer, lora, routing)
+            with buffers.sync.on_device():
+                x = hidden.to(device=device, dtype=dtype)
+                lora = None
+                if lease is not None:
+                    per_segment = [
+                        lease.slots[resolved[s.adapter].digest] if s.adapter else -1
+                        for s in segments
+                    ]
+                    token_slots = torch.repeat_interleave(
+                        torch.tensor(per_segment, dtype=torch.int32),
+                        torch.tensor([s.num_tokens for s in segments]),
+                    ).to(device)
+                    buffers.sync.wait(lease.ready)
+                    lora = LoRAContext(buffers.layer(request.layer), token_slots)
+                out = self._kernel(x, layer, lora, routing)
         finally:
+            # Released once the kernel is enqueued: on CUDA the recorded event, not the host,
+            # keeps a rewrite of these slots behind the kernel.
             if lease is not None:
-                self.adapters.release(lease, sync.record())
+                self.adapters.release(lease, buffers.sync.record())
         output = out.to(device="cpu", dtype=hidden.dtype)
         lora_tokens = sum(s.num_tokens for s in segments if s.adapter)
         self._metrics.forward_tokens.labels("lora").inc(lora_tokens)

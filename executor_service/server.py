@@ -152,7 +152,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> executor_pb2.UnloadAdapterResponse:
         runtime = self._ready()
         ref = AdapterRef.parse(request.adapter, "adapter")
-        status = runtime.adapters.unload(ref, _slot_wait(runtime, context))
+        # Requests in flight finish first, however long the caller's deadline allows.
+        status = runtime.adapters.unload(ref, float(context.time_remaining()))
         return executor_pb2.UnloadAdapterResponse(adapter=loaded_adapter(status))
 
     @override

@@ -13,6 +13,7 @@ adapter wait for. On the CPU everything is synchronous and the events are None.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -55,6 +56,13 @@ class DeviceSync:
             if device.type == "cuda"
             else None
         )
+
+    def on_device(self) -> contextlib.AbstractContextManager[object]:
+        """Makes the executor's GPU current in the calling thread: kernels launch on the
+        current device, and gRPC worker threads start on cuda:0."""
+        if self.copy_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
 
     def record(self) -> DeviceEvent:
         """An event after the work issued so far on the current stream (None on the CPU)."""
@@ -146,7 +154,7 @@ class SlotBuffers:
         if stream is None:
             self._copy(slot, packed)
             return None
-        with torch.cuda.stream(stream):
+        with self.sync.on_device(), torch.cuda.stream(stream):
             for event in after:
                 if event is not None:
                     stream.wait_event(event)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from executor_service.packer import PackedAdapter
 from executor_service.slot_buffers import DeviceEvent, SlotBuffers
 from executor_service.sources import ResolvedAdapter
-from shared.errors import FailedPrecondition, NotFound, ResourceExhausted
+from shared.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
 
 
 class SlotDataMissing(Exception):
@@ -242,7 +242,7 @@ class SlotManager:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise ResourceExhausted(
+                    raise DeadlineExceeded(
                         f"adapter {slot.adapter.label if slot.adapter else digest} is still "
                         f"used by {slot.refcount} requests in flight after {timeout:.1f}s"
                     )

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 import torch
 
+from executor_service.client import ExecutorClient
 from moelora.v1 import executor_pb2, tensor_pb2
 from shared.errors import FailedPrecondition, NotFound, ResourceExhausted
 from shared.model_spec import read_model_spec
-from tests.executor.conftest import MULTI, StartExecutor, assert_close
+from tests.conftest import wait_for
+from tests.executor.conftest import MULTI, StartExecutor, assert_close, slowed_kernel
 from tests.executor.worlds import TOKENS, World
 
 GPU = executor_pb2.ADAPTER_LOCATION_GPU
@@ -152,3 +157,33 @@ def test_forward_metrics(qwen_world: World, start_executor: StartExecutor) -> No
     assert running.metric("moelora_executor_adapter_misses_total", tier="gpu") == 1
     assert running.metric("moelora_executor_adapter_hits_total", tier="gpu") == 1
     assert running.metric("moelora_executor_adapter_load_bytes_total", tier="host") > 0
+
+
+def test_unload_waits_for_the_requests_in_flight(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    slow = slowed_kernel(0.5)
+    kernel_done = threading.Event()
+
+    def kernel(*args: Any) -> torch.Tensor:
+        out = slow(*args)
+        kernel_done.set()
+        return out
+
+    running = start_executor(qwen_world, kernel=kernel)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer]
+    outcome: list[torch.Tensor] = []
+
+    def call() -> None:
+        with ExecutorClient(running.app.address, timeout=30) as client:
+            outcome.append(client.forward(layer, hidden, [(TOKENS, "eta")]).output)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_for(lambda: "eta:1" in running.slots(), timeout=30)
+    dropped = running.client.unload_adapter("eta")
+    assert kernel_done.is_set(), "UnloadAdapter returned while a Forward still used the adapter"
+    caller.join(30)
+    assert dropped.in_flight == 0 and running.slots() == {}
+    assert_close(outcome[0], qwen_world.reference[("eta", layer)])
