@@ -19,11 +19,11 @@ transformers keeps in float32 and so do we.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -61,18 +61,11 @@ def load_base_model(
     """
     checkpoint = read_checkpoint(folder)
     spec = checkpoint.spec
-    target = torch.device(device)
     layers: dict[int, MoELayerWeights] = {}
-    with _open_tensors(checkpoint) as read:
-
-        def get(tensor_name: str | None, keep_float32: bool = False) -> torch.Tensor:
-            if tensor_name is None:  # read_checkpoint names every tensor its layout has
-                raise ValueError(f"{spec.model_type} checkpoint layout lacks a tensor")
-            cast = torch.float32 if keep_float32 else dtype
-            return read(tensor_name).to(device=target, dtype=cast)
-
+    with ExitStack() as stack:
+        reader = _Reader(checkpoint, stack, torch.device(device), dtype)
         for layer in spec.moe_layers:
-            layers[layer] = _layer(spec, checkpoint.layout, checkpoint.layers[layer], get)
+            layers[layer] = _layer(spec, checkpoint.layout, checkpoint.layers[layer], reader)
             validate_layer(layers[layer])
     nbytes = sum(_nbytes(weights) for weights in layers.values())
     return BaseModel(spec=spec, name=name or folder.name, layers=layers, nbytes=nbytes)
@@ -94,31 +87,52 @@ def router_spec(spec: ModelSpec) -> RouterSpec:
     return RouterSpec(RouterKind.SOFTMAX_TOPK, spec.top_k, renormalize=spec.norm_topk_prob)
 
 
-class _Get(Protocol):
-    """Reads one checkpoint tensor onto the device, cast to the serving dtype (or float32)."""
+class _Reader:
+    """Reads checkpoint tensors (memory-mapped shards, each opened once) onto the device."""
 
-    def __call__(self, tensor_name: str | None, keep_float32: bool = False) -> torch.Tensor: ...
+    def __init__(
+        self, checkpoint: Checkpoint, stack: ExitStack, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self._checkpoint = checkpoint
+        self._stack = stack
+        self._handles: dict[Path, Any] = {}
+        self.device = device
+        self.dtype = dtype
 
+    def _read(self, name: str | None) -> torch.Tensor:
+        if name is None:  # read_checkpoint names every tensor its layout has
+            raise ValueError(f"{self._checkpoint.spec.model_type} layout lacks a tensor")
+        path = self._checkpoint.tensors[name].path
+        if path not in self._handles:
+            handle = safe_open(path, framework="pt", device="cpu")
+            self._handles[path] = self._stack.enter_context(handle)
+        tensor: torch.Tensor = self._handles[path].get_tensor(name)
+        return tensor
 
-@contextmanager
-def _open_tensors(checkpoint: Checkpoint) -> Iterator[Callable[[str], torch.Tensor]]:
-    """A reader over the checkpoint's shards, each opened once."""
-    with ExitStack() as stack:
-        handles: dict[Path, Any] = {}
+    def get(self, name: str | None, keep_float32: bool = False) -> torch.Tensor:
+        """One tensor on the device in the serving dtype (or float32)."""
+        dtype = torch.float32 if keep_float32 else self.dtype
+        return self._read(name).to(device=self.device, dtype=dtype)
 
-        def read(name: str) -> torch.Tensor:
-            path = checkpoint.tensors[name].path
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-            tensor: torch.Tensor = handles[path].get_tensor(name)
-            return tensor
-
-        yield read
+    def stack(self, rows: Sequence[Sequence[str]]) -> torch.Tensor:
+        """(len(rows), sum of row heights, width): ``rows[e]`` concatenated along dim 0,
+        copied straight from the file into one device tensor (no intermediate stack)."""
+        first = [self._checkpoint.tensors[name].info.shape for name in rows[0]]
+        height, width = sum(shape[0] for shape in first), first[0][1]
+        out = torch.empty(len(rows), height, width, device=self.device, dtype=self.dtype)
+        for index, names in enumerate(rows):
+            start = 0
+            for name in names:
+                part = self._read(name)
+                out[index, start : start + part.shape[0]].copy_(part)
+                start += part.shape[0]
+        return out
 
 
 def _layer(
-    spec: ModelSpec, layout: ExpertLayout, names: LayerTensors, get: _Get
+    spec: ModelSpec, layout: ExpertLayout, names: LayerTensors, reader: _Reader
 ) -> MoELayerWeights:
+    get = reader.get
     if layout is ExpertLayout.FUSED_TRANSPOSED:
         gate_up = get(names.gate_up).transpose(1, 2)  # (E, 2I, H), rows interleaved
         w13 = torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1).contiguous()
@@ -140,17 +154,12 @@ def _layer(
     if layout is ExpertLayout.FUSED:
         w13, w2 = get(names.gate_up), get(names.down)
     else:
-        w13 = torch.stack(
-            [
-                torch.cat((get(gate), get(up)), dim=0)
-                for gate, up in zip(names.expert_gate, names.expert_up, strict=True)
-            ]
-        )
-        w2 = torch.stack([get(down) for down in names.expert_down])
+        w13 = reader.stack(list(zip(names.expert_gate, names.expert_up, strict=True)))
+        w2 = reader.stack([(down,) for down in names.expert_down])
     shared = None
-    if names.shared_gate is not None:
+    if names.shared_gate is not None and names.shared_up is not None:
         shared = SharedExpertWeights(
-            w13=torch.cat((get(names.shared_gate), get(names.shared_up)), dim=0),
+            w13=reader.stack([(names.shared_gate, names.shared_up)])[0],
             w2=get(names.shared_down),
             gate=None if names.shared_expert_gate is None else get(names.shared_expert_gate),
         )
