@@ -8,7 +8,6 @@ Nothing here touches the database or the blob store.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from registry_service.background_writer import BackgroundWriter
 from registry_service.domain import ADAPTER_FILES, Chunk, DeclaredFile, FileInfo, UploadHeader
 from shared.errors import InvalidArgument, ResourceExhausted
 from shared.refs import validate_alias, validate_name
@@ -93,7 +93,7 @@ class _Receiving:
     def __init__(self, declared: DeclaredFile, path: Path) -> None:
         self.declared = declared
         self.path = path
-        self.handle = path.open("wb")
+        self.writer = BackgroundWriter(path)
         self.hash = hashlib.sha256()
         self.received = 0
 
@@ -151,7 +151,7 @@ class UploadSpool:
                 f"{name}: more bytes than the declared size_bytes {target.declared.size_bytes}",
                 "chunk.data",
             )
-        target.handle.write(chunk.data)
+        target.writer.write(chunk.data)
         target.hash.update(chunk.data)
         target.received += len(chunk.data)
 
@@ -177,17 +177,14 @@ class UploadSpool:
                     f"{f.declared.sha256}",
                     "header.files",
                 )
-            f.handle.flush()
             # The local blob store may hard-link this file: make its bytes durable.
-            os.fsync(f.handle.fileno())
-            f.handle.close()
+            f.writer.close(sync=True)
             done.append(SpooledFile(FileInfo(name, f.received, digest), f.path))
         return done
 
     def close(self) -> None:
         for f in self._files:
-            f.handle.close()
-            f.path.unlink(missing_ok=True)
+            f.writer.discard()
         self._dir.rmdir()
 
     def __enter__(self) -> UploadSpool:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import grpc
 
 from moelora.v1 import model_pb2, registry_pb2, registry_pb2_grpc
+from registry_service.background_writer import BackgroundWriter
 from registry_service.domain import ADAPTER_FILES, WATCH_START_METADATA
 from shared.auth import open_channel
 from shared.errors import DataLoss, InvalidArgument, from_rpc_error
@@ -354,7 +355,7 @@ class _FolderWriter:
         out_dir.mkdir(parents=True, exist_ok=True)
         self._files = files
         self._parts = [out_dir / f"{f.path}.part" for f in files]
-        self._handles = [p.open("wb") for p in self._parts]
+        self._writers = [BackgroundWriter(p) for p in self._parts]
         self._hashes = [hashlib.sha256() for _ in files]
         self._sizes = [0] * len(files)
         self._out_dir = out_dir
@@ -362,13 +363,13 @@ class _FolderWriter:
     def write(self, index: int, offset: int, data: bytes) -> None:
         if not 0 <= index < len(self._files) or offset != self._sizes[index]:
             raise DataLoss(f"download stream out of order at file {index} offset {offset}")
-        self._handles[index].write(data)
+        self._writers[index].write(data)
         self._hashes[index].update(data)
         self._sizes[index] += len(data)
 
     def finish(self) -> None:
         for i, f in enumerate(self._files):
-            self._handles[i].close()
+            self._writers[i].close()
             digest = self._hashes[i].hexdigest()
             if self._sizes[i] != f.size_bytes or digest != f.sha256:
                 raise DataLoss(
@@ -379,7 +380,5 @@ class _FolderWriter:
             part.replace(self._out_dir / f.path)
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.close()
-        for part in self._parts:
-            part.unlink(missing_ok=True)
+        for writer in self._writers:
+            writer.discard()

@@ -1,0 +1,259 @@
+"""Upload and download throughput of the registry for a ~1 GB adapter, on the
+local-directory backend and on S3 (moto's server in its own process).
+
+    python -m registry_service.bench [--rank 13] [--repeat 2] [--backends local,s3]
+
+The adapter is a valid PEFT 3D adapter (bf16) for a base model with
+Qwen3-30B-A3B's MoE shape (48 layers, 128 experts, H 2048, I 768); rank 13
+makes it 1.02 GB. The base model is registered from its config alone (the
+registry needs the spec, not the weights). Each server is a separate
+``moelora-registry`` process; the client is RegistryClient, i.e. what
+adapterctl does: upload = client sha256 pass + streaming 1 MiB chunks + server
+spool/validate/blob write/commit; download = server sha256 check + streaming +
+client sha256 and write. Presigned = straight from the blob store over HTTP.
+Needs the dev extra (moto) for the S3 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+import grpc
+import numpy as np
+
+from registry_service.cli.client import RegistryClient
+from registry_service.domain import CONFIG_FILE, WEIGHTS_FILE
+from shared.grpc_server import wait_until_serving
+from shared.model_spec import ModelSpec, spec_from_config
+
+BASE_NAME = "qwen3-30b-a3b-shape"
+CONFIG = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+}
+_MB = 1e6
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def base_spec() -> ModelSpec:
+    text = json.dumps(CONFIG)
+    fingerprint = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return spec_from_config(
+        CONFIG, config_json=text, checkpoint_dtype="bfloat16", fingerprint=fingerprint
+    )
+
+
+def write_adapter(folder: Path, spec: ModelSpec, rank: int) -> int:
+    """A PEFT 3D adapter with random finite bf16 weights; its total size in bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": [],
+        "target_parameters": ["gate_up_proj", "down_proj"],
+    }
+    (folder / CONFIG_FILE).write_text(json.dumps(config))
+    h, i, e = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    shapes: dict[str, list[int]] = {}
+    for layer in spec.moe_layers:
+        stem = f"base_model.model.model.layers.{layer}.mlp.experts"
+        shapes[f"{stem}.base_layer.lora_A.weight"] = [rank * e, h]
+        shapes[f"{stem}.base_layer.lora_B.weight"] = [2 * i, rank * e]
+        shapes[f"{stem}.lora_A.weight"] = [rank * e, i]
+        shapes[f"{stem}.lora_B.weight"] = [h, rank * e]
+    header: dict[str, object] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    rng = np.random.default_rng(0)
+    block = (rng.standard_normal(_CHUNK_ELEMENTS, dtype=np.float32) * 0.01).view(np.uint32)
+    bf16 = (block >> 16).astype(np.uint16).tobytes()  # truncation: finite, like the floats
+    with (folder / WEIGHTS_FILE).open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        left = offset
+        while left:
+            piece = bf16[: min(left, len(bf16))]
+            f.write(piece)
+            left -= len(piece)
+    return (folder / CONFIG_FILE).stat().st_size + (folder / WEIGHTS_FILE).stat().st_size
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def _process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
+@contextmanager
+def moto_server(workdir: Path) -> Iterator[str]:
+    # moto accepts any credentials; the registry process inherits these.
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ.setdefault(key, "bench")
+    port = _free_port()
+    args = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with _process(args, workdir / "moto.log"):
+        endpoint = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket="bench-adapters"
+        )
+        yield endpoint
+
+
+@contextmanager
+def registry_server(workdir: Path, flags: Sequence[str]) -> Iterator[str]:
+    address = f"127.0.0.1:{_free_port()}"
+    exe = str(Path(sys.executable).parent / "moelora-registry")
+    args = [
+        exe,
+        "--listen",
+        address,
+        "--data-dir",
+        str(workdir / "data"),
+        "--auth",
+        "off",
+        "--metrics-listen",
+        "",
+        "--log-level",
+        "warning",
+        *flags,
+    ]
+    with _process(args, workdir / "registry.log"), grpc.insecure_channel(address) as channel:
+        wait_until_serving(channel, timeout=120)
+        yield address
+
+
+@dataclass
+class Row:
+    backend: str
+    upload: list[float]
+    download: list[float]
+    presigned: list[float]
+
+
+def measure(backend: str, address: str, adapter: Path, repeat: int, workdir: Path) -> Row:
+    row = Row(backend, [], [], [])
+    with RegistryClient(address, timeout=600) as client:
+        client.register_base_model(base_spec().to_proto(BASE_NAME))
+        for n in range(repeat):
+            start = time.perf_counter()
+            version = client.upload(adapter, "bench", BASE_NAME, timeout=3600)
+            row.upload.append(time.perf_counter() - start)
+            out = workdir / f"download-{n}"
+            start = time.perf_counter()
+            client.download(f"bench:{version.version}", out, timeout=3600)
+            row.download.append(time.perf_counter() - start)
+            shutil.rmtree(out)
+            if backend == "s3":
+                start = time.perf_counter()
+                client.download_presigned(f"bench:{version.version}", out)
+                row.presigned.append(time.perf_counter() - start)
+                shutil.rmtree(out)
+    return row
+
+
+def _rate(size: int, seconds: list[float]) -> str:
+    if not seconds:
+        return "-"
+    return f"{size / _MB / statistics.median(seconds):8.0f}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m registry_service.bench", description=__doc__)
+    parser.add_argument("--rank", type=int, default=13, help="LoRA rank; 13 makes ~1.02 GB")
+    parser.add_argument("--repeat", type=int, default=2, help="uploads/downloads per backend")
+    parser.add_argument("--backends", default="local,s3")
+    parser.add_argument("--workdir", type=Path, help="default: a temporary folder")
+    args = parser.parse_args(argv)
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="registry-bench-"))
+    spec = base_spec()
+    adapter = root / "adapter"
+    started = time.perf_counter()
+    size = write_adapter(adapter, spec, args.rank)
+    print(
+        f"adapter: {size / _MB:.0f} MB (rank {args.rank}, bf16, {len(spec.moe_layers)} layers, "
+        f"{spec.num_experts} experts), written in {time.perf_counter() - started:.1f}s"
+    )
+    common = ["--max-rank", str(max(args.rank, 256))]
+    rows = []
+    for backend in args.backends.split(","):
+        workdir = root / backend
+        workdir.mkdir(exist_ok=True)
+        if backend == "local":
+            with registry_server(workdir, common) as address:
+                rows.append(measure(backend, address, adapter, args.repeat, workdir))
+        elif backend == "s3":
+            with moto_server(workdir) as endpoint:
+                flags = [
+                    *common,
+                    "--blob-url",
+                    "s3://bench-adapters/registry",
+                    "--s3-endpoint-url",
+                    endpoint,
+                    "--s3-region",
+                    "us-east-1",
+                    "--s3-path-style",
+                ]
+                with registry_server(workdir, flags) as address:
+                    rows.append(measure(backend, address, adapter, args.repeat, workdir))
+        else:
+            parser.error(f"unknown backend {backend!r}")
+    print(f"\nregistry throughput, MB/s (1 MB = 10^6 bytes), median of {args.repeat}")
+    print(f"{'backend':10} {'upload':>8} {'download':>8} {'presigned':>9}")
+    for row in rows:
+        print(
+            f"{row.backend:10} {_rate(size, row.upload)} {_rate(size, row.download)} "
+            f"{_rate(size, row.presigned):>9}"
+        )
+    if args.workdir is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
