@@ -149,6 +149,44 @@ def _qwen3_routing(world: World, layer: int) -> tuple[torch.Tensor, torch.Tensor
     return ids.to(torch.int32), (top / top.sum(dim=-1, keepdim=True)).float()
 
 
+def _experts_float64(
+    world: World, layer: int, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Σ_j w_j · down_e(silu(gate_e x) · up_e x) in float64 from the checkpoint's tensors."""
+    x = world.inputs[layer].double()
+    out = torch.zeros_like(x)
+    prefix = f"model.layers.{layer}.mlp.experts"
+    with safe_open(str(world.checkpoint / "model.safetensors"), "pt") as tensors:
+        for e in range(world.num_experts):
+            gate, up, down = (
+                tensors.get_tensor(f"{prefix}.{e}.{name}.weight").double()
+                for name in ("gate_proj", "up_proj", "down_proj")
+            )
+            y = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
+            weight = (weights.double() * (ids == e)).sum(dim=-1, keepdim=True)
+            out += weight * y
+    return out
+
+
+def test_precomputed_routing_replaces_the_router(
+    qwen_world: World, start_executor: StartExecutor, placement: Placement
+) -> None:
+    client = start_executor(qwen_world, device=placement.device, dtype="float32").client
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer]
+    # The router's own choice, given: the same as letting the router decide.
+    routing = _qwen3_routing(qwen_world, layer)
+    for name in (None, "alpha"):
+        result = client.forward(layer, hidden, [(TOKENS, name)], routing=routing)
+        placement.check(result.output, qwen_world.reference[(name, layer)])
+    # Any other choice, int64 ids: checked against the experts computed in float64.
+    tokens = torch.arange(TOKENS)
+    ids = torch.stack([tokens % qwen_world.num_experts, (tokens + 1) % qwen_world.num_experts], 1)
+    weights = torch.tensor([[0.75, 0.25]]).repeat(TOKENS, 1)
+    result = client.forward(layer, hidden, routing=(ids, weights))
+    placement.check(result.output, _experts_float64(qwen_world, layer, ids, weights).float())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bfloat16_on_the_gpu(qwen_world: World, start_executor: StartExecutor) -> None:
