@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,17 +137,18 @@ class LoRASettings:
     r: int
     lora_alpha: float
     use_rslora: bool
-    rank_pattern: Mapping[str, int]
-    alpha_pattern: Mapping[str, float]
+    #: rank_pattern / alpha_pattern entries in file order, each compiled as PEFT matches it.
+    rank_pattern: tuple[tuple[re.Pattern[str], int], ...]
+    alpha_pattern: tuple[tuple[re.Pattern[str], float], ...]
     target_parameters: tuple[str, ...]
-    target_modules: str | tuple[str, ...]
+    #: A list of names (or dot-suffixes), or one regex that must match the whole module key.
+    target_modules: re.Pattern[str] | tuple[str, ...]
 
     def rank_alpha(self, module_key: str) -> tuple[int, float]:
-        """Rank and alpha of one module / parameter key, patterns applied as PEFT does."""
-        rank = self.rank_pattern.get(_pattern_key(self.rank_pattern, module_key), self.r)
-        alpha = self.alpha_pattern.get(
-            _pattern_key(self.alpha_pattern, module_key), self.lora_alpha
-        )
+        """Rank and alpha of one module / parameter key: PEFT's ``get_pattern_key``, the first
+        pattern that matches the end of the key wins."""
+        rank = next((v for p, v in self.rank_pattern if p.match(module_key)), self.r)
+        alpha = next((v for p, v in self.alpha_pattern if p.match(module_key)), self.lora_alpha)
         return rank, alpha
 
     def scaling(self, rank: int, alpha: float) -> float:
@@ -235,17 +236,41 @@ def _all_finite(raw: memoryview, dtype: str) -> bool:
     )
 
 
-def _pattern_key(patterns: Mapping[str, object], module_key: str) -> str:
-    """PEFT's ``get_pattern_key``: the first pattern matching the end of the key."""
-    for pattern in patterns:
-        try:
-            if re.match(rf"(.*\.)?({pattern})$", module_key):
-                return pattern
-        except re.error as err:
-            raise InvalidArgument(
-                f"{CONFIG_FILE} pattern {pattern!r} is not a regex: {err}"
-            ) from None
-    return module_key
+#: Limits on regexes from untrusted configs: Python's re has no timeout, and nested or many
+#: unbounded quantifiers can backtrack for hours on a 60-character module key.
+MAX_PATTERNS = 1024
+MAX_PATTERN_LENGTH = 256
+_QUANTIFIED_GROUP = re.compile(r"\)(?:[*+]|\{\d*,)")
+_UNBOUNDED = re.compile(r"(?<!\\)(?:[*+]|\{\d*,\})")
+
+
+def _compile(pattern: str, where: str, template: str) -> re.Pattern[str]:
+    """``template.format(pattern)`` compiled, after refusing patterns that could backtrack
+    catastrophically (a repeated group, or more than three unbounded quantifiers)."""
+    if len(pattern) > MAX_PATTERN_LENGTH:
+        raise InvalidArgument(f"{where} {pattern[:40]!r}… is longer than {MAX_PATTERN_LENGTH}")
+    if _QUANTIFIED_GROUP.search(pattern) or len(_UNBOUNDED.findall(pattern)) > 3:
+        raise InvalidArgument(
+            f"{where} {pattern!r} is refused: repeated groups and more than three unbounded "
+            "quantifiers can take too long to match"
+        )
+    try:
+        return re.compile(template.format(pattern))
+    except re.error as err:
+        raise InvalidArgument(f"{where} {pattern!r} is not a regex: {err}") from None
+
+
+def _patterns(
+    raw: Mapping[str, Any], where: str, value: Callable[[JsonFields, str], float]
+) -> tuple[tuple[re.Pattern[str], Any], ...]:
+    if len(raw) > MAX_PATTERNS:
+        raise InvalidArgument(f"{CONFIG_FILE} {where} has more than {MAX_PATTERNS} entries")
+    fields = JsonFields(raw, f"{CONFIG_FILE} {where}")
+    # PEFT: re.match(rf"(.*\.)?({key})$", module_key)
+    return tuple(
+        (_compile(key, f"{CONFIG_FILE} {where} pattern", r"(.*\.)?({})$"), value(fields, key))
+        for key in raw
+    )
 
 
 def read_lora_settings(config: Mapping[str, Any]) -> LoRASettings:
@@ -260,25 +285,22 @@ def read_lora_settings(config: Mapping[str, Any]) -> LoRASettings:
     r = get.integer("r")
     if r < 1:
         raise InvalidArgument(f"{CONFIG_FILE} r must be at least 1, got {r}")
-    rank_pattern = get.mapping("rank_pattern")
-    alpha_pattern = get.mapping("alpha_pattern")
-    ranks = JsonFields(rank_pattern, f"{CONFIG_FILE} rank_pattern")
-    alphas = JsonFields(alpha_pattern, f"{CONFIG_FILE} alpha_pattern")
-    target_modules: str | tuple[str, ...]
+    target_modules: re.Pattern[str] | tuple[str, ...]
     if isinstance(config.get("target_modules"), str):
-        target_modules = config["target_modules"]
+        # PEFT: re.fullmatch(target_modules, module_key)
+        target_modules = _compile(config["target_modules"], f"{CONFIG_FILE} target_modules", "{}")
     else:
         target_modules = tuple(get.string_list("target_modules"))
     settings = LoRASettings(
         r=r,
         lora_alpha=get.number("lora_alpha"),
         use_rslora=get.flag("use_rslora", default=False),
-        rank_pattern={key: ranks.integer(key) for key in rank_pattern},
-        alpha_pattern={key: alphas.number(key) for key in alpha_pattern},
+        rank_pattern=_patterns(get.mapping("rank_pattern"), "rank_pattern", JsonFields.integer),
+        alpha_pattern=_patterns(get.mapping("alpha_pattern"), "alpha_pattern", JsonFields.number),
         target_parameters=tuple(get.string_list("target_parameters")),
         target_modules=target_modules,
     )
-    if any(rank < 1 for rank in settings.rank_pattern.values()):
+    if any(rank < 1 for _, rank in settings.rank_pattern):
         raise InvalidArgument(f"{CONFIG_FILE} rank_pattern ranks must be at least 1")
     if not settings.target_parameters and not settings.target_modules:
         raise InvalidArgument(f"{CONFIG_FILE} names neither target_parameters nor target_modules")
@@ -401,14 +423,17 @@ def _targets_parameter(target_parameters: tuple[str, ...], key: str) -> bool:
     return any(key == target or key.endswith(f".{target}") for target in target_parameters)
 
 
-def _targets_module(target_modules: str | tuple[str, ...], key: str) -> bool:
+def _targets_module(target_modules: re.Pattern[str] | tuple[str, ...], key: str) -> bool:
     """PEFT's ``check_target_module_exists`` for a plain list or a regex string."""
-    if isinstance(target_modules, str):
-        try:
-            return re.fullmatch(target_modules, key) is not None
-        except re.error as err:
-            raise InvalidArgument(f"{CONFIG_FILE} target_modules is not a regex: {err}") from None
+    if isinstance(target_modules, re.Pattern):
+        return target_modules.fullmatch(key) is not None
     return any(key == target or key.endswith(f".{target}") for target in target_modules)
+
+
+def _describe(target_modules: re.Pattern[str] | tuple[str, ...]) -> str:
+    if isinstance(target_modules, re.Pattern):
+        return repr(target_modules.pattern)
+    return str(list(target_modules))
 
 
 def _names_2d(spec: ModelSpec) -> tuple[dict[str, Projection], tuple[str, ...]]:
@@ -516,7 +541,7 @@ def _inspect_2d(
                 if not _targets_module(settings.target_modules, module_key):
                     raise InvalidArgument(
                         f"tensor {a_key} adapts {module_key}, which {CONFIG_FILE} "
-                        f"target_modules {settings.target_modules!r} does not name"
+                        f"target_modules {_describe(settings.target_modules)} does not name"
                     )
                 rank, alpha = settings.rank_alpha(module_key)
                 if a[0] != rank:

@@ -251,6 +251,10 @@ def test_rejects_untargeted_parameters(spec: ModelSpec, tmp_path: Path) -> None:
         ({"rank_pattern": {"down_proj": "4"}}, "rank_pattern down_proj must be a non-negative"),
         ({"rank_pattern": {"(": 4}}, "pattern '\\(' is not a regex"),
         ({"use_rslora": "yes"}, "use_rslora must be true or false"),
+        ({"alpha_pattern": {"(a|aa)+$": 2}}, r"refused: repeated groups"),
+        ({"rank_pattern": {".*.*.*.*x": 2}}, r"refused: repeated groups"),
+        ({"rank_pattern": {f"p{n}": 2 for n in range(1025)}}, "more than 1024 entries"),
+        ({"target_modules": "(x+)+y"}, r"target_modules '\(x\+\)\+y' is refused"),
     ],
 )
 def test_rejects_bad_config(
