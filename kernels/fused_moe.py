@@ -20,10 +20,11 @@ N tile, multiplying the re-reads of x and A by the number of tiles), and each ex
 dot in the epilogue. Only rank-R vectors per row go through memory, and every sum has a fixed
 order.
 
-A block may hold rows of several adapter slots ("segments", numbered by slot). Up to
-``NSEG`` segments are handled by *one* dot against their A (or B) matrices stacked side by
-side: each row keeps the rank-R slice of its own segment (``_collapse``), or has its slice
-placed in its segment's columns (``_spread``). More segments take more such dots.
+A block may hold rows of several adapter slots ("segments", numbered by slot). The shrink
+kernel handles up to ``MoEConfig.lora_segments`` segments with *one* dot against their A
+matrices stacked side by side, each row keeping the rank-R slice of its own segment
+(``_collapse``), so x is read once per that many segments. The expands take one small dot
+per segment, which keeps the GEMM epilogues' registers free for the accumulator.
 
 Dtypes: bf16/fp16 operands with fp32 accumulation (the rank-R vectors and ``a`` are rounded
 to the operand dtype before their dots, as in every fused MoE); fp32 operands use exact IEEE
@@ -81,14 +82,6 @@ def _collapse(xa_stacked, seg, chunk, BLOCK_M: tl.constexpr, NSEG: tl.constexpr,
 
 
 @triton.jit
-def _spread(xa, seg, chunk, BLOCK_M: tl.constexpr, NSEG: tl.constexpr, RP: tl.constexpr):
-    """(BLOCK_M, RP) → (BLOCK_M, NSEG*RP): each row's slice in its segment's columns, else 0."""
-    target = chunk * NSEG + tl.arange(0, NSEG)
-    mine = seg[:, None, None] == target[None, :, None]
-    return tl.reshape(tl.where(mine, xa[:, None, :], 0.0), (BLOCK_M, NSEG * RP))
-
-
-@triton.jit
 def _main_loop(
     x_row_ptrs,
     x_row_mask,
@@ -136,24 +129,24 @@ def _lora_expand(
     stride_bs,
     stride_be,
     stride_br,
-    BLOCK_M: tl.constexpr,
-    NSEG: tl.constexpr,
     RP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """acc += each row's xa (BLOCK_M, RP) times its slot's B[s, e] rows ``b_rows`` (offsets of
-    the tile's output columns in B); one dot per chunk of NSEG segments."""
-    for chunk in range(0, tl.cdiv(n_seg, NSEG)):
-        col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, R, NSEG, RP)
-        b_ptrs = (
-            b_ptr
-            + expert * stride_be
-            + (col_slot * stride_bs + col_rank * stride_br)[:, None]
-            + b_rows[None, :]
+    the tile's output columns in B): one small dot per segment, with the other rows' xa zeroed.
+    One segment at a time keeps the epilogue's registers to 2-D (BLOCK_M, RP) and (RP, BLOCK_N)
+    tiles, next to the live accumulator."""
+    ranks = tl.arange(0, RP)
+    for j in range(0, n_seg):
+        seg_slot = tl.max(tl.where(seg == j, slot, -1), axis=0).to(tl.int64)
+        b_seg = b_ptr + expert * stride_be + seg_slot * stride_bs
+        b = tl.load(
+            b_seg + ranks[:, None] * stride_br + b_rows[None, :],
+            mask=(ranks < R)[:, None] & col_mask[None, :],
+            other=0.0,
         )
-        b = tl.load(b_ptrs, mask=col_ok[:, None] & col_mask[None, :], other=0.0)
-        spread = _spread(xa, seg, chunk, BLOCK_M, NSEG, RP).to(b.dtype)
-        acc = tl.dot(spread, b, acc, input_precision=PRECISION)
+        mine = tl.where((seg == j)[:, None], xa, 0.0).to(b.dtype)
+        acc = tl.dot(mine, b, acc, input_precision=PRECISION)
     return acc
 
 
@@ -253,7 +246,6 @@ def _w13_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr,
-    NSEG: tl.constexpr,
     RP: tl.constexpr,
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -300,7 +292,7 @@ def _w13_kernel(
         if HAS_LORA:
             acc = _lora_expand(
                 acc, xa, slot, seg, n_seg, b_ptr, expert, w13_rows * stride_bn, col_mask, R,
-                stride_bs, stride_be, stride_br, BLOCK_M, NSEG, RP, PRECISION,
+                stride_bs, stride_be, stride_br, RP, PRECISION,
             )  # fmt: skip
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias + w13_rows, mask=col_mask, other=0.0)
@@ -349,7 +341,6 @@ def _w2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr,
-    NSEG: tl.constexpr,
     RP: tl.constexpr,
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -389,7 +380,7 @@ def _w2_kernel(
         if HAS_LORA:
             acc = _lora_expand(
                 acc, xa, slot, seg, n_seg, b_ptr, expert, cols * stride_bn, col_mask, R,
-                stride_bs, stride_be, stride_br, BLOCK_M, NSEG, RP, PRECISION,
+                stride_bs, stride_be, stride_br, RP, PRECISION,
             )  # fmt: skip
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias + cols, mask=col_mask, other=0.0)
@@ -436,11 +427,11 @@ class LoRABuffers:
     row_slots: torch.Tensor  # (max_rows,) from the alignment
 
 
-def _lora_meta(rank: int, segments: int, num_slots: int) -> tuple[int, int, int]:
-    """(NSEG, RP, S_P2): segments per stacked dot, the rank padded to a power of two such
-    that NSEG * RP is at least 16 (tl.dot's minimum), the slot count padded likewise."""
-    rp = max(triton.next_power_of_2(rank), 16 // segments, 1)
-    return segments, rp, triton.next_power_of_2(num_slots)
+def _lora_meta(lora_a: torch.Tensor) -> tuple[int, int]:
+    """(RP, S_P2) of slot buffers (S, E, R, K): the rank padded to a power of two of at
+    least 16 (tl.dot's minimum inner size), the slot count padded to a power of two."""
+    num_slots, _, rank, _ = lora_a.shape
+    return max(triton.next_power_of_2(rank), 16), triton.next_power_of_2(num_slots)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -461,7 +452,7 @@ def lora_shrink_stage(
     x: the hidden states (T, K), rows gathered by token (``gather``), or the aligned
     activation (max_rows, K); lora_a (S, E, R, K).
     """
-    nseg, rp, s_p2 = _lora_meta(lora_a.shape[2], config.lora_segments, lora_a.shape[0])
+    rp, s_p2 = _lora_meta(lora_a)
     rows = alignment.max_blocks * alignment.block_m
     xa = torch.empty((rows, rp), dtype=torch.float32, device=x.device)
     block_k = _SHRINK_BLOCK_K if x.element_size() == 2 else _SHRINK_BLOCK_K // 2
@@ -469,7 +460,7 @@ def lora_shrink_stage(
         x, lora_a, xa, alignment.sorted_pair_ids, lora.row_slots, alignment.block_experts,
         x.shape[1], top_k, lora_a.shape[2],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        GATHER=gather, BLOCK_M=alignment.block_m, BLOCK_K=block_k, NSEG=nseg, RP=rp,
+        GATHER=gather, BLOCK_M=alignment.block_m, BLOCK_K=block_k, NSEG=config.lora_segments, RP=rp,
         S_P2=s_p2, PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3,
     )  # fmt: skip
     return xa
@@ -499,11 +490,11 @@ def w13_stage(
     device = hidden.device
     act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=device)
     if lora is not None:
-        nseg, rp, s_p2 = _lora_meta(lora.a13.shape[2], config.lora_segments, lora.a13.shape[0])
+        rp, s_p2 = _lora_meta(lora.a13)
         xa = lora_shrink_stage(hidden, lora.a13, True, top_k, alignment, lora, config)
         b, row_slots, rank = lora.b13, lora.row_slots, lora.a13.shape[2]
     else:
-        nseg, rp, s_p2, rank = 1, 16, 1, 1
+        rp, s_p2, rank = 16, 1, 1
         # Placeholders for pointer arguments the kernel does not read without LoRA.
         xa = act
         b = torch.empty((1, 1, 1, 1), dtype=hidden.dtype, device=device)
@@ -524,7 +515,7 @@ def w13_stage(
         ACTIVATION=0 if activation is Activation.SILU else 1,
         HAS_BIAS=b13 is not None, HAS_LORA=lora is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        TILES_PER_PROGRAM=cfg.tiles_per_program, NSEG=nseg, RP=rp, S_P2=s_p2,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, RP=rp, S_P2=s_p2,
         EVEN_K=h % cfg.block_k == 0, PRECISION=_dot_precision(hidden.dtype),
         CLEAR_BLOCK=_CLEAR_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -550,11 +541,11 @@ def w2_stage(
     h, inter = w2.shape[1], w2.shape[2]
     top_k = topk_weights.shape[1]
     if lora is not None:
-        nseg, rp, s_p2 = _lora_meta(lora.a2.shape[2], config.lora_segments, lora.a2.shape[0])
+        rp, s_p2 = _lora_meta(lora.a2)
         xa = lora_shrink_stage(act, lora.a2, False, top_k, alignment, lora, config)
         b, row_slots, rank = lora.b2, lora.row_slots, lora.a2.shape[2]
     else:
-        nseg, rp, s_p2, rank = 1, 16, 1, 1
+        rp, s_p2, rank = 16, 1, 1
         b = torch.empty((1, 1, 1, 1), dtype=act.dtype, device=act.device)
         row_slots, xa = alignment.sorted_pair_ids, act
     bias = b2 if b2 is not None else w2
@@ -569,7 +560,7 @@ def w2_stage(
         out.stride(0),
         HAS_BIAS=b2 is not None, HAS_LORA=lora is not None, ATOMIC_SUM=config.atomic_sum,
         BLOCK_M=alignment.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        TILES_PER_PROGRAM=cfg.tiles_per_program, NSEG=nseg, RP=rp, S_P2=s_p2,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, RP=rp, S_P2=s_p2,
         EVEN_K=inter % cfg.block_k == 0, PRECISION=_dot_precision(act.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

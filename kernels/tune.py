@@ -48,16 +48,16 @@ W13_STREAMING = [
     (32, 256, 1, 4, 3), (32, 64, 1, 4, 6),
 ]  # fmt: skip
 W13_COMPUTE = [
-    (64, 64, 4, 8, 3), (128, 64, 4, 8, 3), (128, 64, 64, 8, 3), (64, 64, 64, 4, 4),
-    (64, 128, 4, 8, 3), (128, 64, 1, 8, 4),
+    (128, 64, 4, 8, 3), (128, 64, 2, 8, 3), (128, 64, 1, 8, 3), (64, 64, 4, 8, 3),
+    (64, 128, 4, 8, 3), (64, 64, 1, 4, 4),
 ]  # fmt: skip
 W2_STREAMING = [
     (64, 128, 1, 4, 4), (32, 128, 1, 4, 4), (128, 128, 1, 4, 3), (32, 256, 1, 4, 3),
     (64, 64, 1, 4, 6),
 ]  # fmt: skip
 W2_COMPUTE = [
-    (128, 64, 4, 8, 3), (256, 64, 4, 8, 3), (256, 64, 64, 8, 3), (128, 64, 64, 8, 4),
-    (128, 128, 4, 8, 3), (64, 64, 8, 4, 4),
+    (256, 64, 4, 8, 3), (256, 64, 1, 8, 3), (128, 64, 4, 8, 4), (128, 128, 4, 8, 3),
+    (256, 64, 16, 8, 3), (128, 64, 1, 4, 4),
 ]  # fmt: skip
 
 
@@ -128,7 +128,7 @@ def tune_cell(tuner: Tuner, shape: Shape, tokens: int) -> MoEConfig:
         [best] + [dataclasses.replace(best, w13=GemmConfig(*c)) for c in w13_space]
     )
     best = tuner.best_of([best] + [dataclasses.replace(best, w2=GemmConfig(*c)) for c in w2_space])
-    segments = [2, 4, 8]
+    segments = [1, 2, 4, 8]
     best = tuner.best_of(
         [best]
         + [dataclasses.replace(best, lora_segments=s) for s in segments]
