@@ -31,6 +31,7 @@ def open_blobs(settings: RegistrySettings) -> BlobStore:
         s3_endpoint_url=settings.s3_endpoint_url,
         s3_region=settings.s3_region,
         s3_path_style=settings.s3_path_style,
+        s3_part_bytes=settings.s3_part_bytes,
     )
 
 

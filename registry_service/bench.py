@@ -1,7 +1,11 @@
 """Upload and download throughput of the registry for a ~1 GB adapter, on the
 local-directory backend and on S3 (moto's server in its own process).
 
-    python -m registry_service.bench [--rank 13] [--repeat 2] [--backends local,s3]
+    python -m registry_service.bench [--rank 13] [--repeat 2] [--backends local,s3,s3-single]
+
+``s3`` moves objects in 64 MiB parts, 8 at a time (the default); ``s3-single``
+in one PUT / one GET (--s3-part-bytes 5 GiB). moto answers every ranged GET by
+copying the whole object, so its "s3" download row understates real S3.
 
 The adapter is a valid PEFT 3D adapter (bf16) for a base model with
 Qwen3-30B-A3B's MoE shape (48 layers, 128 experts, H 2048, I 768); rank 13
@@ -10,7 +14,7 @@ registry needs the spec, not the weights). Each server is a separate
 ``moelora-registry`` process; the client is RegistryClient, i.e. what
 adapterctl does: upload = client sha256 pass + streaming 1 MiB chunks + server
 spool/validate/blob write/commit; download = server sha256 check + streaming +
-client sha256 and write. Presigned = straight from the blob store over HTTP.
+client sha256 and write. Presigned = one HTTP GET straight from the blob store.
 Needs the dev extra (moto) for the S3 rows.
 """
 
@@ -190,7 +194,7 @@ def measure(backend: str, address: str, adapter: Path, repeat: int, workdir: Pat
             client.download(f"bench:{version.version}", out, timeout=3600)
             row.download.append(time.perf_counter() - start)
             shutil.rmtree(out)
-            if backend == "s3":
+            if backend.startswith("s3"):
                 start = time.perf_counter()
                 client.download_presigned(f"bench:{version.version}", out)
                 row.presigned.append(time.perf_counter() - start)
@@ -208,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m registry_service.bench", description=__doc__)
     parser.add_argument("--rank", type=int, default=13, help="LoRA rank; 13 makes ~1.02 GB")
     parser.add_argument("--repeat", type=int, default=2, help="uploads/downloads per backend")
-    parser.add_argument("--backends", default="local,s3")
+    parser.add_argument("--backends", default="local,s3,s3-single")
     parser.add_argument("--workdir", type=Path, help="default: a temporary folder")
     args = parser.parse_args(argv)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="registry-bench-"))
@@ -228,7 +232,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if backend == "local":
             with registry_server(workdir, common) as address:
                 rows.append(measure(backend, address, adapter, args.repeat, workdir))
-        elif backend == "s3":
+        elif backend in ("s3", "s3-single"):
+            # s3: 64 MiB parts, 8 at a time; s3-single: one PUT and one GET per object.
+            part = 64 * 2**20 if backend == "s3" else 5 * 2**30
             with moto_server(workdir) as endpoint:
                 flags = [
                     *common,
@@ -239,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "--s3-region",
                     "us-east-1",
                     "--s3-path-style",
+                    "--s3-part-bytes",
+                    str(part),
                 ]
                 with registry_server(workdir, flags) as address:
                     rows.append(measure(backend, address, adapter, args.repeat, workdir))

@@ -38,6 +38,13 @@ class RegistrySettings(ServiceSettings):
     )
     s3_region: str | None = Field(None, description="S3 region")
     s3_path_style: bool = Field(False, description="use path-style S3 addressing")
+    s3_part_bytes: int = Field(
+        64 * 1024**2,
+        ge=5 * 1024**2,
+        le=5 * 1024**3,
+        description="S3 multipart upload / ranged download part size; smaller objects "
+        "move in one request",
+    )
     auth: Literal["auto", "on", "off"] = Field(
         "auto",
         description="bearer-token auth: auto = on unless listening on loopback in embedded mode",
@@ -52,7 +59,10 @@ class RegistrySettings(ServiceSettings):
         3600, ge=0, description="unreferenced blobs younger than this survive gc"
     )
     max_rank: int = Field(
-        256, ge=1, description="largest LoRA rank an upload may have (per adapted parameter)"
+        256,
+        ge=1,
+        description="largest LoRA rank an upload may have (packed: a per-expert adapter's "
+        "gate and up ranks add up)",
     )
     event_retention_seconds: int = Field(
         7 * 24 * 3600, ge=0, description="gc prunes change events older than this"

@@ -7,7 +7,7 @@ from urllib.parse import urlparse
 
 from registry_service.blobs.base import BlobStore
 from registry_service.blobs.local import LocalBlobStore
-from registry_service.blobs.s3 import S3BlobStore
+from registry_service.blobs.s3 import DEFAULT_PART_BYTES, S3BlobStore
 
 
 def open_blob_store(
@@ -17,6 +17,7 @@ def open_blob_store(
     s3_endpoint_url: str | None = None,
     s3_region: str | None = None,
     s3_path_style: bool = False,
+    s3_part_bytes: int = DEFAULT_PART_BYTES,
 ) -> BlobStore:
     """``None`` -> ``data_dir/blobs``; ``file:///PATH`` or a plain path -> a local
     directory; ``s3://BUCKET[/PREFIX]`` -> S3 (the bucket must exist)."""
@@ -37,6 +38,7 @@ def open_blob_store(
             endpoint_url=s3_endpoint_url,
             region=s3_region,
             path_style=s3_path_style,
+            part_bytes=s3_part_bytes,
         )
         store.check_bucket()
         return store
