@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from registry_service.auth import Role, new_token_entry
 from tests.registry.conftest import BASE, BlobSetting, adapterctl, launch_registry
-from tests.registry.fixtures import write_adapter
+from tests.registry.fixtures import write_adapter, write_base_model
 
 
 def _ok(result: Any) -> Any:
@@ -83,3 +84,57 @@ def test_upload_list_show_download_round_trip(
     assert missing.stderr.strip().splitlines() == [
         "adapterctl: NOT_FOUND: adapter 'sql-expert' has no READY version 7"
     ]
+
+
+def test_alias_delete_gc_watch_and_exit_codes(
+    start_server: Any, tmp_path: Path, base_model_dir: Path
+) -> None:
+    admin, admin_entry = new_token_entry("ops", Role.ADMIN)
+    reader, reader_entry = new_token_entry("viewer", Role.READ)
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tokens": [admin_entry, reader_entry]}))
+    registry = launch_registry(
+        start_server, tmp_path / "data", "--auth", "on", "--auth-tokens-file", str(tokens)
+    )
+    address = registry.address
+
+    def ctl(*args: str, token: str | None = admin) -> Any:
+        return adapterctl(address, *args, token=token)
+
+    _ok(ctl("base-model", "register", str(base_model_dir)))
+    for seed in (1, 2):
+        adapter = write_adapter(tmp_path / f"a{seed}", seed=seed)
+        _ok(ctl("upload", str(adapter), "--name", "sql", "--base-model", BASE))
+    assert ctl("alias", "set", "sql", "prod", "1").stdout.strip() == "sql@prod -> 1"
+    assert ctl("alias", "set", "sql", "prod", "2").stdout.strip() == "sql@prod -> 2 (was 1)"
+    assert _ok(ctl("--json", "alias", "rm", "sql", "prod")) == {"previous_version": 2}
+    deleted = _ok(ctl("delete", "sql:2", "--json"))
+    assert deleted["status"] == "ADAPTER_STATUS_DELETED"
+    dry = _ok(ctl("gc", "--grace-seconds", "3600", "--dry-run", "--json"))
+    assert dry["dry_run"] is True and "purged_versions" not in dry  # deleted just now
+    assert ctl("watch", "--after", "999").returncode == 4  # OUT_OF_RANGE
+
+    other_checkpoint = write_base_model(tmp_path / "other", seed=7)
+    adapter = tmp_path / "a1"
+    codes = {
+        "usage": ctl("upload").returncode,
+        "not found": ctl("show", "sql:9").returncode,
+        "invalid": ctl("delete", "sql").returncode,  # a bare name pins no version
+        "precondition": ctl(
+            "upload", str(adapter), "--name", "n", "--base-model", "nope"
+        ).returncode,
+        "conflict": ctl("base-model", "register", str(other_checkpoint), "--name", BASE).returncode,
+        "unauthenticated": ctl("list", token=None).returncode,
+        "denied": ctl("delete", "sql:1", token=reader).returncode,
+    }
+    assert codes == {
+        "usage": 2,
+        "not found": 3,
+        "invalid": 4,
+        "precondition": 5,
+        "conflict": 5,
+        "unauthenticated": 6,
+        "denied": 6,
+    }
+    denied = ctl("delete", "sql:1", token=reader)
+    assert denied.stderr.startswith("adapterctl: PERMISSION_DENIED: token 'viewer' has role read")
