@@ -36,7 +36,7 @@ from registry_service.gc import GarbageCollector
 from registry_service.paging import decode_token, encode_token, page_size
 from registry_service.store import BaseModelRecord, BlobsMissing, Store
 from registry_service.upload import SpooledFile, UploadSpool, check_header, check_labels
-from registry_service.validation import validate_adapter
+from registry_service.validation import HEAD_BYTES, check_stream_start, validate_adapter
 from shared.errors import DataLoss, InvalidArgument, MoeLoraError, OutOfRange
 from shared.logs import log_event
 from shared.model_spec import ModelSpec
@@ -139,19 +139,20 @@ class Registry:
             raise
         pending = self.store.begin_upload(header, by)
         try:
-            with UploadSpool(self.spool_dir, header.files) as spool:
+            spec = pending.base_model.spec
+            with UploadSpool(self.spool_dir, header.files, HEAD_BYTES) as spool:
                 beat = time.monotonic()
+                checked_start = False
                 for chunk in chunks:
                     spool.write(chunk)
+                    if not checked_start:
+                        checked_start = self._check_start(spool, header, spec)
                     if time.monotonic() - beat > _HEARTBEAT_SECONDS:
                         self.store.heartbeat(pending.id)
                         beat = time.monotonic()
                 files = {f.info.path: f for f in spool.finish()}
                 summary = validate_adapter(
-                    files[CONFIG_FILE].path,
-                    files[WEIGHTS_FILE].path,
-                    pending.base_model.spec,
-                    self.limits.max_rank,
+                    files[CONFIG_FILE].path, files[WEIGHTS_FILE].path, spec, self.limits.max_rank
                 )
                 version, _ = self._commit(pending.id, list(files.values()), summary, header.alias)
         except BaseException as exc:
@@ -174,6 +175,16 @@ class Registry:
             by=by,
         )
         return version
+
+    def _check_start(self, spool: UploadSpool, header: UploadHeader, spec: ModelSpec) -> bool:
+        config, weights = spool.head(CONFIG_FILE), spool.head(WEIGHTS_FILE)
+        assert config is not None and weights is not None
+        size = next(f.size_bytes for f in header.files if f.path == WEIGHTS_FILE)
+        config_bytes = config[0] if config[1] else None
+        done = check_stream_start(config_bytes, weights[0], size, spec, self.limits.max_rank)
+        if done:
+            spool.drop_heads()
+        return done
 
     def _commit(
         self,

@@ -90,27 +90,41 @@ class SpooledFile:
 
 
 class _Receiving:
-    def __init__(self, declared: DeclaredFile, path: Path) -> None:
+    def __init__(self, declared: DeclaredFile, path: Path, head_limit: int) -> None:
         self.declared = declared
         self.path = path
         self.writer = BackgroundWriter(path)
         self.hash = hashlib.sha256()
         self.received = 0
+        # The first bytes, kept in memory for the checks that run while the rest
+        # is still on its way; None once those checks are done.
+        self.head: bytearray | None = bytearray()
+        self.head_limit = head_limit
 
 
 class UploadSpool:
     """Temporary files for one upload's declared files; removed on close."""
 
-    def __init__(self, spool_dir: Path, files: Sequence[DeclaredFile]) -> None:
+    def __init__(self, spool_dir: Path, files: Sequence[DeclaredFile], head_bytes: int) -> None:
+        """``head_bytes``: how much of each file's start ``head`` can return."""
         spool_dir.mkdir(parents=True, exist_ok=True)
         self._dir = Path(tempfile.mkdtemp(prefix="upload-", dir=spool_dir))
         # check_header allowed only the two fixed file names, so they are safe here.
-        self._files = [_Receiving(f, self._dir / f.path) for f in files]
+        self._files = [_Receiving(f, self._dir / f.path, head_bytes) for f in files]
+        self._by_path = {f.declared.path: f for f in self._files}
         self._current = 0
 
-    @property
-    def received_bytes(self) -> int:
-        return sum(f.received for f in self._files)
+    def head(self, path: str) -> tuple[bytes, bool] | None:
+        """The first bytes of ``path`` received so far (at most ``head_bytes``) and
+        whether that is the whole file; None after ``drop_heads``."""
+        f = self._by_path[path]
+        if f.head is None:
+            return None
+        return bytes(f.head), f.received == f.declared.size_bytes
+
+    def drop_heads(self) -> None:
+        for f in self._files:
+            f.head = None
 
     def write(self, chunk: Chunk) -> None:
         """Appends one chunk; chunks must come file by file, in order, without gaps."""
@@ -153,6 +167,8 @@ class UploadSpool:
             )
         target.writer.write(chunk.data)
         target.hash.update(chunk.data)
+        if target.head is not None and len(target.head) < target.head_limit:
+            target.head += chunk.data[: target.head_limit - len(target.head)]
         target.received += len(chunk.data)
 
     def _complete(self, index: int) -> bool:

@@ -19,7 +19,17 @@ from shared.adapter_format import (
 )
 from shared.errors import InvalidArgument
 from shared.model_spec import ModelSpec
-from shared.safetensors_header import read_header
+from shared.safetensors_header import (
+    DEFAULT_MAX_HEADER_BYTES,
+    PREFIX_BYTES,
+    header_length,
+    parse_header,
+    read_header,
+)
+
+#: How much of a file's start the early check may need: the length prefix and
+#: the largest header accepted.
+HEAD_BYTES = PREFIX_BYTES + DEFAULT_MAX_HEADER_BYTES
 
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 _FORMATS = {AdapterFormat.TARGET_PARAMETERS: "peft_3d", AdapterFormat.PER_EXPERT: "peft_2d"}
@@ -63,6 +73,39 @@ def validate_adapter(
         layers=tuple(sorted(layout.layers)),
         dtype=_DTYPES[layout.dtype],
     )
+
+
+def check_stream_start(
+    config: bytes | None, weights_head: bytes, weights_size: int, spec: ModelSpec, max_rank: int
+) -> bool:
+    """The checks an upload can pass before its weights have arrived: the
+    safetensors header (against the declared size) and, when the config is
+    complete, the fit to the base model. False while the header is incomplete;
+    True once checked, so that a doomed multi-gigabyte upload fails at its
+    first megabyte. ``validate_adapter`` still checks everything at the end."""
+    if len(weights_head) < PREFIX_BYTES:
+        return False
+    try:
+        length = header_length(weights_head)
+        if len(weights_head) < PREFIX_BYTES + length:
+            return False
+        header = parse_header(weights_head[PREFIX_BYTES : PREFIX_BYTES + length], weights_size)
+    except InvalidArgument as err:
+        raise _in_file(WEIGHTS_FILE, err) from None
+    if config is not None:
+        try:
+            parsed = parse_adapter_config(config)
+        except InvalidArgument as err:
+            raise _in_file(CONFIG_FILE, err) from None
+        try:
+            inspect_adapter(parsed, header, spec, max_rank)
+        except InvalidArgument as err:
+            raise _in_file(_weights_for(spec), err) from None
+    return True
+
+
+def _weights_for(spec: ModelSpec) -> str:
+    return f"{WEIGHTS_FILE} (base model {spec.model_type} {spec.fingerprint[:19]})"
 
 
 def _in_file(where: str, err: InvalidArgument) -> InvalidArgument:

@@ -4,6 +4,7 @@ the problem, and leave nothing behind: no READY row, no blob, no spool file."""
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -202,3 +203,29 @@ def test_stream_protocol_errors(served: Served, tmp_path: Path) -> None:
     _assert_nothing_left(served)
     # Every stream whose header passed left a FAILED record (invisible; gc purges it).
     assert _count(served, VersionStatus.FAILED) == 4
+
+
+def test_doomed_upload_fails_before_its_weights_arrive(served: Served, tmp_path: Path) -> None:
+    """A header that cannot fit the base model is refused from the stream's first
+    bytes: the client has not finished sending when the error comes back."""
+    folder = write_adapter(tmp_path / "a", shape=TinyShape(hidden=32))
+    header = _header(folder)
+    config, weights = list(_chunks(folder))
+    first_part = registry_pb2.UploadAdapterRequest(
+        chunk=registry_pb2.FileChunk(file_index=1, offset=0, data=weights.chunk.data[:-64])
+    )
+    release = threading.Event()
+
+    def stalled() -> Iterator[registry_pb2.UploadAdapterRequest]:
+        yield from (header, config, first_part)
+        release.wait(30)
+
+    with served.channel() as channel:
+        stub = registry_pb2_grpc.AdapterRegistryStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.UploadAdapter(stalled(), timeout=20)
+        assert not release.is_set()
+        release.set()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fit neither" in info.value.details()
+    _assert_nothing_left(served)
