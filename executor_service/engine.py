@@ -60,6 +60,8 @@ class ForwardOutput:
 
 @dataclass(frozen=True)
 class EngineSettings:
+    """Where the engine computes, in what, and the largest T it takes."""
+
     device: torch.device
     dtype: torch.dtype
     max_tokens_per_request: int
