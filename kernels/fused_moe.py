@@ -270,9 +270,6 @@ def _w13_kernel(
     pair = tl.load(pair_ids_ptr + rows)
     x_row_mask = pair >= 0
     x_row_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
-    if HAS_LORA:
-        slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-        xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
 
     # Tile columns interleave gate and up: column c is gate (c even) or up (c odd) of
     # intermediate index n0 + c // 2, i.e. row (n0 + c // 2) + (c % 2) * I of W13.
@@ -290,6 +287,9 @@ def _w13_kernel(
             BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
         )  # fmt: skip
         if HAS_LORA:
+            # Loaded after the main loop, so they take no registers while it runs.
+            slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+            xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
             acc = _lora_expand(
                 acc, xa, slot, seg, n_seg, b_ptr, expert, w13_rows * stride_bn, col_mask, R,
                 stride_bs, stride_be, stride_br, RP, PRECISION,
@@ -363,9 +363,6 @@ def _w2_kernel(
         out_rows = out_ptr + (pair // top_k).to(tl.int64) * stride_out
     else:
         out_rows = out_ptr + pair.to(tl.int64) * stride_out
-    if HAS_LORA:
-        slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-        xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
 
     num_tiles = tl.cdiv(H, BLOCK_N)
     first = pid_n * TILES_PER_PROGRAM
@@ -378,6 +375,9 @@ def _w2_kernel(
             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
         )  # fmt: skip
         if HAS_LORA:
+            # Loaded after the main loop, so they take no registers while it runs.
+            slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+            xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
             acc = _lora_expand(
                 acc, xa, slot, seg, n_seg, b_ptr, expert, cols * stride_bn, col_mask, R,
                 stride_bs, stride_be, stride_br, RP, PRECISION,
