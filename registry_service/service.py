@@ -8,6 +8,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -134,13 +135,13 @@ class Registry:
         started = time.perf_counter()
         try:
             check_header(header, self.limits.max_upload_bytes)
+            pending = self.store.begin_upload(header, by)
         except MoeLoraError as exc:
             metrics.UPLOADS.labels(exc.code.name).inc()
             raise
-        pending = self.store.begin_upload(header, by)
         try:
             spec = pending.base_model.spec
-            with UploadSpool(self.spool_dir, header.files, HEAD_BYTES) as spool:
+            with closing(UploadSpool(self.spool_dir, header.files, HEAD_BYTES)) as spool:
                 beat = time.monotonic()
                 checked_start = False
                 for chunk in chunks:
@@ -154,7 +155,7 @@ class Registry:
                 summary = validate_adapter(
                     files[CONFIG_FILE].path, files[WEIGHTS_FILE].path, spec, self.limits.max_rank
                 )
-                version, _ = self._commit(pending.id, list(files.values()), summary, header.alias)
+                version = self._commit(pending.id, list(files.values()), summary, header.alias)
         except BaseException as exc:
             code = exc.code.name if isinstance(exc, MoeLoraError) else "INTERNAL"
             metrics.UPLOADS.labels(code).inc()
@@ -192,7 +193,7 @@ class Registry:
         files: list[SpooledFile],
         summary: AdapterSummary,
         alias: str | None,
-    ) -> tuple[VersionInfo, int]:
+    ) -> VersionInfo:
         stored = [StoredFile(f.info, blob_key(f.info.sha256)) for f in files]
         digest = version_digest([(f.info.path, f.info.sha256) for f in files])
         for attempt in range(1, _BLOB_WRITE_ATTEMPTS + 1):

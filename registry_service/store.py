@@ -190,14 +190,14 @@ class Store:
         digest: str,
         alias: str | None,
         blobs_present: Callable[[Sequence[str]], bool],
-    ) -> tuple[VersionInfo, int]:
+    ) -> VersionInfo:
         """Makes the PENDING row READY with the next version number, points the
-        alias at it and records the events, in one transaction; (version, number
-        of events). The blob rows are claimed (row-locked) first and
-        ``blobs_present`` is asked under that lock, so gc cannot remove a blob
-        between the check and the commit; BlobsMissing when one is gone."""
+        alias at it and records the events, in one transaction. The blob rows
+        are claimed (row-locked) first and ``blobs_present`` is asked under that
+        lock, so gc cannot remove a blob between the check and the commit;
+        BlobsMissing when one is gone."""
 
-        def work(s: Session) -> tuple[VersionInfo, int]:
+        def work(s: Session) -> VersionInfo:
             row = s.get(VersionRow, pending_id)
             if row is None or row.status is not VersionStatus.PENDING:
                 raise FailedPrecondition(
@@ -238,13 +238,11 @@ class Store:
             ]
             s.flush()
             self._append_event(s, EventType.READY, row)
-            events = 1
             if alias:
                 self._move_alias(s, row, alias)
-                events += 1
             s.flush()
             s.refresh(row)
-            return _version_info(row), events
+            return _version_info(row)
 
         return self.db.write_retrying(work)
 

@@ -13,7 +13,6 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 from registry_service.background_writer import BackgroundWriter
 from registry_service.domain import ADAPTER_FILES, Chunk, DeclaredFile, FileInfo, UploadHeader
@@ -202,14 +201,3 @@ class UploadSpool:
         for f in self._files:
             f.writer.discard()
         self._dir.rmdir()
-
-    def __enter__(self) -> UploadSpool:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

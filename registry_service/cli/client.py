@@ -13,7 +13,6 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
@@ -85,12 +84,7 @@ class RegistryClient:
     def __enter__(self) -> RegistryClient:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _call(
