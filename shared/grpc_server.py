@@ -61,6 +61,23 @@ class _State:
 
     def __init__(self) -> None:
         self.draining = threading.Event()
+        self._idle = threading.Condition()
+        self._in_flight = 0
+
+    def enter(self) -> None:
+        with self._idle:
+            self._in_flight += 1
+
+    def leave(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until no counted RPC is in flight; False if ``timeout`` passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
 
 class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
@@ -77,9 +94,11 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             return None
         method: str = details.method
         state = self._state
+        # Health and reflection are answered during a drain and don't hold it up.
+        counted = not method.startswith(_ALWAYS_ALLOWED)
 
         def guard(context: grpc.ServicerContext) -> None:
-            if state.draining.is_set() and not method.startswith(_ALWAYS_ALLOWED):
+            if state.draining.is_set() and counted:
                 context.abort(
                     grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
                 )
@@ -116,6 +135,8 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             def run(request: Any, context: grpc.ServicerContext) -> Any:
                 guard(context)
                 start = time.perf_counter()
+                if counted:
+                    state.enter()
                 try:
                     response = behavior(request, context)
                 except Exception as exc:
@@ -124,6 +145,9 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                         raise
                     fail(context, exc)
                     raise
+                finally:
+                    if counted:
+                        state.leave()
                 done(start, context)
                 return response
 
@@ -133,6 +157,8 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 guard(context)
                 start = time.perf_counter()
+                if counted:
+                    state.enter()
                 try:
                     yield from behavior(request, context)
                 except Exception as exc:
@@ -141,6 +167,9 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                         raise
                     fail(context, exc)
                     raise
+                finally:
+                    if counted:
+                        state.leave()
                 done(start, context)
 
             return run
@@ -243,15 +272,26 @@ class GrpcServer:
         self._server.start()
         log_event(log, "server_started", address=self.address, services=self._service_names)
 
+    @property
+    def drain_event(self) -> threading.Event:
+        """Set once the drain starts: long-lived streams watch it to end themselves."""
+        return self._state.draining
+
     def drain(self, on_drained: Callable[[], None] | None = None) -> None:
-        """Stops taking new RPCs, reports NOT_SERVING, lets RPCs in flight finish
-        for up to ``drain_seconds``, then stops. Idempotent."""
+        """Stops taking new RPCs (they get UNAVAILABLE, which clients retry elsewhere),
+        reports NOT_SERVING, lets RPCs in flight finish for up to ``drain_seconds``,
+        then stops, cancelling what is still running. Idempotent."""
         if self._state.draining.is_set():
             return
         self._state.draining.set()
         self.set_serving(False)
         log_event(log, "server_draining", grace_seconds=self.options.drain_seconds)
-        self._server.stop(self.options.drain_seconds).wait()
+        idle = self._state.wait_idle(self.options.drain_seconds)
+        if not idle:
+            log_event(
+                log, "drain_timeout", logging.WARNING, grace_seconds=self.options.drain_seconds
+            )
+        self._server.stop(0).wait()
         if on_drained is not None:
             on_drained()
         log_event(log, "server_stopped")

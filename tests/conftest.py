@@ -12,6 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton picks its interpreter when ``triton.jit`` first runs, i.e. when ``kernels`` is first
+# imported by whichever test folder comes first: decide it here, once, for every folder.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 POSTGRES_ENV = "MOELORA_TEST_POSTGRES_URL"
