@@ -4,13 +4,14 @@ pages, gc, checksum failures, base-model registration rules."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
 import pytest
 
-from registry_service.domain import ListFilter
+from registry_service.domain import Chunk, DeclaredFile, ListFilter, UploadHeader
+from registry_service.service import Registry
 from shared.errors import MoeLoraError
 from shared.model_spec import read_model_spec
 from tests.registry.conftest import BASE, Served, register_base
@@ -176,3 +177,32 @@ def test_base_model_registration_rules(served: Served, tmp_path: Path) -> None:
         with pytest.raises(MoeLoraError) as info:
             client.get_base_model("nope")
         assert _code(info) == grpc.StatusCode.NOT_FOUND
+
+
+class _GcWinsOnce(Registry):
+    """A registry whose first READY commit finds its blobs gone, as when a gc
+    running elsewhere removed an unreferenced blob the upload was about to reuse."""
+
+    raced = False
+
+    def _all_present(self, keys: Iterable[str]) -> bool:
+        if not self.raced:
+            self.raced = True
+            for key in keys:
+                self.blobs.delete(key)
+        return super()._all_present(keys)
+
+
+def test_upload_rewrites_blobs_that_gc_removed_meanwhile(served: Served, tmp_path: Path) -> None:
+    app = served.app.registry
+    racing = _GcWinsOnce(app.store, app.blobs, app.feed, app.collector, app.spool_dir, app.limits)
+    folder = write_adapter(tmp_path / "a")
+    files = [folder / "adapter_config.json", folder / "adapter_model.safetensors"]
+    header = UploadHeader(
+        "raced", BASE, "", {}, None, [DeclaredFile(f.name, f.stat().st_size, None) for f in files]
+    )
+    chunks = [Chunk(i, 0, f.read_bytes()) for i, f in enumerate(files)]
+    version = racing.upload(header, chunks, "test")
+    assert racing.raced and version.version == 1
+    with served.client() as client:
+        client.download("raced:1", tmp_path / "out")  # every blob is there
