@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from registry_service.auth import Role, new_token_entry
+from shared.auth import bearer_metadata, bearer_token
 from shared.errors import MoeLoraError
 from tests.conftest import free_port, wait_for
 from tests.registry.conftest import BASE, Served, register_base
@@ -112,3 +113,15 @@ def test_hash_token_prints_a_usable_entry(start_server: Any) -> None:
     made = json.loads(process.log().strip().splitlines()[-1])
     assert made["entry"]["name"] == "ci-bot" and made["entry"]["role"] == "write"
     assert made["entry"]["sha256"] == hashlib.sha256(made["token"].encode()).hexdigest()
+
+
+def test_bearer_header_reading_and_writing() -> None:
+    assert bearer_metadata("abc") == (("authorization", "Bearer abc"),)
+    for bad in ("", " abc", "a b", "tok\n"):
+        with pytest.raises(ValueError):
+            bearer_metadata(bad)
+    assert bearer_token([("authorization", "Bearer abc")]) == "abc"
+    assert bearer_token([("x-other", "1"), ("Authorization", b"bearer  abc ")]) == "abc"
+    assert bearer_token([("authorization", "Basic YWJj")]) is None
+    assert bearer_token([("authorization", "Bearer ")]) is None
+    assert bearer_token(None) is None
