@@ -23,8 +23,8 @@ def _code(error: pytest.ExceptionInfo[MoeLoraError]) -> grpc.StatusCode:
 
 
 @pytest.fixture
-def served(serve: Callable[..., Served], base_model_dir: Path) -> Served:
-    registry = serve(gc_grace_seconds=0)
+def served(database_url: str, serve: Callable[..., Served], base_model_dir: Path) -> Served:
+    registry = serve(database_url=database_url, gc_grace_seconds=0)
     with registry.client() as client:
         register_base(client, base_model_dir)
     return registry

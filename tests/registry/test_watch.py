@@ -58,8 +58,8 @@ def _summary(events: list[registry_pb2.WatchAdaptersResponse]) -> list[tuple[str
 
 
 @pytest.fixture
-def served(serve: Callable[..., Served], base_model_dir: Path) -> Served:
-    registry = serve()
+def served(database_url: str, serve: Callable[..., Served], base_model_dir: Path) -> Served:
+    registry = serve(database_url=database_url)
     with registry.client() as client:
         register_base(client, base_model_dir)
     return registry
