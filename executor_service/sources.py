@@ -22,12 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from shared.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
 from shared.errors import DataLoss, FailedPrecondition, NotFound
 from shared.refs import AdapterRef
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
 
 @dataclass(frozen=True)
@@ -66,15 +63,6 @@ class AdapterSource(Protocol):
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter: ...
 
     def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles: ...
-
-
-def files_digest(sha256_by_path: Mapping[str, str]) -> str:
-    """ "sha256:" + SHA-256 over the files sorted by path, each as the UTF-8 bytes of
-    ``path`` NUL ``hex sha256`` LF: identical files give identical digests."""
-    outer = hashlib.sha256()
-    for path in sorted(sha256_by_path):
-        outer.update(f"{path}\0{sha256_by_path[path]}\n".encode())
-    return f"sha256:{outer.hexdigest()}"
 
 
 @dataclass(frozen=True)
