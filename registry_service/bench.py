@@ -40,10 +40,10 @@ import boto3
 import grpc
 import numpy as np
 
-from registry_service.cli.client import RegistryClient
-from registry_service.domain import CONFIG_FILE, WEIGHTS_FILE
+from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.grpc_server import wait_until_serving
 from shared.model_spec import ModelSpec, spec_from_config
+from shared.registry_client import RegistryClient
 
 BASE_NAME = "qwen3-30b-a3b-shape"
 CONFIG = {

@@ -4,19 +4,10 @@ translates these to and from messages (messages.py); nothing here knows gRPC."""
 from __future__ import annotations
 
 import enum
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Generic, TypeVar
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-
-#: Initial metadata of a WatchAdapters stream: the sequence it starts after.
-#: Once a client has received it, every later event reaches the stream.
-WATCH_START_METADATA = "moelora-watch-after-sequence"
 
 T = TypeVar("T")
 
@@ -33,16 +24,6 @@ class EventType(enum.StrEnum):
     DELETED = "DELETED"
     ALIAS_SET = "ALIAS_SET"
     ALIAS_DELETED = "ALIAS_DELETED"
-
-
-def version_digest(files: Sequence[tuple[str, str]]) -> str:
-    """``sha256:`` + the SHA-256 of, for each (path, sha256 hex) sorted by path,
-    the bytes ``path`` UTF-8, NUL, ``sha256`` hex ASCII, LF. Identical files give
-    identical digests whatever order they were uploaded in."""
-    h = hashlib.sha256()
-    for path, sha in sorted(files):
-        h.update(path.encode() + b"\0" + sha.encode("ascii") + b"\n")
-    return "sha256:" + h.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,12 @@ from registry_service import messages, metrics
 from registry_service.app import RegistryApp
 from registry_service.auth import Authorizer, Principal, Role
 from registry_service.config import RegistrySettings
-from registry_service.domain import WATCH_START_METADATA, Chunk
+from registry_service.domain import Chunk
 from registry_service.service import Registry
 from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
 from shared.grpc_server import GrpcServer, ServerOptions
 from shared.model_spec import ModelSpec
+from shared.registry_client import WATCH_START_METADATA
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name
 

@@ -17,8 +17,6 @@ from typing import BinaryIO
 from registry_service import metrics
 from registry_service.blobs import BlobStore, blob_key
 from registry_service.domain import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
     AdapterSummary,
     AliasChange,
     Chunk,
@@ -30,7 +28,6 @@ from registry_service.domain import (
     StoredFile,
     UploadHeader,
     VersionInfo,
-    version_digest,
 )
 from registry_service.events import EventFeed
 from registry_service.gc import GarbageCollector
@@ -38,6 +35,7 @@ from registry_service.paging import decode_token, encode_token, page_size
 from registry_service.store import BaseModelRecord, BlobsMissing, Store
 from registry_service.upload import SpooledFile, UploadSpool, check_header, check_labels
 from registry_service.validation import HEAD_BYTES, check_stream_start, validate_adapter
+from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE, files_digest
 from shared.errors import DataLoss, InvalidArgument, MoeLoraError, OutOfRange
 from shared.logs import log_event
 from shared.model_spec import ModelSpec
@@ -195,7 +193,7 @@ class Registry:
         alias: str | None,
     ) -> VersionInfo:
         stored = [StoredFile(f.info, blob_key(f.info.sha256)) for f in files]
-        digest = version_digest([(f.info.path, f.info.sha256) for f in files])
+        digest = files_digest({f.info.path: f.info.sha256 for f in files})
         for attempt in range(1, _BLOB_WRITE_ATTEMPTS + 1):
             # Blobs first: no row ever points at an incomplete object.
             for f in files:

@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from registry_service.background_writer import BackgroundWriter
-from registry_service.domain import ADAPTER_FILES, Chunk, DeclaredFile, FileInfo, UploadHeader
+from registry_service.domain import Chunk, DeclaredFile, FileInfo, UploadHeader
+from shared.adapter_files import ADAPTER_FILES
+from shared.background_writer import BackgroundWriter
 from shared.errors import InvalidArgument, ResourceExhausted
 from shared.refs import validate_alias, validate_name
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
-from registry_service.domain import CONFIG_FILE, WEIGHTS_FILE, AdapterSummary
+from registry_service.domain import AdapterSummary
+from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.adapter_format import (
     AdapterFormat,
     check_finite,

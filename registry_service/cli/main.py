@@ -47,10 +47,10 @@ from rich.progress import (
 from rich.table import Table
 
 from moelora.v1 import registry_pb2
-from registry_service.cli.client import RegistryClient, describe_folder
 from shared.errors import InvalidArgument, MoeLoraError
 from shared.model_spec import read_model_spec
 from shared.refs import validate_name
+from shared.registry_client import RegistryClient, describe_folder
 
 PROG = "adapterctl"
 DEFAULT_ADDRESS = "127.0.0.1:50051"

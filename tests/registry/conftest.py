@@ -20,11 +20,11 @@ from moto.server import ThreadedMotoServer
 from sqlalchemy import create_engine, make_url, text
 
 from registry_service.app import RegistryApp, open_registry
-from registry_service.cli.client import RegistryClient
 from registry_service.config import RegistrySettings
 from registry_service.server import SERVICE_NAME, create_server
 from shared.grpc_server import GrpcServer, wait_until_serving
 from shared.model_spec import read_model_spec
+from shared.registry_client import RegistryClient
 from tests.conftest import free_port
 from tests.registry.fixtures import write_base_model
 

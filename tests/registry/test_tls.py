@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from registry_service.cli.client import RegistryClient
 from shared.errors import MoeLoraError
+from shared.registry_client import RegistryClient
 from tests.registry.conftest import Served
 
 

@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from moelora.v1 import registry_pb2
-from registry_service.cli.client import RegistryClient, WatchStream
 from shared.errors import MoeLoraError
+from shared.registry_client import RegistryClient, WatchStream
 from tests.registry.conftest import BASE, Served, register_base
 from tests.registry.fixtures import write_adapter
 

@@ -1,4 +1,4 @@
-"""A typed client of the AdapterRegistry API: what adapterctl (and tests) call.
+"""A typed client of the AdapterRegistry API: what adapterctl and the executor call.
 
 Every call has a deadline except the streams, which move gigabytes; errors come
 back as shared.errors classes. Uploads send each file's sha256 in the header,
@@ -18,10 +18,14 @@ from typing import Any, TypeVar
 import grpc
 
 from moelora.v1 import model_pb2, registry_pb2, registry_pb2_grpc
-from registry_service.background_writer import BackgroundWriter
-from registry_service.domain import ADAPTER_FILES, WATCH_START_METADATA
+from shared.adapter_files import ADAPTER_FILES
 from shared.auth import open_channel
+from shared.background_writer import BackgroundWriter
 from shared.errors import DataLoss, InvalidArgument, from_rpc_error
+
+#: Initial metadata of a WatchAdapters stream: the sequence it starts after. Once a client
+#: has received it, every later event reaches the stream.
+WATCH_START_METADATA = "moelora-watch-after-sequence"
 
 CHUNK_BYTES = 1024 * 1024
 #: gRPC messages up to this size; chunks are 1 MiB, versions a few KiB.
