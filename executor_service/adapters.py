@@ -24,7 +24,13 @@ from executor_service.packer import PackedAdapter, pack_adapter
 from executor_service.slot_buffers import DeviceEvent
 from executor_service.slots import SlotDataMissing, SlotLease, SlotManager, SlotStatus
 from executor_service.sources import AdapterSource, ResolvedAdapter
-from shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from shared.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from shared.logs import log_event
 from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef
@@ -80,7 +86,7 @@ class AdapterManager:
         slots: SlotManager,
         metrics: ExecutorMetrics,
     ) -> None:
-        self._source = source
+        self.source = source
         self._pack = pack
         self.host = host
         self.slots = slots
@@ -102,11 +108,11 @@ class AdapterManager:
                     and (ref.digest in (None, adapter.digest))
                 ):
                     return adapter
-        if self._source is None:
+        if self.source is None:
             raise NotFound(
                 f"adapter {ref} not found: the executor has no adapter source (set --adapter-dir)"
             )
-        adapter = self._source.resolve(ref)
+        adapter = self.source.resolve(ref)
         fingerprint = adapter.base_model_fingerprint
         if fingerprint is not None and fingerprint != self._pack.spec.fingerprint:
             raise FailedPrecondition(
@@ -211,6 +217,33 @@ class AdapterManager:
             return self._from_host(entry)
         raise NotFound(f"adapter {adapter.label} is not loaded")  # evicted meanwhile
 
+    def forget(self, digest: str, timeout: float = 30.0) -> None:
+        """Drops a version its source deleted from both tiers, pinned or not, once the
+        requests using it finished (waiting up to ``timeout``)."""
+        try:
+            slot = self.slots.evict(digest, timeout, unpin=True)
+        except DeadlineExceeded as exc:
+            log_event(log, "deleted_adapter_still_in_use", logging.WARNING, error=exc.message)
+            return
+        entry = self.host.remove(digest)
+        dropped = [
+            (gone.adapter.label, tier)
+            for gone, tier in ((slot, GPU), (entry, HOST))
+            if gone is not None
+        ]
+        for label, tier in dropped:
+            self._metrics.set_resident(label, tier, False)
+        self._metrics.host_cache_used_bytes.set(self.host.used_bytes)
+        self._update_slot_gauges()
+        if dropped:
+            log_event(
+                log,
+                "deleted_adapter_dropped",
+                adapter=dropped[0][0],
+                digest=digest,
+                tiers=[tier for _, tier in dropped],
+            )
+
     def list_loaded(self) -> list[AdapterStatus]:
         """GPU slots first (by slot), then the host cache (most recently used first)."""
         on_gpu = [self._from_slot(s) for s in self.slots.status()]
@@ -280,10 +313,10 @@ class AdapterManager:
 
     def _fetch_and_pack(self, adapter: ResolvedAdapter) -> HostEntry:
         self._metrics.cache_misses.labels(HOST).inc()
-        if self._source is None:  # resolve() found it held; it has been evicted since
+        if self.source is None:  # resolve() found it held; it has been evicted since
             raise NotFound(f"adapter {adapter.label} was evicted and there is no adapter source")
         start = time.perf_counter()
-        files = self._source.fetch(adapter)
+        files = self.source.fetch(adapter)
         pack = self._pack
         try:
             packed = pack_adapter(files.config, files.weights, pack.spec, pack.max_rank, pack.dtype)

@@ -70,10 +70,14 @@ class ExecutorApp:
     def serve_forever(self) -> None:
         """Starts, drains on SIGTERM or SIGINT, returns once stopped (the process)."""
         self._start_loading()
-        self.server.serve_forever()
+        self.server.serve_forever(on_drained=self._close)
 
     def drain(self) -> None:
-        self.server.drain()
+        self.server.drain(on_drained=self._close)
+
+    def _close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
 
     def _start_loading(self) -> None:
         if self.settings.base_model_path is None:

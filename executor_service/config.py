@@ -37,8 +37,13 @@ class ExecutorSettings(ServiceSettings):
     )
     registry_token: str | None = Field(None, description="bearer token for the registry")
     registry_tls: bool = Field(False, description="talk TLS to the registry")
+    registry_timeout_seconds: float = Field(
+        30.0, gt=0, description="deadline of each registry call (downloads excepted)"
+    )
     adapter_dir: Path | None = Field(
-        None, description="local folder of adapters (NAME/ subfolders), used before the registry"
+        None,
+        description="local folder of adapters (NAME/ or NAME/VERSION/ subfolders), used "
+        "instead of the registry",
     )
     disk_cache_dir: Path = Field(
         Path("~/.moelora/executor-cache"), description="local disk cache of downloaded adapters"

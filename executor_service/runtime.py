@@ -12,10 +12,12 @@ import torch
 import kernels
 from executor_service.adapters import AdapterManager, PackSettings
 from executor_service.config import ExecutorSettings
+from executor_service.disk_cache import DiskCache
 from executor_service.engine import EngineSettings, ForwardEngine, KernelFn
 from executor_service.host_cache import HostCache
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
+from executor_service.registry_source import RegistrySource, RegistryWatcher
 from executor_service.slot_buffers import DeviceSync, SlotBuffers
 from executor_service.slots import SlotManager
 from executor_service.sources import AdapterSource, LocalFolderSource
@@ -23,6 +25,7 @@ from kernels.forward import Backend
 from shared.errors import InvalidArgument
 from shared.logs import log_event
 from shared.refs import AdapterRef
+from shared.registry_client import RegistryClient
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +82,30 @@ class ExecutorRuntime:
     model: BaseModel
     adapters: AdapterManager
     engine: ForwardEngine
+    #: Follows the registry's changes when adapters come from the registry.
+    watcher: RegistryWatcher | None = None
+
+    def close(self) -> None:
+        """Stops background work (the registry watch); the server has drained."""
+        if self.watcher is not None:
+            self.watcher.close()
 
 
 def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
-    """The local adapter folder when configured. The registry source is wired by the
-    end-to-end work; until then ``registry_address`` is not used."""
-    if settings.adapter_dir is None:
-        return None
-    return LocalFolderSource(settings.adapter_dir.expanduser())
+    """The local adapter folder when ``--adapter-dir`` is set, else the registry when
+    ``--registry-address`` is, else none (base model only)."""
+    if settings.adapter_dir is not None:
+        return LocalFolderSource(settings.adapter_dir.expanduser())
+    if settings.registry_address:
+        client = RegistryClient(
+            settings.registry_address,
+            token=settings.registry_token,
+            tls=settings.registry_tls,
+            timeout=settings.registry_timeout_seconds,
+        )
+        disk = DiskCache(settings.disk_cache_dir, settings.disk_cache_bytes)
+        return RegistrySource(client, settings.registry_address, disk)
+    return None
 
 
 def build_runtime(
@@ -127,8 +146,17 @@ def build_runtime(
         kernel=kernel or functools.partial(kernels.moe_forward, backend=where.kernel_backend),
         metrics=metrics,
     )
+    watcher = None
+    if isinstance(manager.source, RegistrySource):
+        watcher = RegistryWatcher(manager.source.client, manager.source, on_deleted=manager.forget)
+        watcher.start()
     runtime = ExecutorRuntime(
-        settings=settings, placement=where, model=model, adapters=manager, engine=engine
+        settings=settings,
+        placement=where,
+        model=model,
+        adapters=manager,
+        engine=engine,
+        watcher=watcher,
     )
     for text in settings.preload_adapters:
         status = manager.pin(AdapterRef.parse(text, "preload_adapters"), settings.slot_wait_seconds)

@@ -226,15 +226,17 @@ class SlotManager:
             self._cond.notify_all()
             return self._status(slot)
 
-    def evict(self, digest: str, timeout: float) -> SlotStatus | None:
+    def evict(self, digest: str, timeout: float, unpin: bool = False) -> SlotStatus | None:
         """Empties the adapter's slot once the requests using it finished (waiting up to
-        ``timeout``). Refuses pinned adapters. None when it is not in a slot."""
+        ``timeout``). Refuses pinned adapters unless ``unpin``. None when it is not in a slot."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
                 slot = self._by_digest.get(digest)
                 if slot is None:
                     return None
+                if slot.pinned and unpin:
+                    slot.pinned = False
                 if slot.pinned:
                     label = slot.adapter.label if slot.adapter else digest
                     raise FailedPrecondition(f"adapter {label} is pinned; unpin it first")

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from shared.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
+from shared.adapter_files import (
+    ADAPTER_FILES,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    digest_of_files,
+    files_digest,
+)
 from shared.errors import DataLoss, FailedPrecondition, NotFound
 from shared.refs import AdapterRef
 
@@ -63,6 +69,28 @@ class AdapterSource(Protocol):
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter: ...
 
     def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles: ...
+
+
+def checked_files(adapter: ResolvedAdapter, data: Mapping[str, bytes], where: str) -> AdapterFiles:
+    """The fetched bytes of ``adapter`` as the packer takes them, after checking them against
+    its digest (DataLoss) and that the config is a JSON object (FailedPrecondition)."""
+    digest = digest_of_files(data)
+    if digest != adapter.digest:
+        raise DataLoss(
+            f"adapter {adapter.label}: the files from {where} have digest {digest}, "
+            f"expected {adapter.digest}"
+        )
+    try:
+        config = json.loads(data[CONFIG_FILE])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FailedPrecondition(
+            f"adapter {adapter.label}: {CONFIG_FILE} from {where} is not valid JSON: {exc}"
+        ) from None
+    if not isinstance(config, dict):
+        raise FailedPrecondition(
+            f"adapter {adapter.label}: {CONFIG_FILE} from {where} must hold a JSON object"
+        )
+    return AdapterFiles(config=config, weights=data[WEIGHTS_FILE])
 
 
 @dataclass(frozen=True)
@@ -113,23 +141,7 @@ class LocalFolderSource:
         if folder is None:
             raise NotFound(f"adapter {adapter.label} is gone from {self.root}")
         data = {name: self._read(folder / name) for name in ADAPTER_FILES}
-        digest = files_digest({name: hashlib.sha256(raw).hexdigest() for name, raw in data.items()})
-        if digest != adapter.digest:
-            raise DataLoss(
-                f"adapter {adapter.label}: the files in {folder} changed since it was resolved "
-                f"(digest {digest}, expected {adapter.digest})"
-            )
-        try:
-            config = json.loads(data[CONFIG_FILE])
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FailedPrecondition(
-                f"adapter {adapter.label}: {folder / CONFIG_FILE} is not valid JSON: {exc}"
-            ) from None
-        if not isinstance(config, dict):
-            raise FailedPrecondition(
-                f"adapter {adapter.label}: {folder / CONFIG_FILE} must hold a JSON object"
-            )
-        return AdapterFiles(config=config, weights=data[WEIGHTS_FILE])
+        return checked_files(adapter, data, where=str(folder))
 
     def _versions(self, name: str) -> dict[int, Path]:
         # ``name`` passed validate_name (AdapterRef.parse), so it cannot leave the root.

@@ -21,3 +21,8 @@ def files_digest(sha256_by_path: Mapping[str, str]) -> str:
     for path in sorted(sha256_by_path):
         outer.update(f"{path}\0{sha256_by_path[path]}\n".encode())
     return f"sha256:{outer.hexdigest()}"
+
+
+def digest_of_files(files: Mapping[str, bytes]) -> str:
+    """The version digest of files held in memory, by path."""
+    return files_digest({path: hashlib.sha256(data).hexdigest() for path, data in files.items()})

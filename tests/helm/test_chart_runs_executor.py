@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.conftest import REPO
 from tests.helm.chart import (
     EXECUTOR_SERVICE,
@@ -36,10 +34,6 @@ from tests.registry.fixtures import write_adapter, write_base_model
 
 # The registry tests' fixture: moto's S3 server.
 __all__ = ["s3_endpoint"]
-
-# What the executor answers while its registry adapter source is not built (end-to-end
-# issue); only this exact gap turns the adapter half of the test into an expected failure.
-NO_REGISTRY_SOURCE = "the executor has no adapter source"
 
 
 def test_executor_fetches_its_model_loads_an_adapter_and_answers_forward(
@@ -114,8 +108,6 @@ def test_executor_fetches_its_model_loads_an_adapter_and_answers_forward(
     assert base_only.returncode == 0, base_only.stderr + executor.log()
     assert base_only.stdout.startswith("['', ''] (4, 16)"), base_only.stdout
     with_adapter = run_python(program)
-    if NO_REGISTRY_SOURCE in with_adapter.stderr:
-        pytest.xfail("the executor does not pull adapters from the registry yet")
     assert with_adapter.returncode == 0, with_adapter.stderr + executor.log()
     assert with_adapter.stdout.startswith("['my-adapter:1', ''] (4, 16)"), with_adapter.stdout
     assert executor.terminate() == 0

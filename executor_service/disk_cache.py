@@ -1,0 +1,149 @@
+"""The local disk cache of downloaded adapter versions, under the host-memory cache.
+
+Each version is a folder ``ROOT/<digest hex>/`` holding its files, keyed by digest so that it
+is immutable: an entry is written under a temporary name and renamed into place complete, so
+a crash never leaves a half entry that looks whole. A byte budget bounds the cache; the least
+recently used versions go first. Entries survive restarts: a restarted executor serves what it
+had downloaded even while the registry is unreachable. Every read is checked against the
+digest, so a damaged entry is dropped and fetched again rather than served.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+
+from shared.adapter_files import ADAPTER_FILES, digest_of_files
+from shared.logs import log_event
+from shared.refs import validate_digest
+
+log = logging.getLogger(__name__)
+
+_PARTIAL_PREFIX = ".partial-"
+
+
+class DiskCache:
+    """Adapter files on disk by digest, LRU within ``budget_bytes``; thread-safe."""
+
+    def __init__(self, root: Path, budget_bytes: int) -> None:
+        self.root = root.expanduser()
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, LRU first
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(self._entries.values())
+
+    def digests(self) -> list[str]:
+        """Cached digests, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def get(self, digest: str) -> dict[str, bytes] | None:
+        """The files of ``digest``, or None when not cached (or the entry fails its check)."""
+        with self._lock:
+            if digest not in self._entries:
+                return None
+            self._entries.move_to_end(digest)
+        folder = self._folder(digest)
+        try:
+            files = {name: (folder / name).read_bytes() for name in ADAPTER_FILES}
+        except FileNotFoundError:
+            files = None
+        if files is None or digest_of_files(files) != digest:
+            log_event(log, "disk_cache_entry_damaged", logging.WARNING, digest=digest)
+            self.remove(digest)
+            return None
+        return files
+
+    def reserve(self) -> Path:
+        """A new empty folder inside the cache for a download to write into; ``commit``
+        it, or ``discard`` it if the download fails."""
+        partial = self.root / f"{_PARTIAL_PREFIX}{uuid.uuid4().hex}"
+        partial.mkdir()
+        return partial
+
+    @staticmethod
+    def discard(partial: Path) -> None:
+        shutil.rmtree(partial, ignore_errors=True)
+
+    def commit(self, digest: str, partial: Path) -> list[str]:
+        """Moves a reserved folder whose files were checked against ``digest`` into place
+        and evicts least recently used entries beyond the budget; returns the evicted
+        digests. A version larger than the whole budget is not kept."""
+        size = sum(f.stat().st_size for f in partial.iterdir())
+        with self._lock:
+            keep = size <= self.budget_bytes and digest not in self._entries
+            if keep:
+                partial.rename(self._folder(digest))
+                self._entries[digest] = size
+                evicted = self._evict_locked(keep=digest)
+            else:
+                evicted = []
+                if digest in self._entries:
+                    self._entries.move_to_end(digest)
+        if not keep:
+            self.discard(partial)
+        for gone in evicted:
+            shutil.rmtree(self._folder(gone), ignore_errors=True)
+        if evicted:
+            log_event(log, "disk_cache_evicted", digests=evicted)
+        return evicted
+
+    def remove(self, digest: str) -> bool:
+        """Drops ``digest``; True if it was cached."""
+        with self._lock:
+            known = self._entries.pop(digest, None) is not None
+        shutil.rmtree(self._folder(digest), ignore_errors=True)
+        return known
+
+    def _evict_locked(self, keep: str) -> list[str]:
+        evicted = []
+        total = sum(self._entries.values())
+        for digest in list(self._entries):
+            if total <= self.budget_bytes:
+                break
+            if digest == keep:
+                continue
+            total -= self._entries.pop(digest)
+            evicted.append(digest)
+        return evicted
+
+    def _folder(self, digest: str) -> Path:
+        return self.root / validate_digest(digest).removeprefix("sha256:")
+
+    def _scan(self) -> None:
+        """Adopts entries left by an earlier run (oldest access first) and removes the
+        leftovers of interrupted writes."""
+        found: list[tuple[float, str, int]] = []
+        for child in self.root.iterdir():
+            if child.name.startswith(_PARTIAL_PREFIX):
+                shutil.rmtree(child, ignore_errors=True)
+                continue
+            files = [child / name for name in ADAPTER_FILES]
+            if not child.is_dir() or not all(f.is_file() for f in files):
+                continue
+            digest = f"sha256:{child.name}"
+            size = sum(f.stat().st_size for f in files)
+            found.append((max(f.stat().st_atime for f in files), digest, size))
+        with self._lock:
+            for _, digest, size in sorted(found):
+                self._entries[digest] = size
+            evicted = self._evict_locked(keep="")
+        for gone in evicted:
+            shutil.rmtree(self._folder(gone), ignore_errors=True)
+        if found:
+            log_event(
+                log,
+                "disk_cache_adopted",
+                entries=len(found) - len(evicted),
+                bytes=self.used_bytes,
+            )

@@ -1,0 +1,259 @@
+"""Adapters from the registry: resolve over gRPC, download through the disk cache, and follow
+the registry's change stream so that cached answers stay true.
+
+``RegistrySource`` is the executor's ``AdapterSource`` when ``--registry-address`` is set.
+
+* References are resolved with GetAdapter and remembered. A version number or digest names an
+  immutable version, so its answer stays valid until the version is deleted. A bare name or an
+  alias may move: its answer is trusted only while ``RegistryWatcher`` is connected, which
+  drops it the moment the registry announces a new version, an alias move or a deletion;
+  without a connected watcher it is asked again on every use.
+* Files are fetched by digest (``name@sha256:...``, so an alias moving mid-download cannot
+  change the bytes), over presigned URLs when the blob store offers them and the registry's
+  stream otherwise, checked file by file and against the digest, and kept in ``DiskCache``.
+* When the registry cannot be reached, what the executor already knows keeps serving: cached
+  resolutions and the disk cache (the host and GPU tiers above them too). Anything new fails
+  UNAVAILABLE with a message that says so. The watcher reconnects by itself with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from executor_service.disk_cache import DiskCache
+from executor_service.sources import AdapterFiles, ResolvedAdapter, checked_files
+from moelora.v1 import registry_pb2
+from shared.adapter_files import ADAPTER_FILES
+from shared.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    MoeLoraError,
+    NotFound,
+    OutOfRange,
+    Unavailable,
+)
+from shared.logs import log_event
+from shared.refs import AdapterRef
+from shared.registry_client import RegistryClient, WatchStream
+
+log = logging.getLogger(__name__)
+
+EventType = registry_pb2.AdapterEventType
+
+#: Errors that mean "the registry did not answer", as opposed to an answer that says no.
+_UNREACHABLE = (Unavailable, DeadlineExceeded)
+
+
+class RegistrySource:
+    """Resolves and fetches adapters from the registry at ``address`` (see the module doc)."""
+
+    def __init__(self, client: RegistryClient, address: str, disk: DiskCache) -> None:
+        self.client = client
+        self.address = address
+        self._disk = disk
+        self._lock = threading.Lock()
+        self._resolved: dict[str, ResolvedAdapter] = {}
+        #: True while the watcher holds a live stream, so moving references are kept current.
+        self._watching = False
+        #: None until we know whether the blob store presigns URLs.
+        self._presign: bool | None = None
+
+    # -- AdapterSource -------------------------------------------------------------------
+
+    def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
+        key = str(ref)
+        with self._lock:
+            cached = self._resolved.get(key)
+            trusted = cached is not None and (ref.is_pinned_version or self._watching)
+        if cached is not None and trusted:
+            return cached
+        try:
+            version = self.client.get(key)
+        except NotFound:
+            with self._lock:
+                self._resolved.pop(key, None)
+            raise
+        except _UNREACHABLE as exc:
+            if cached is not None:
+                log_event(
+                    log, "registry_unreachable_serving_cached", logging.WARNING,
+                    ref=key, adapter=cached.label, error=exc.message,
+                )  # fmt: skip
+                return cached
+            raise Unavailable(
+                f"adapter {key}: the registry at {self.address} cannot be reached "
+                f"({exc.message}) and this executor has not resolved it before; retry once "
+                "the registry is back"
+            ) from None
+        adapter = ResolvedAdapter(
+            name=version.name,
+            version=version.version,
+            digest=version.digest,
+            base_model_fingerprint=version.base_model_fingerprint or None,
+        )
+        with self._lock:
+            self._resolved[key] = adapter
+        return adapter
+
+    def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles:
+        files = self._disk.get(adapter.digest)
+        if files is not None:
+            return checked_files(adapter, files, where=f"the disk cache {self._disk.root}")
+        partial = self._disk.reserve()
+        try:
+            start = time.perf_counter()
+            self._download(adapter, partial)
+            data = {name: (partial / name).read_bytes() for name in ADAPTER_FILES}
+            files_checked = checked_files(adapter, data, where=f"the registry at {self.address}")
+            log_event(
+                log,
+                "adapter_downloaded",
+                adapter=adapter.label,
+                digest=adapter.digest,
+                bytes=sum(len(v) for v in data.values()),
+                ms=round((time.perf_counter() - start) * 1000, 1),
+            )
+            self._disk.commit(adapter.digest, partial)
+            return files_checked
+        except _UNREACHABLE as exc:
+            raise Unavailable(
+                f"adapter {adapter.label}: the registry at {self.address} cannot be reached "
+                f"({exc.message}) and the adapter is in none of this executor's caches"
+            ) from None
+        finally:
+            self._disk.discard(partial)
+
+    # -- the watcher's side --------------------------------------------------------------
+
+    def set_watching(self, watching: bool) -> None:
+        """Called by the watcher. A fresh stream that does not resume the last one may have
+        missed moves: forget every moving reference then."""
+        with self._lock:
+            self._watching = watching
+
+    def forget_moving_references(self) -> None:
+        with self._lock:
+            for key in [k for k in self._resolved if not AdapterRef.parse(k).is_pinned_version]:
+                del self._resolved[key]
+
+    def apply(self, event: registry_pb2.WatchAdaptersResponse) -> None:
+        """Drops the resolutions an event makes stale; a deleted version also leaves the
+        disk cache."""
+        with self._lock:
+            for key, cached in list(self._resolved.items()):
+                ref = AdapterRef.parse(key)
+                if ref.name == event.name and _made_stale(ref, cached, event):
+                    del self._resolved[key]
+        if event.type == EventType.ADAPTER_EVENT_TYPE_DELETED:
+            self._disk.remove(event.digest)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _download(self, adapter: ResolvedAdapter, folder: Path) -> None:
+        ref = f"{adapter.name}@{adapter.digest}"
+        if self._presign is not False:
+            try:
+                self.client.download_presigned(ref, folder)
+                self._presign = True
+                return
+            except FailedPrecondition:
+                self._presign = False  # the local-directory store: use the stream from now on
+        self.client.download(ref, folder)
+
+
+def _made_stale(
+    ref: AdapterRef, cached: ResolvedAdapter, event: registry_pb2.WatchAdaptersResponse
+) -> bool:
+    """Whether ``event`` (of ``ref``'s adapter name) may change what ``ref`` resolves to."""
+    if event.type == EventType.ADAPTER_EVENT_TYPE_READY:
+        return ref.alias is None and not ref.is_pinned_version  # the bare name moves on
+    if event.type in (
+        EventType.ADAPTER_EVENT_TYPE_ALIAS_SET,
+        EventType.ADAPTER_EVENT_TYPE_ALIAS_DELETED,
+    ):
+        return ref.alias == event.alias
+    if event.type == EventType.ADAPTER_EVENT_TYPE_DELETED:
+        # Digest references stay resolvable (until gc); everything else that pointed there
+        # (the version number, the bare name, aliases) does not.
+        return cached.digest == event.digest and ref.digest is None
+    return False
+
+
+class RegistryWatcher:
+    """Follows WatchAdapters in a thread of its own, feeding events to the source and the
+    deletions to ``on_deleted(digest)`` (the adapter manager drops the version from its
+    tiers). Reconnects with exponential backoff, resuming after the last sequence it saw;
+    when the registry no longer keeps that far back it starts afresh."""
+
+    def __init__(
+        self,
+        client: RegistryClient,
+        source: RegistrySource,
+        on_deleted: Callable[[str], None],
+        backoff: tuple[float, float] = (0.2, 10.0),
+    ) -> None:
+        self.client = client
+        self._source = source
+        self._on_deleted = on_deleted
+        self._backoff = backoff
+        self._stop = threading.Event()
+        self._stream_lock = threading.Lock()
+        self._stream: WatchStream | None = None
+        self._last_sequence = 0
+        #: Set whenever a stream is live (tests and start-up wait on it).
+        self.connected = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registry-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._stream_lock:
+            stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        delay = self._backoff[0]
+        while not self._stop.is_set():
+            resumed = self._last_sequence > 0
+            try:
+                with self.client.watch(after_sequence=self._last_sequence) as stream:
+                    with self._stream_lock:
+                        self._stream = stream
+                    if self._stop.is_set():
+                        return
+                    if not resumed:
+                        self._source.forget_moving_references()
+                        self._last_sequence = stream.start_sequence
+                    self._source.set_watching(True)
+                    self.connected.set()
+                    log_event(log, "registry_watch_connected", after=self._last_sequence)
+                    delay = self._backoff[0]
+                    for event in stream:
+                        self._last_sequence = event.sequence
+                        self._source.apply(event)
+                        if event.type == EventType.ADAPTER_EVENT_TYPE_DELETED:
+                            self._on_deleted(event.digest)
+            except OutOfRange:
+                log_event(log, "registry_watch_history_lost", logging.WARNING)
+                self._last_sequence = 0
+            except MoeLoraError as exc:
+                log_event(
+                    log, "registry_watch_failed", logging.WARNING,
+                    error=exc.message, retry_seconds=round(delay, 2),
+                )  # fmt: skip
+            finally:
+                self._source.set_watching(False)
+                self.connected.clear()
+                with self._stream_lock:
+                    self._stream = None
+            if self._stop.wait(delay):
+                return
+            delay = min(delay * 2, self._backoff[1])

@@ -1,0 +1,58 @@
+"""The disk cache of downloaded adapters: budget and LRU, damaged entries, restarts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from executor_service.disk_cache import DiskCache
+from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE, digest_of_files
+
+
+def _files(seed: int, size: int = 100) -> dict[str, bytes]:
+    return {CONFIG_FILE: b'{"r": %d}' % seed, WEIGHTS_FILE: bytes([seed % 256]) * size}
+
+
+def _store(cache: DiskCache, files: dict[str, bytes]) -> tuple[str, list[str]]:
+    digest = digest_of_files(files)
+    partial = cache.reserve()
+    for name, data in files.items():
+        (partial / name).write_bytes(data)
+    return digest, cache.commit(digest, partial)
+
+
+def test_round_trip_and_lru_eviction_within_budget(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path / "cache", budget_bytes=250)
+    a, _ = _store(cache, _files(1))
+    b, _ = _store(cache, _files(2))
+    assert cache.get(a) == _files(1)  # a is now the most recently used
+    c, evicted = _store(cache, _files(3))
+    assert evicted == [b]
+    assert cache.get(b) is None and cache.get(a) == _files(1) and cache.get(c) == _files(3)
+    assert cache.used_bytes <= 250
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_version_larger_than_the_budget_is_not_kept(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, budget_bytes=50)
+    digest, evicted = _store(cache, _files(1))
+    assert evicted == [] and cache.get(digest) is None and cache.digests() == []
+
+
+def test_damaged_entries_are_dropped_not_served(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, budget_bytes=10_000)
+    digest, _ = _store(cache, _files(1))
+    (tmp_path / digest.removeprefix("sha256:") / WEIGHTS_FILE).write_bytes(b"tampered")
+    assert cache.get(digest) is None
+    assert digest not in cache.digests()
+
+
+def test_a_restart_adopts_entries_and_removes_interrupted_writes(tmp_path: Path) -> None:
+    first = DiskCache(tmp_path, budget_bytes=10_000)
+    digest, _ = _store(first, _files(7))
+    leftover = first.reserve()
+    (leftover / CONFIG_FILE).write_bytes(b"half")
+    second = DiskCache(tmp_path, budget_bytes=10_000)
+    assert second.digests() == [digest]
+    assert second.get(digest) == _files(7)
+    assert not leftover.exists()
+    assert second.remove(digest) and second.get(digest) is None
