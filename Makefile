@@ -14,7 +14,8 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: help setup proto proto-check lint format test demo bench helm-check clean
+.PHONY: help setup proto proto-check lint format test demo bench bench-registry bench-forward \
+	helm-check clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -60,10 +61,16 @@ test: setup ## Run every test (GPU tests skip without a GPU, PostgreSQL tests wi
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup ## Registry + executor on embedded defaults: upload adapters, call Forward
-	@echo "make demo: not yet (issue: end to end)"
+	$(PY) -m demo.run
 
-bench: setup ## Kernel benchmark on a GPU (prints the table)
-	@echo "make bench: not yet (issue: kernels)"
+bench: setup ## Kernel benchmark on a GPU: correctness at real shapes, then the table
+	$(PY) -m kernels.bench
+
+bench-registry: setup ## Registry upload/download throughput, 1 GB adapter, local dir and S3 (moto)
+	$(PY) -m registry_service.bench
+
+bench-forward: setup ## Forward latency over gRPC vs kernel-only time (GPU)
+	$(PY) -m executor_service.bench_forward
 
 helm-check: setup ## Render, lint and validate the Helm chart
 	$(PY) -m pytest tests/helm $(PYTEST_ARGS)
