@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: help setup proto proto-check lint format test demo bench bench-registry bench-forward \
+.PHONY: help setup proto proto-check lint docs format test demo bench bench-registry bench-forward \
 	helm-check clean
 
 help: ## List the targets
@@ -52,6 +52,9 @@ lint: setup proto-check ## ruff, mypy, buf lint, stub freshness
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(BUF) lint
+
+docs: $(STAMP) ## Regenerate docs/configuration.md from the settings classes
+	$(PY) -m docs.generate_configuration
 
 format: $(STAMP) ## Apply ruff's fixes and formatting
 	$(VENV)/bin/ruff check --fix .

@@ -50,6 +50,19 @@ class ServiceSettings(BaseSettings):
         return {name: f"{ENV_PREFIX}{name.upper()}" for name in cls.model_fields}
 
 
+def settings_reference(cls: type[ServiceSettings]) -> str:
+    """A Markdown table of every setting of ``cls``: flag, environment variable, default and
+    meaning (docs/configuration.md is made of these)."""
+    rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
+    for name, field in cls.model_fields.items():
+        default = "" if field.is_required() else field.get_default(call_default_factory=True)
+        shown = "(none)" if default is None or default == [] else f"`{default}`"
+        meaning = (field.description or "").split(" [env: ")[0].replace("|", "\\|")
+        flag = "--" + name.replace("_", "-")
+        rows.append(f"| `{flag}` | `{ENV_PREFIX}{name.upper()}` | {shown} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
 def parse_settings(cls: type[S], argv: Sequence[str] | None = None) -> S:
     """Parses flags (and the environment) into ``cls``; exits with status 2 and one
     readable line per problem when a value is invalid."""
