@@ -8,6 +8,7 @@ here, so handlers stay thin.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -131,46 +132,38 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             code = context.code()
             RPC_HANDLED.labels(method, (code or grpc.StatusCode.OK).name).inc()
 
+        @contextlib.contextmanager
+        def handled(context: grpc.ServicerContext) -> Iterator[None]:
+            """Around one RPC: refuse it while draining, count it in flight, map its errors,
+            record its metrics."""
+            guard(context)
+            start = time.perf_counter()
+            if counted:
+                state.enter()
+            try:
+                yield
+            except Exception as exc:
+                if _is_abort(exc, context):
+                    done(start, context)
+                    raise
+                fail(context, exc)
+                raise
+            finally:
+                if counted:
+                    state.leave()
+            done(start, context)
+
         def wrap_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
-                guard(context)
-                start = time.perf_counter()
-                if counted:
-                    state.enter()
-                try:
-                    response = behavior(request, context)
-                except Exception as exc:
-                    if _is_abort(exc, context):
-                        done(start, context)
-                        raise
-                    fail(context, exc)
-                    raise
-                finally:
-                    if counted:
-                        state.leave()
-                done(start, context)
-                return response
+                with handled(context):
+                    return behavior(request, context)
 
             return run
 
         def wrap_stream(behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
             def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                guard(context)
-                start = time.perf_counter()
-                if counted:
-                    state.enter()
-                try:
+                with handled(context):
                     yield from behavior(request, context)
-                except Exception as exc:
-                    if _is_abort(exc, context):
-                        done(start, context)
-                        raise
-                    fail(context, exc)
-                    raise
-                finally:
-                    if counted:
-                        state.leave()
-                done(start, context)
 
             return run
 
