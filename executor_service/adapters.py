@@ -43,6 +43,8 @@ class Location(Enum):
 
     GPU = "gpu"
     HOST = "host"
+    #: Downloaded to the local disk cache, not packed in memory.
+    DISK = "disk"
     #: Loaded and already evicted again by other traffic before the answer was built.
     NONE = "none"
 
@@ -245,15 +247,22 @@ class AdapterManager:
             )
 
     def list_loaded(self) -> list[AdapterStatus]:
-        """GPU slots first (by slot), then the host cache (most recently used first)."""
+        """GPU slots first (by slot), then the host cache (most recently used first), then
+        the source's disk cache."""
         on_gpu = [self._from_slot(s) for s in self.slots.status()]
-        gpu_digests = {s.adapter.digest for s in on_gpu}
+        held = {s.adapter.digest for s in on_gpu}
         on_host = [
             self._from_host(e)
             for e in reversed(self.host.entries())
-            if e.adapter.digest not in gpu_digests
+            if e.adapter.digest not in held
         ]
-        return on_gpu + on_host
+        held |= {s.adapter.digest for s in on_host}
+        on_disk = [
+            AdapterStatus(adapter, Location.DISK, None, False, 0, 0, 0, None)
+            for adapter in (self.source.cached() if self.source is not None else [])
+            if adapter.digest not in held
+        ]
+        return on_gpu + on_host + on_disk
 
     def status_of(self, adapter: ResolvedAdapter) -> AdapterStatus:
         status = self._find(adapter)

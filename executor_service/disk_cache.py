@@ -1,22 +1,26 @@
 """The local disk cache of downloaded adapter versions, under the host-memory cache.
 
-Each version is a folder ``ROOT/<digest hex>/`` holding its files, keyed by digest so that it
-is immutable: an entry is written under a temporary name and renamed into place complete, so
-a crash never leaves a half entry that looks whole. A byte budget bounds the cache; the least
-recently used versions go first. Entries survive restarts: a restarted executor serves what it
-had downloaded even while the registry is unreachable. Every read is checked against the
-digest, so a damaged entry is dropped and fetched again rather than served.
+Each version is a folder ``ROOT/<digest hex>/`` holding its files and ``version.json`` (its
+name, number and digest, for ListLoadedAdapters), keyed by digest so that it is immutable. An
+entry is written under a temporary name and renamed into place complete, so a crash never
+leaves a half entry that looks whole. A byte budget bounds the cache; the least recently used
+versions go first. Entries survive restarts: a restarted executor serves what it had
+downloaded even while the registry is unreachable. Every read is checked against the digest,
+so a damaged entry is dropped and fetched again rather than served.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
 import uuid
 from collections import OrderedDict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from executor_service.sources import ResolvedAdapter
 from shared.adapter_files import ADAPTER_FILES, digest_of_files
 from shared.logs import log_event
 from shared.refs import validate_digest
@@ -24,6 +28,15 @@ from shared.refs import validate_digest
 log = logging.getLogger(__name__)
 
 _PARTIAL_PREFIX = ".partial-"
+_VERSION_FILE = "version.json"
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    """One cached version."""
+
+    adapter: ResolvedAdapter
+    nbytes: int
 
 
 class DiskCache:
@@ -33,19 +46,19 @@ class DiskCache:
         self.root = root.expanduser()
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, LRU first
+        self._entries: OrderedDict[str, DiskEntry] = OrderedDict()  # by digest, LRU first
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
 
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            return sum(self._entries.values())
+            return sum(e.nbytes for e in self._entries.values())
 
-    def digests(self) -> list[str]:
-        """Cached digests, least recently used first."""
+    def entries(self) -> list[DiskEntry]:
+        """Cached versions, least recently used first."""
         with self._lock:
-            return list(self._entries)
+            return list(self._entries.values())
 
     def get(self, digest: str) -> dict[str, bytes] | None:
         """The files of ``digest``, or None when not cached (or the entry fails its check)."""
@@ -75,16 +88,18 @@ class DiskCache:
     def discard(partial: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
-    def commit(self, digest: str, partial: Path) -> list[str]:
-        """Moves a reserved folder whose files were checked against ``digest`` into place
-        and evicts least recently used entries beyond the budget; returns the evicted
+    def commit(self, adapter: ResolvedAdapter, partial: Path) -> list[str]:
+        """Moves a reserved folder whose files were checked against ``adapter.digest`` into
+        place and evicts least recently used entries beyond the budget; returns the evicted
         digests. A version larger than the whole budget is not kept."""
-        size = sum(f.stat().st_size for f in partial.iterdir())
+        digest = adapter.digest
+        size = sum((partial / name).stat().st_size for name in ADAPTER_FILES)
+        (partial / _VERSION_FILE).write_text(json.dumps(asdict(adapter)))
         with self._lock:
             keep = size <= self.budget_bytes and digest not in self._entries
             if keep:
                 partial.rename(self._folder(digest))
-                self._entries[digest] = size
+                self._entries[digest] = DiskEntry(adapter, size)
                 evicted = self._evict_locked(keep=digest)
             else:
                 evicted = []
@@ -107,13 +122,13 @@ class DiskCache:
 
     def _evict_locked(self, keep: str) -> list[str]:
         evicted = []
-        total = sum(self._entries.values())
+        total = sum(e.nbytes for e in self._entries.values())
         for digest in list(self._entries):
             if total <= self.budget_bytes:
                 break
             if digest == keep:
                 continue
-            total -= self._entries.pop(digest)
+            total -= self._entries.pop(digest).nbytes
             evicted.append(digest)
         return evicted
 
@@ -122,21 +137,18 @@ class DiskCache:
 
     def _scan(self) -> None:
         """Adopts entries left by an earlier run (oldest access first) and removes the
-        leftovers of interrupted writes."""
-        found: list[tuple[float, str, int]] = []
+        leftovers of interrupted writes and entries it cannot read."""
+        found: list[tuple[float, DiskEntry]] = []
         for child in self.root.iterdir():
-            if child.name.startswith(_PARTIAL_PREFIX):
+            entry = None if child.name.startswith(_PARTIAL_PREFIX) else _read_entry(child)
+            if entry is None:
                 shutil.rmtree(child, ignore_errors=True)
                 continue
-            files = [child / name for name in ADAPTER_FILES]
-            if not child.is_dir() or not all(f.is_file() for f in files):
-                continue
-            digest = f"sha256:{child.name}"
-            size = sum(f.stat().st_size for f in files)
-            found.append((max(f.stat().st_atime for f in files), digest, size))
+            accessed = max((child / name).stat().st_atime for name in ADAPTER_FILES)
+            found.append((accessed, entry))
         with self._lock:
-            for _, digest, size in sorted(found):
-                self._entries[digest] = size
+            for _, entry in sorted(found, key=lambda item: item[0]):
+                self._entries[entry.adapter.digest] = entry
             evicted = self._evict_locked(keep="")
         for gone in evicted:
             shutil.rmtree(self._folder(gone), ignore_errors=True)
@@ -147,3 +159,15 @@ class DiskCache:
                 entries=len(found) - len(evicted),
                 bytes=self.used_bytes,
             )
+
+
+def _read_entry(folder: Path) -> DiskEntry | None:
+    """The entry a folder holds, or None when it is not a complete, readable one."""
+    try:
+        adapter = ResolvedAdapter(**json.loads((folder / _VERSION_FILE).read_text()))
+        nbytes = sum((folder / name).stat().st_size for name in ADAPTER_FILES)
+    except (OSError, ValueError, TypeError):
+        return None
+    if folder.name != adapter.digest.removeprefix("sha256:"):
+        return None
+    return DiskEntry(adapter, nbytes)

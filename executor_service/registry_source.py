@@ -117,7 +117,7 @@ class RegistrySource:
                 bytes=sum(len(v) for v in data.values()),
                 ms=round((time.perf_counter() - start) * 1000, 1),
             )
-            self._disk.commit(adapter.digest, partial)
+            self._disk.commit(adapter, partial)
             return files_checked
         except _UNREACHABLE as exc:
             raise Unavailable(
@@ -126,6 +126,9 @@ class RegistrySource:
             ) from None
         finally:
             self._disk.discard(partial)
+
+    def cached(self) -> list[ResolvedAdapter]:
+        return [entry.adapter for entry in self._disk.entries()]
 
     # -- the watcher's side --------------------------------------------------------------
 

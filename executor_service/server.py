@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 _LOCATIONS = {
     Location.GPU: executor_pb2.ADAPTER_LOCATION_GPU,
     Location.HOST: executor_pb2.ADAPTER_LOCATION_HOST,
+    Location.DISK: executor_pb2.ADAPTER_LOCATION_DISK,
     Location.NONE: executor_pb2.ADAPTER_LOCATION_UNSPECIFIED,
 }
 

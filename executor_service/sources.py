@@ -70,6 +70,11 @@ class AdapterSource(Protocol):
 
     def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles: ...
 
+    def cached(self) -> list[ResolvedAdapter]:
+        """Versions the source keeps on local disk, so fetching them needs no network
+        (ListLoadedAdapters reports them as DISK)."""
+        ...
+
 
 def checked_files(adapter: ResolvedAdapter, data: Mapping[str, bytes], where: str) -> AdapterFiles:
     """The fetched bytes of ``adapter`` as the packer takes them, after checking them against
@@ -142,6 +147,9 @@ class LocalFolderSource:
             raise NotFound(f"adapter {adapter.label} is gone from {self.root}")
         data = {name: self._read(folder / name) for name in ADAPTER_FILES}
         return checked_files(adapter, data, where=str(folder))
+
+    def cached(self) -> list[ResolvedAdapter]:
+        return []  # the folder is the adapters' home, not a cache of them
 
     def _versions(self, name: str) -> dict[int, Path]:
         # ``name`` passed validate_name (AdapterRef.parse), so it cannot leave the root.

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from executor_service.client import ExecutorClient, ForwardResult, RetryPolicy
+from moelora.v1 import executor_pb2
 from shared.errors import NotFound, Unavailable
 from shared.grpc_server import wait_until_serving
 from tests.conftest import ServerProcess, free_port, wait_for
@@ -158,7 +159,15 @@ def test_deleted_version_is_refused_and_dropped(cluster: Cluster) -> None:
 
     wait_for(refused, timeout=15)
     held = {(a.name, a.version) for a in cluster.executor.list_loaded_adapters().adapters}
-    assert ("chat", 1) not in held
+    assert ("chat", 1) not in held  # neither in a slot, the host cache nor the disk cache
+
+
+def test_unloaded_adapters_stay_listed_from_the_disk_cache(cluster: Cluster) -> None:
+    forward(cluster, [(2, "sql:2")])
+    cluster.executor.unload_adapter("sql:2")
+    where = {(a.name, a.version): a for a in cluster.executor.list_loaded_adapters().adapters}
+    assert where[("sql", 2)].location == executor_pb2.ADAPTER_LOCATION_DISK
+    assert where[("sql", 2)].slot == -1
 
 
 def test_registry_outage_keeps_cached_adapters_serving(cluster: Cluster) -> None:

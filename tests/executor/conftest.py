@@ -168,6 +168,9 @@ class GatedSource:
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
         return self._inner.resolve(ref)
 
+    def cached(self) -> list[ResolvedAdapter]:
+        return self._inner.cached()
+
     def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles:
         with self._lock:
             self.fetches[adapter.label] = self.fetches.get(adapter.label, 0) + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from executor_service.disk_cache import DiskCache
+from executor_service.sources import ResolvedAdapter
 from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE, digest_of_files
 
 
@@ -17,7 +18,11 @@ def _store(cache: DiskCache, files: dict[str, bytes]) -> tuple[str, list[str]]:
     partial = cache.reserve()
     for name, data in files.items():
         (partial / name).write_bytes(data)
-    return digest, cache.commit(digest, partial)
+    return digest, cache.commit(ResolvedAdapter("a", len(files[WEIGHTS_FILE]), digest), partial)
+
+
+def _digests(cache: DiskCache) -> list[str]:
+    return [entry.adapter.digest for entry in cache.entries()]
 
 
 def test_round_trip_and_lru_eviction_within_budget(tmp_path: Path) -> None:
@@ -35,7 +40,7 @@ def test_round_trip_and_lru_eviction_within_budget(tmp_path: Path) -> None:
 def test_a_version_larger_than_the_budget_is_not_kept(tmp_path: Path) -> None:
     cache = DiskCache(tmp_path, budget_bytes=50)
     digest, evicted = _store(cache, _files(1))
-    assert evicted == [] and cache.get(digest) is None and cache.digests() == []
+    assert evicted == [] and cache.get(digest) is None and _digests(cache) == []
 
 
 def test_damaged_entries_are_dropped_not_served(tmp_path: Path) -> None:
@@ -43,7 +48,7 @@ def test_damaged_entries_are_dropped_not_served(tmp_path: Path) -> None:
     digest, _ = _store(cache, _files(1))
     (tmp_path / digest.removeprefix("sha256:") / WEIGHTS_FILE).write_bytes(b"tampered")
     assert cache.get(digest) is None
-    assert digest not in cache.digests()
+    assert digest not in _digests(cache)
 
 
 def test_a_restart_adopts_entries_and_removes_interrupted_writes(tmp_path: Path) -> None:
@@ -51,8 +56,10 @@ def test_a_restart_adopts_entries_and_removes_interrupted_writes(tmp_path: Path)
     digest, _ = _store(first, _files(7))
     leftover = first.reserve()
     (leftover / CONFIG_FILE).write_bytes(b"half")
+    (tmp_path / "not-an-entry").mkdir()
     second = DiskCache(tmp_path, budget_bytes=10_000)
-    assert second.digests() == [digest]
+    assert [entry.adapter for entry in second.entries()] == [ResolvedAdapter("a", 100, digest)]
+    assert not (tmp_path / "not-an-entry").exists()
     assert second.get(digest) == _files(7)
     assert not leftover.exists()
     assert second.remove(digest) and second.get(digest) is None
