@@ -34,9 +34,15 @@ class GemmConfig:
 
     block_n: output columns per tile; for w13 that many gate *and* that many up columns.
     block_k: reduction step.
-    tiles_per_program: consecutive N tiles each program computes; the LoRA shrink (x·Aᵀ)
-        is computed once per program, so more tiles per program means less redundant shrink
-        work but fewer programs.
+    tiles_per_program: consecutive N tiles each program computes (one after the other).
+    group_m: launch order. Programs of ``group_m`` consecutive M blocks (all their N tiles)
+        run next to each other, so a block's input rows and an expert's weight tiles are
+        reused from L2 while they are there; 0: one group of all blocks (block index fastest).
+    fused_shrink: compute the LoRA shrink (x·A[s, e]ᵀ) inside this GEMM's main loop, in each
+        program's first tile, from the x tiles already loaded (one more dot per K step), instead
+        of in a separate launch before it. Pays where the separate launch has few programs or
+        its fixed cost dominates (small M, few experts); each program of a block repeats it,
+        so at large M it wants many tiles per program.
     """
 
     block_n: int
@@ -44,6 +50,8 @@ class GemmConfig:
     tiles_per_program: int
     num_warps: int
     num_stages: int
+    group_m: int = 0
+    fused_shrink: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,16 @@ def load_table(name: str) -> dict[str, dict[int, MoEConfig]]:
     }
 
 
+#: Widest stacked LoRA operand (segments × padded rank) of one dot: bounds the registers and
+#: shared memory the LoRA adds to a tile.
+STACK_WIDTH = 64
+
+
+def segments_per_pass(lora_segments: int, padded_rank: int) -> int:
+    """Segments (adapter slots) of a block that one stacked LoRA dot handles."""
+    return max(1, min(lora_segments, STACK_WIDTH // padded_rank))
+
+
 #: Shared memory the main loops' pipeline stages may take (H100/H200: 227 KB per block),
 #: leaving room for the epilogue's layout conversions.
 SMEM_BUDGET = 160 * 1024
@@ -120,7 +138,8 @@ def fit_stages(config: MoEConfig, elem_size: int) -> MoEConfig:
     would not fit ``SMEM_BUDGET``."""
 
     def fit(gemm: GemmConfig, tile_rows: int) -> GemmConfig:
-        per_stage = (config.block_m + tile_rows) * gemm.block_k * elem_size
+        lora_rows = STACK_WIDTH if gemm.fused_shrink else 0  # the A tile of the fused shrink
+        per_stage = (config.block_m + tile_rows + lora_rows) * gemm.block_k * elem_size
         stages = max(2, min(gemm.num_stages, SMEM_BUDGET // per_stage))
         return dataclasses.replace(gemm, num_stages=stages)
 
@@ -140,12 +159,17 @@ def heuristic_config(
     """A reasonable configuration for shapes nobody tuned."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 24:
-        # Weight streaming: narrow tiles, one per program, so every SM keeps loading.
+        # Weight streaming: narrow tiles, one per program, so every SM keeps loading; the
+        # LoRA shrink rides along in the main loops (no launches, no serial loop per block).
+        streaming = GemmConfig(
+            block_n=32, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4,
+            fused_shrink=True,
+        )  # fmt: skip
         config = MoEConfig(
             block_m=16 if rows_per_expert <= 12 else 32,
-            lora_segments=4,
-            w13=GemmConfig(block_n=32, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4),
-            w2=GemmConfig(block_n=64, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4),
+            lora_segments=2,
+            w13=streaming,
+            w2=dataclasses.replace(streaming, block_n=64),
         )
     else:
         # Tensor-core bound: large tiles; programs sweep several N tiles.

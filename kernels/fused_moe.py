@@ -2,9 +2,9 @@
 
 The kernels run over the blocks of ``kernels.align`` (BLOCK_M pairs of one expert each):
 
-``_lora_shrink_kernel`` (LoRA only): ``xa = x A[s,e]ᵀ`` for every aligned row, once per block,
-    into a small (rows, R) float32 buffer; run on the hidden states with A13 before w13 and on
-    the activation with A2 before w2.
+``_lora_shrink_kernel`` (LoRA, unless fused): ``xa = x A[s,e]ᵀ`` for every aligned row, once
+    per block, into a small (rows, R) float32 buffer; run on the hidden states with A13 before
+    w13 and on the activation with A2 before w2.
 ``_w13_kernel``: ``g_u = x W13[e]ᵀ (+ b13) + B13[s,e] xa13``, then the activation, stored as
     the (rows, I) intermediate ``a`` in the aligned row order. Gate and up columns are
     interleaved in one tile (gate column i next to up column i), so one dot yields both and
@@ -14,17 +14,20 @@ The kernels run over the blocks of ``kernels.align`` (BLOCK_M pairs of one exper
     buffer, or stored per pair for ``_sum_k_kernel`` (deterministic); the launch configuration
     chooses (``MoEConfig.atomic_sum``).
 
-LoRA is kept out of the main K loops, which are the base MoE's: each shrink costs one read of
-its input rows and of the A matrices per block (inside the GEMMs it would be repeated for every
-N tile, multiplying the re-reads of x and A by the number of tiles), and each expand is a small
-dot in the epilogue. Only rank-R vectors per row go through memory, and every sum has a fixed
+Where the LoRA shrink runs is a launch-configuration choice per GEMM (``GemmConfig.fused_shrink``):
+in the separate launch (one read of the block's rows and A matrices per block: best when there
+are many blocks) or inside the GEMM's main loop, as a second dot on the x tiles it loads anyway,
+in the first tile of each program (no launch, no serial K loop over a handful of blocks: best at
+small M and for few experts; every program of a block repeats it). The expand is a small dot in
+the GEMM epilogue. Only rank-R vectors per row go through memory, and every sum has a fixed
 order.
 
-A block may hold rows of several adapter slots ("segments", numbered by slot). The shrink
-kernel handles up to ``MoEConfig.lora_segments`` segments with *one* dot against their A
-matrices stacked side by side, each row keeping the rank-R slice of its own segment
-(``_collapse``), so x is read once per that many segments. The expands take one small dot
-per segment, which keeps the GEMM epilogues' registers free for the accumulator.
+A block may hold rows of several adapter slots ("segments", numbered by slot). Shrink and
+expand handle up to ``segments_per_pass`` segments with *one* dot each: the shrink against their
+A matrices stacked side by side, each row keeping the rank-R slice of its own segment
+(``_collapse``); the expand with each row's vector placed in its segment's columns (``_stack``)
+against their B matrices stacked along the rank, so the B tiles of all the block's adapters are
+loaded together rather than one after another.
 
 Dtypes: bf16/fp16 operands with fp32 accumulation (the rank-R vectors and ``a`` are rounded
 to the operand dtype before their dots, as in every fused MoE); fp32 operands use exact IEEE
@@ -42,11 +45,27 @@ import triton
 import triton.language as tl
 
 from kernels.align import Alignment
-from kernels.configs import MoEConfig
+from kernels.configs import GemmConfig, MoEConfig, segments_per_pass
 from kernels.types import Activation
 
 _CLEAR_BLOCK = 1024  # elements each w13 program zeroes per step of the output clear
 _SHRINK_BLOCK_K = 128  # reduction step of the w13 shrink kernel
+
+
+@triton.jit
+def _program_tile(num_m, num_n, GROUP_M: tl.constexpr):
+    """(M block, N program) of this program of a 1-D grid, in grouped order: the programs of
+    GROUP_M consecutive blocks (all their N programs, block index fastest) run next to each
+    other, so a block's rows and an expert's weight tiles are reused from L2 while they are
+    there. GROUP_M = 0: one group of all blocks."""
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        return pid % num_m, pid // num_m
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    local = pid % per_group
+    return first_m + local % group_size, local // group_size
 
 
 @triton.jit
@@ -83,23 +102,30 @@ def _collapse(xa_stacked, seg, chunk, BLOCK_M: tl.constexpr, NSEG: tl.constexpr,
 
 @triton.jit
 def _main_loop(
+    acc,
     x_row_ptrs,
     x_row_mask,
     w_cols,
     w_col_mask,
+    a_cols,
+    a_col_mask,
     K,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SHRINK_N: tl.constexpr,
+    WITH_SHRINK: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """x·Wᵀ of one tile in fp32. x_row_ptrs (BLOCK_M,) and w_cols (BLOCK_N,) point at k = 0
-    of each row of x and of W; K is contiguous in both."""
+    """acc + x·Wᵀ of one tile in fp32; WITH_SHRINK also x·Aᵀ (BLOCK_M, SHRINK_N) for the
+    stacked LoRA A rows ``a_cols``, from the same x tiles. x_row_ptrs (BLOCK_M,), w_cols (BLOCK_N,)
+    and a_cols (SHRINK_N,) point at k = 0 of each row of x, W and A; K is contiguous in all."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_row_ptrs[:, None] + offs_k[None, :]
     w_ptrs = w_cols[None, :] + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_ptrs = a_cols[None, :] + offs_k[:, None]
+    xa = tl.zeros((BLOCK_M, SHRINK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=x_row_mask[:, None], other=0.0)
@@ -109,9 +135,64 @@ def _main_loop(
             x = tl.load(x_ptrs, mask=x_row_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=w_col_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if WITH_SHRINK:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=a_col_mask[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=a_col_mask[None, :] & k_mask[:, None], other=0.0)
+            xa = tl.dot(x, a, xa, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    return acc
+    return acc, xa
+
+
+@triton.jit
+def _shrink_rows(
+    x_row_ptrs,
+    x_row_mask,
+    a_ptr,
+    expert,
+    slot,
+    seg,
+    n_seg,
+    first_chunk,
+    K,
+    R,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NSEG: tl.constexpr,
+    RP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """x·A[s, e]ᵀ (BLOCK_M, RP) fp32 of the rows of segments first_chunk*NSEG.. (0 for the
+    others): per pass of NSEG segments one K loop, with their A matrices stacked side by side
+    in one dot, each row keeping the slice of its own segment. Passes outside, K inside: the K
+    loop is the one that gets pipelined."""
+    offs_k = tl.arange(0, BLOCK_K)
+    xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
+    for chunk in range(first_chunk, tl.cdiv(n_seg, NSEG)):
+        col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, R, NSEG, RP)
+        a_cols = a_ptr + expert * stride_ae + col_slot * stride_as + col_rank * stride_ar
+        stacked = tl.zeros((BLOCK_M, NSEG * RP), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            x = tl.load(
+                x_row_ptrs[:, None] + (k0 + offs_k)[None, :],
+                mask=x_row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            a = tl.load(
+                a_cols[None, :] + (k0 + offs_k)[:, None],
+                mask=col_ok[None, :] & k_mask[:, None],
+                other=0.0,
+            )
+            stacked = tl.dot(x, a, stacked, input_precision=PRECISION)
+        xa += _collapse(stacked, seg, chunk, BLOCK_M, NSEG, RP)
+    return xa
 
 
 @triton.jit
@@ -129,25 +210,85 @@ def _lora_expand(
     stride_bs,
     stride_be,
     stride_br,
+    NSEG: tl.constexpr,
     RP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """acc += each row's xa (BLOCK_M, RP) times its slot's B[s, e] rows ``b_rows`` (offsets of
-    the tile's output columns in B): one small dot per segment, with the other rows' xa zeroed.
-    One segment at a time keeps the epilogue's registers to 2-D (BLOCK_M, RP) and (RP, BLOCK_N)
-    tiles, next to the live accumulator."""
+    the tile's output columns in B): one small dot per segment, with the other rows' xa
+    zeroed. The segments of a pass are unrolled, so their B tiles load together rather than
+    one after another (a missing segment's load is masked off: no memory traffic)."""
     ranks = tl.arange(0, RP)
-    for j in range(0, n_seg):
-        seg_slot = tl.max(tl.where(seg == j, slot, -1), axis=0).to(tl.int64)
-        b_seg = b_ptr + expert * stride_be + seg_slot * stride_bs
-        b = tl.load(
-            b_seg + ranks[:, None] * stride_br + b_rows[None, :],
-            mask=(ranks < R)[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        mine = tl.where((seg == j)[:, None], xa, 0.0).to(b.dtype)
-        acc = tl.dot(mine, b, acc, input_precision=PRECISION)
+    for chunk in range(0, tl.cdiv(n_seg, NSEG)):
+        for j in tl.static_range(NSEG):
+            mine = seg == chunk * NSEG + j
+            seg_slot = tl.max(tl.where(mine, slot, -1), axis=0)
+            b_seg = b_ptr + expert * stride_be + seg_slot.to(tl.int64) * stride_bs
+            b = tl.load(
+                b_seg + ranks[:, None] * stride_br + b_rows[None, :],
+                mask=(ranks < R)[:, None] & col_mask[None, :] & (seg_slot >= 0),
+                other=0.0,
+            )
+            x = tl.where(mine[:, None], xa, 0.0).to(b.dtype)
+            acc = tl.dot(x, b, acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def _fused_tile(
+    acc,
+    xa,
+    is_first_tile,
+    x_row_ptrs,
+    x_row_mask,
+    w_cols,
+    col_mask,
+    a_ptr,
+    b_ptr,
+    b_rows,
+    expert,
+    slot,
+    seg,
+    n_seg,
+    K,
+    R,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_bs,
+    stride_be,
+    stride_br,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NSEG: tl.constexpr,
+    RP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """acc + x·Wᵀ + LoRA of one tile with the shrink fused: the program's first tile computes
+    the rows' x·A[s, e]ᵀ ``xa`` in its main loop (the first NSEG segments; further ones, rare,
+    in extra K loops); later tiles pass ``xa`` through. Returns the tile and ``xa``."""
+    if is_first_tile:
+        col_slot, col_rank, col_ok = _segment_columns(slot, seg, 0, R, NSEG, RP)
+        a_cols = a_ptr + expert * stride_ae + col_slot * stride_as + col_rank * stride_ar
+        acc, stacked = _main_loop(
+            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, a_cols, col_ok, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, NSEG * RP, True, EVEN_K, PRECISION,
+        )  # fmt: skip
+        xa = _collapse(stacked, seg, 0, BLOCK_M, NSEG, RP) + _shrink_rows(
+            x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 1, K, R,
+            stride_as, stride_ae, stride_ar, BLOCK_M, BLOCK_K, NSEG, RP, PRECISION,
+        )  # fmt: skip
+    else:
+        acc, _ = _main_loop(
+            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_cols, col_mask, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
+        )  # fmt: skip
+    return _lora_expand(
+        acc, xa, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
+        stride_bs, stride_be, stride_br, NSEG, RP, PRECISION,
+    ), xa  # fmt: skip
 
 
 @triton.jit
@@ -180,33 +321,16 @@ def _lora_shrink_kernel(
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-    x_mask = seg >= 0  # rows without an adapter (padding included) read nothing
     if GATHER:
         pair = tl.load(pair_ids_ptr + rows)
         x_row_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_x
     else:
         x_row_ptrs = x_ptr + rows.to(tl.int64) * stride_x
-    offs_k = tl.arange(0, BLOCK_K)
-    xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-    # Chunks of segments outside, K inside: the K loop is the one that gets pipelined.
-    for chunk in range(0, tl.cdiv(n_seg, NSEG)):
-        col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, R, NSEG, RP)
-        a_cols = a_ptr + expert * stride_ae + col_slot * stride_as + col_rank * stride_ar
-        stacked = tl.zeros((BLOCK_M, NSEG * RP), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            x = tl.load(
-                x_row_ptrs[:, None] + (k0 + offs_k)[None, :],
-                mask=x_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            a = tl.load(
-                a_cols[None, :] + (k0 + offs_k)[:, None],
-                mask=col_ok[None, :] & k_mask[:, None],
-                other=0.0,
-            )
-            stacked = tl.dot(x, a, stacked, input_precision=PRECISION)
-        xa += _collapse(stacked, seg, chunk, BLOCK_M, NSEG, RP)
+    # Rows without an adapter (padding included) read nothing.
+    xa = _shrink_rows(
+        x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 0, K, R,
+        stride_as, stride_ae, stride_ar, BLOCK_M, BLOCK_K, NSEG, RP, PRECISION,
+    )  # fmt: skip
     tl.store(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :], xa)
 
 
@@ -215,7 +339,8 @@ def _w13_kernel(
     x_ptr,  # (T, H) hidden states
     w_ptr,  # (E, 2I, H)
     bias_ptr,  # (E, 2I) or unused
-    xa_ptr,  # (max_rows, RP) fp32 x·A13ᵀ from _lora_shrink_kernel
+    a_ptr,  # (S, E, R, H) LoRA A13 (FUSED_SHRINK) or unused
+    xa_ptr,  # (max_rows, RP) fp32 x·A13ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
     b_ptr,  # (S, E, 2I, R) LoRA B13
     out_ptr,  # (max_rows, I) activation, aligned row order
     pair_ids_ptr,
@@ -224,6 +349,7 @@ def _w13_kernel(
     clear_ptr,  # float32 buffer zeroed on the side (the w2 sum), or unused
     clear_numel,
     clear_per_program,
+    num_blocks,
     H,
     inter,
     top_k,
@@ -234,6 +360,9 @@ def _w13_kernel(
     stride_we,
     stride_wn,
     stride_bias,
+    stride_as,
+    stride_ae,
+    stride_ar,
     stride_bs,
     stride_be,
     stride_bn,
@@ -242,26 +371,28 @@ def _w13_kernel(
     ACTIVATION: tl.constexpr,  # 0 silu, 1 gpt_oss
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    FUSED_SHRINK: tl.constexpr,  # implies HAS_LORA
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NSEG: tl.constexpr,
     RP: tl.constexpr,
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     CLEAR_BLOCK: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-
     # The w2 kernel may add into a zeroed fp32 buffer; clearing it here saves a memset launch.
-    clear_start = (pid_n * tl.num_programs(0) + pid_m) * clear_per_program
+    clear_start = tl.program_id(0) * clear_per_program
     clear_end = tl.minimum(clear_start + clear_per_program, clear_numel)
     for c0 in range(clear_start, clear_end, CLEAR_BLOCK):
         offs = c0 + tl.arange(0, CLEAR_BLOCK)
         tl.store(clear_ptr + offs, 0.0, mask=offs < clear_end)
 
+    num_tiles = tl.cdiv(inter, BLOCK_N)
+    pid_m, pid_n = _program_tile(num_blocks, tl.cdiv(num_tiles, TILES_PER_PROGRAM), GROUP_M)
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
@@ -270,11 +401,14 @@ def _w13_kernel(
     pair = tl.load(pair_ids_ptr + rows)
     x_row_mask = pair >= 0
     x_row_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
+    if FUSED_SHRINK:
+        # The rows' adapter segments; x·A13ᵀ comes from the first tile's main loop.
+        slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+        xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
 
     # Tile columns interleave gate and up: column c is gate (c even) or up (c odd) of
     # intermediate index n0 + c // 2, i.e. row (n0 + c // 2) + (c % 2) * I of W13.
     cols = tl.arange(0, 2 * BLOCK_N)
-    num_tiles = tl.cdiv(inter, BLOCK_N)
     first = pid_n * TILES_PER_PROGRAM
     for tile in range(first, tl.minimum(first + TILES_PER_PROGRAM, num_tiles)):
         n0 = tile * BLOCK_N
@@ -282,18 +416,27 @@ def _w13_kernel(
         w13_rows = inter_idx + (cols % 2) * inter
         col_mask = inter_idx < inter
         w_cols = w_ptr + expert * stride_we + w13_rows.to(tl.int64) * stride_wn
-        acc = _main_loop(
-            x_row_ptrs, x_row_mask, w_cols, col_mask, H,
-            BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-        )  # fmt: skip
-        if HAS_LORA:
-            # Loaded after the main loop, so they take no registers while it runs.
-            slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-            xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
-            acc = _lora_expand(
-                acc, xa, slot, seg, n_seg, b_ptr, expert, w13_rows * stride_bn, col_mask, R,
-                stride_bs, stride_be, stride_br, RP, PRECISION,
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        if FUSED_SHRINK:
+            acc, xa = _fused_tile(
+                acc, xa, tile == first, x_row_ptrs, x_row_mask, w_cols, col_mask,
+                a_ptr, b_ptr, w13_rows * stride_bn, expert, slot, seg, n_seg, H, R,
+                stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_br,
+                BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, EVEN_K, PRECISION,
             )  # fmt: skip
+        else:
+            acc, _ = _main_loop(
+                acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_cols, col_mask, H,
+                BLOCK_M, 2 * BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
+            )  # fmt: skip
+            if HAS_LORA:
+                # Loaded after the main loop, so they take no registers while it runs.
+                slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+                xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
+                acc = _lora_expand(
+                    acc, xa, slot, seg, n_seg, b_ptr, expert, w13_rows * stride_bn, col_mask, R,
+                    stride_bs, stride_be, stride_br, NSEG, RP, PRECISION,
+                )  # fmt: skip
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias + w13_rows, mask=col_mask, other=0.0)
             acc += bias.to(tl.float32)[None, :]
@@ -314,13 +457,15 @@ def _w2_kernel(
     act_ptr,  # (max_rows, I) activation from _w13_kernel
     w_ptr,  # (E, H, I)
     bias_ptr,  # (E, H) or unused
-    xa_ptr,  # (max_rows, RP) fp32 a·A2ᵀ from _lora_shrink_kernel
+    a_ptr,  # (S, E, R, I) LoRA A2 (FUSED_SHRINK) or unused
+    xa_ptr,  # (max_rows, RP) fp32 a·A2ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
     b_ptr,  # (S, E, H, R) LoRA B2
     out_ptr,  # ATOMIC_SUM: (T, H) fp32 zeroed by _w13_kernel; else (T*k, H), row per pair
     pair_ids_ptr,
     row_slots_ptr,
     block_experts_ptr,
     topk_weights_ptr,  # (T*k,) fp32
+    num_blocks,
     H,
     inter,
     top_k,
@@ -329,6 +474,9 @@ def _w2_kernel(
     stride_we,
     stride_wn,
     stride_bias,
+    stride_as,
+    stride_ae,
+    stride_ar,
     stride_bs,
     stride_be,
     stride_bn,
@@ -336,18 +484,21 @@ def _w2_kernel(
     stride_out,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    FUSED_SHRINK: tl.constexpr,  # implies HAS_LORA
     ATOMIC_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NSEG: tl.constexpr,
     RP: tl.constexpr,
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    num_tiles = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _program_tile(num_blocks, tl.cdiv(num_tiles, TILES_PER_PROGRAM), GROUP_M)
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
@@ -363,25 +514,37 @@ def _w2_kernel(
         out_rows = out_ptr + (pair // top_k).to(tl.int64) * stride_out
     else:
         out_rows = out_ptr + pair.to(tl.int64) * stride_out
+    if FUSED_SHRINK:
+        # As in _w13_kernel: a·A2ᵀ comes from the first tile's main loop.
+        slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+        xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
 
-    num_tiles = tl.cdiv(H, BLOCK_N)
     first = pid_n * TILES_PER_PROGRAM
     for tile in range(first, tl.minimum(first + TILES_PER_PROGRAM, num_tiles)):
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < H
         w_cols = w_ptr + expert * stride_we + cols.to(tl.int64) * stride_wn
-        acc = _main_loop(
-            x_row_ptrs, x_row_mask, w_cols, col_mask, inter,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-        )  # fmt: skip
-        if HAS_LORA:
-            # Loaded after the main loop, so they take no registers while it runs.
-            slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-            xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
-            acc = _lora_expand(
-                acc, xa, slot, seg, n_seg, b_ptr, expert, cols * stride_bn, col_mask, R,
-                stride_bs, stride_be, stride_br, RP, PRECISION,
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FUSED_SHRINK:
+            acc, xa = _fused_tile(
+                acc, xa, tile == first, x_row_ptrs, x_row_mask, w_cols, col_mask,
+                a_ptr, b_ptr, cols * stride_bn, expert, slot, seg, n_seg, inter, R,
+                stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_br,
+                BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, EVEN_K, PRECISION,
             )  # fmt: skip
+        else:
+            acc, _ = _main_loop(
+                acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_cols, col_mask, inter,
+                BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
+            )  # fmt: skip
+            if HAS_LORA:
+                # Loaded after the main loop, so they take no registers while it runs.
+                slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+                xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
+                acc = _lora_expand(
+                    acc, xa, slot, seg, n_seg, b_ptr, expert, cols * stride_bn, col_mask, R,
+                    stride_bs, stride_be, stride_br, NSEG, RP, PRECISION,
+                )  # fmt: skip
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias + cols, mask=col_mask, other=0.0)
             acc += bias.to(tl.float32)[None, :]
@@ -460,10 +623,57 @@ def lora_shrink_stage(
         x, lora_a, xa, alignment.sorted_pair_ids, lora.row_slots, alignment.block_experts,
         x.shape[1], top_k, lora_a.shape[2],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        GATHER=gather, BLOCK_M=alignment.block_m, BLOCK_K=block_k, NSEG=config.lora_segments, RP=rp,
-        S_P2=s_p2, PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3,
+        GATHER=gather, BLOCK_M=alignment.block_m, BLOCK_K=block_k,
+        NSEG=segments_per_pass(config.lora_segments, rp), RP=rp, S_P2=s_p2,
+        PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3,
     )  # fmt: skip
     return xa
+
+
+@dataclass(frozen=True)
+class _LoRAArgs:
+    """The LoRA arguments of one GEMM launch (placeholders without LoRA)."""
+
+    a: torch.Tensor  # (S, E, R, K) A, read by the fused shrink
+    xa: torch.Tensor  # (max_rows, RP) from the separate shrink, or a placeholder
+    b: torch.Tensor  # (S, E, N, R) B
+    row_slots: torch.Tensor
+    rank: int
+    rp: int
+    s_p2: int
+    nseg: int
+    fused: bool
+
+
+def _lora_args(
+    x: torch.Tensor,
+    which: str,
+    gather: bool,
+    top_k: int,
+    alignment: Alignment,
+    lora: LoRABuffers | None,
+    config: MoEConfig,
+    gemm: GemmConfig,
+) -> _LoRAArgs:
+    """The LoRA arguments of GEMM ``which`` ("13" or "2"); runs the separate shrink launch
+    unless ``gemm`` fuses it."""
+    if lora is None:
+        # Placeholders for pointer arguments the kernels do not read without LoRA.
+        dummy = torch.empty((1, 1, 1, 1), dtype=x.dtype, device=x.device)
+        return _LoRAArgs(dummy, x, dummy, alignment.sorted_pair_ids, 1, 16, 1, 1, False)
+    lora_a, lora_b = (lora.a13, lora.b13) if which == "13" else (lora.a2, lora.b2)
+    rp, s_p2 = _lora_meta(lora_a)
+    if gemm.fused_shrink:
+        xa = x  # placeholder: the GEMM computes x·Aᵀ itself
+    else:
+        xa = lora_shrink_stage(x, lora_a, gather, top_k, alignment, lora, config)
+    nseg = segments_per_pass(config.lora_segments, rp)
+    rank = lora_a.shape[2]
+    return _LoRAArgs(lora_a, xa, lora_b, lora.row_slots, rank, rp, s_p2, nseg, gemm.fused_shrink)
+
+
+def _grid(alignment: Alignment, num_tiles: int, gemm: GemmConfig) -> tuple[int]:
+    return (alignment.max_blocks * triton.cdiv(num_tiles, gemm.tiles_per_program),)
 
 
 def w13_stage(
@@ -487,35 +697,27 @@ def w13_stage(
     h = hidden.shape[1]
     inter = w13.shape[1] // 2
     block_m, max_blocks = alignment.block_m, alignment.max_blocks
-    device = hidden.device
-    act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=device)
-    if lora is not None:
-        rp, s_p2 = _lora_meta(lora.a13)
-        xa = lora_shrink_stage(hidden, lora.a13, True, top_k, alignment, lora, config)
-        b, row_slots, rank = lora.b13, lora.row_slots, lora.a13.shape[2]
-    else:
-        rp, s_p2, rank = 16, 1, 1
-        # Placeholders for pointer arguments the kernel does not read without LoRA.
-        xa = act
-        b = torch.empty((1, 1, 1, 1), dtype=hidden.dtype, device=device)
-        row_slots = alignment.sorted_pair_ids
-    bias = b13 if b13 is not None else w13
+    act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
     cfg = config.w13
-    grid = (max_blocks, triton.cdiv(triton.cdiv(inter, cfg.block_n), cfg.tiles_per_program))
+    la = _lora_args(hidden, "13", True, top_k, alignment, lora, config, cfg)
+    bias = b13 if b13 is not None else w13
+    grid = _grid(alignment, triton.cdiv(inter, cfg.block_n), cfg)
     clear_numel = 0 if clear is None else clear.numel()
-    clear_per_program = triton.cdiv(triton.cdiv(clear_numel, grid[0] * grid[1]), _CLEAR_BLOCK)
+    clear_per_program = triton.cdiv(triton.cdiv(clear_numel, grid[0]), _CLEAR_BLOCK)
     _w13_kernel[grid](
-        hidden, w13, bias, xa, b, act,
-        alignment.sorted_pair_ids, row_slots, alignment.block_experts,
+        hidden, w13, bias, la.a, la.xa, la.b, act,
+        alignment.sorted_pair_ids, la.row_slots, alignment.block_experts,
         clear if clear is not None else act, clear_numel, clear_per_program * _CLEAR_BLOCK,
-        h, inter, top_k, rank, alpha, limit,
+        max_blocks, h, inter, top_k, la.rank, alpha, limit,
         hidden.stride(0), w13.stride(0), w13.stride(1), bias.stride(0),
-        b.stride(0), b.stride(1), b.stride(2), b.stride(3),
+        la.a.stride(0), la.a.stride(1), la.a.stride(2),
+        la.b.stride(0), la.b.stride(1), la.b.stride(2), la.b.stride(3),
         act.stride(0),
         ACTIVATION=0 if activation is Activation.SILU else 1,
-        HAS_BIAS=b13 is not None, HAS_LORA=lora is not None,
+        HAS_BIAS=b13 is not None, HAS_LORA=lora is not None, FUSED_SHRINK=la.fused,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        TILES_PER_PROGRAM=cfg.tiles_per_program, RP=rp, S_P2=s_p2,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
+        NSEG=la.nseg, RP=la.rp, S_P2=la.s_p2,
         EVEN_K=h % cfg.block_k == 0, PRECISION=_dot_precision(hidden.dtype),
         CLEAR_BLOCK=_CLEAR_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -540,27 +742,22 @@ def w2_stage(
     """
     h, inter = w2.shape[1], w2.shape[2]
     top_k = topk_weights.shape[1]
-    if lora is not None:
-        rp, s_p2 = _lora_meta(lora.a2)
-        xa = lora_shrink_stage(act, lora.a2, False, top_k, alignment, lora, config)
-        b, row_slots, rank = lora.b2, lora.row_slots, lora.a2.shape[2]
-    else:
-        rp, s_p2, rank = 16, 1, 1
-        b = torch.empty((1, 1, 1, 1), dtype=act.dtype, device=act.device)
-        row_slots, xa = alignment.sorted_pair_ids, act
-    bias = b2 if b2 is not None else w2
     cfg = config.w2
-    grid = (alignment.max_blocks, triton.cdiv(triton.cdiv(h, cfg.block_n), cfg.tiles_per_program))
-    _w2_kernel[grid](
-        act, w2, bias, xa, b, out,
-        alignment.sorted_pair_ids, row_slots, alignment.block_experts, topk_weights,
-        h, inter, top_k, rank,
+    la = _lora_args(act, "2", False, top_k, alignment, lora, config, cfg)
+    bias = b2 if b2 is not None else w2
+    _w2_kernel[_grid(alignment, triton.cdiv(h, cfg.block_n), cfg)](
+        act, w2, bias, la.a, la.xa, la.b, out,
+        alignment.sorted_pair_ids, la.row_slots, alignment.block_experts, topk_weights,
+        alignment.max_blocks, h, inter, top_k, la.rank,
         act.stride(0), w2.stride(0), w2.stride(1), bias.stride(0),
-        b.stride(0), b.stride(1), b.stride(2), b.stride(3),
+        la.a.stride(0), la.a.stride(1), la.a.stride(2),
+        la.b.stride(0), la.b.stride(1), la.b.stride(2), la.b.stride(3),
         out.stride(0),
-        HAS_BIAS=b2 is not None, HAS_LORA=lora is not None, ATOMIC_SUM=config.atomic_sum,
+        HAS_BIAS=b2 is not None, HAS_LORA=lora is not None, FUSED_SHRINK=la.fused,
+        ATOMIC_SUM=config.atomic_sum,
         BLOCK_M=alignment.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        TILES_PER_PROGRAM=cfg.tiles_per_program, RP=rp, S_P2=s_p2,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
+        NSEG=la.nseg, RP=la.rp, S_P2=la.s_p2,
         EVEN_K=inter % cfg.block_k == 0, PRECISION=_dot_precision(act.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

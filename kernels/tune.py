@@ -7,26 +7,38 @@ sum over k and the LoRA segments per pass. The best configuration is checked aga
 float32 reference and stored for rank 0 (base) and the LoRA rank in
 ``kernels/configs/<GPU name>.json`` (or ``--out``), after every cell, so a run cut short keeps
 what it found.
+
+``--around-table`` searches instead around the stored configuration of each cell: where the
+LoRA shrink runs (``fused_shrink`` of w13 and w2, with the tiles per program it wants), the
+segments per pass, then the launch order (``group_m``); it keeps the tiles otherwise. With
+``--jobs N`` every candidate is first compiled by N worker processes (Triton's cache is on
+disk), so the timing loop, one process on the GPU, waits for no compiler.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
+import multiprocessing
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton.testing
 
+from kernels.align import max_padded_rows
 from kernels.bench import BF16_TOLERANCE, MAX_ADAPTERS, SHAPES, SLOTS, TOKENS, Shape
 from kernels.configs import (
     GemmConfig,
     MoEConfig,
     config_path,
     device_name,
+    fit_stages,
     heuristic_config,
     shape_key,
 )
@@ -137,6 +149,179 @@ def tune_cell(tuner: Tuner, shape: Shape, tokens: int) -> MoEConfig:
     return best
 
 
+def fused_tiles(num_tiles: int, num_blocks: int, num_sms: int) -> int:
+    """Tiles per program for a fused shrink, which every program of a block repeats: as many
+    as still leave about two waves of programs."""
+    programs_per_block = max(1, -(-2 * num_sms // max(num_blocks, 1)))
+    return max(1, -(-num_tiles // programs_per_block))
+
+
+def around_candidates(
+    start: MoEConfig, shape: Shape, tokens: int, rank: int, num_sms: int
+) -> list[MoEConfig]:
+    """Stage 1 of ``--around-table``: the shrink fused into w13 / w2 or not (with the tiles
+    per program it wants), times the LoRA segments per pass."""
+    pairs = tokens * shape.top_k
+    blocks = max_padded_rows(pairs, shape.experts, start.block_m) // start.block_m
+    compute = start.block_m >= 64
+
+    def placements(gemm: GemmConfig, num_tiles: int) -> list[GemmConfig]:
+        options = [dataclasses.replace(gemm, fused_shrink=False)]
+        options.append(dataclasses.replace(gemm, fused_shrink=True))
+        if compute:
+            tiles = fused_tiles(num_tiles, blocks, num_sms)
+            if tiles != gemm.tiles_per_program:
+                options.append(
+                    dataclasses.replace(gemm, fused_shrink=True, tiles_per_program=tiles)
+                )
+        return options
+
+    w13_tiles = -(-shape.inter // start.w13.block_n)
+    w2_tiles = -(-shape.hidden // start.w2.block_n)
+    segments = [1] if tokens == 1 or rank >= 64 else [1, 2] if tokens <= 8 else [1, 2, 4]
+    candidates = [
+        fit_stages(dataclasses.replace(start, w13=w13, w2=w2, lora_segments=seg), 2)
+        for w13, w2, seg in itertools.product(
+            placements(start.w13, w13_tiles), placements(start.w2, w2_tiles), segments
+        )
+    ]
+    return list(dict.fromkeys(candidates))
+
+
+def order_candidates(best: MoEConfig) -> list[MoEConfig]:
+    """Stage 2 of ``--around-table``: the launch order of both GEMMs."""
+    return [
+        dataclasses.replace(
+            best,
+            w13=dataclasses.replace(best.w13, group_m=g),
+            w2=dataclasses.replace(best.w2, group_m=g),
+        )
+        for g in (0, 1, 8)
+    ]
+
+
+# One compile worker's inputs, kept between tasks (tasks come sorted by shape).
+_WORKER_CELLS: dict[tuple[str, int, int], Tuner] = {}
+
+
+def _compile_task(task: tuple[str, int, int, str]) -> str:
+    """Run one candidate (and the base model with its tiles) once, so Triton compiles it."""
+    key, tokens, rank, config_json = task
+    try:
+        if (key, tokens, rank) not in _WORKER_CELLS:
+            if _WORKER_CELLS and next(iter(_WORKER_CELLS))[0] != key:
+                _WORKER_CELLS.clear()
+                torch.cuda.empty_cache()
+            shape = SHAPES[key]
+            layer = random_layer(
+                shape.experts, shape.hidden, shape.inter, shape.top_k, device="cuda"
+            )
+            _WORKER_CELLS[(key, tokens, rank)] = Tuner(shape, layer, tokens, rank)
+        tuner = _WORKER_CELLS[(key, tokens, rank)]
+        config = MoEConfig.from_json(json.loads(config_json))
+        fused_moe(tuner.hidden, tuner.layer, tuner.lora, tuner.routing, config)
+        fused_moe(tuner.hidden, tuner.layer, None, tuner.routing, config)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as error:  # reported; the timing loop skips the config
+        return f"{key} M={tokens} r={rank}: {type(error).__name__}: {error}"[:300]
+
+
+def precompile(tasks: Iterable[tuple[str, int, MoEConfig, int]], jobs: int) -> None:
+    """Compile the (shape key, tokens, config, rank) candidates in ``jobs`` processes."""
+    work = sorted(
+        {(key, tokens, rank, json.dumps(cfg.to_json())) for key, tokens, cfg, rank in tasks}
+    )
+    began = time.monotonic()
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        for message in pool.imap_unordered(_compile_task, work):
+            if message:
+                print(f"  compile failed: {message}", flush=True)
+    print(f"compiled {len(work)} candidates in {time.monotonic() - began:.0f} s", flush=True)
+
+
+Cell = tuple[str, int, int]  # shape key, tokens, rank
+
+
+def store(table: dict[str, Any], out: Path, cell: Cell, best: MoEConfig) -> None:
+    """Record ``best`` for the cell (rank 16's also for the base model) and write the table."""
+    key, tokens, rank = cell
+    shape = SHAPES[key]
+    targets = [rank] if rank != 16 else [16, 0]  # the base model shares rank 16's config
+    for r in targets:
+        entry = table.setdefault(
+            shape_key(shape.experts, shape.hidden, shape.inter, shape.top_k, r), {}
+        )
+        entry[str(tokens)] = best.to_json()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+def report(tuner: Tuner, cell: Cell, best: MoEConfig, note: str = "") -> None:
+    err = tuner.error(best)
+    if not err < BF16_TOLERANCE:
+        raise SystemExit(f"{cell}: best config wrong, error {err:.2e}")
+    print(
+        f"{cell[0]} M={cell[1]} r={cell[2]}: {tuner.time_us(best):.1f} µs {note}"
+        f"({len(tuner.times)} configs, err {err:.1e}) {best}",
+        flush=True,
+    )
+
+
+def around_table(
+    cells: list[Cell],
+    table: dict[str, Any],
+    out: Path,
+    jobs: int,
+    deadline: float,
+    compile_only: bool = False,
+) -> None:
+    """``--around-table``: stage 1 (shrink placement × segments) for every cell, then stage 2
+    (launch order) for the cells at large M; each stage compiled up front by ``jobs``
+    processes. ``compile_only``: compile stage 1 and stop (to overlap it with other work)."""
+    began = time.monotonic()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    layers: dict[str, MoELayerWeights] = {}
+    tuners: dict[Cell, Tuner] = {}
+    stage: dict[Cell, list[MoEConfig]] = {}
+    for cell in cells:
+        key, tokens, rank = cell
+        shape = SHAPES[key]
+        entry = table.get(shape_key(shape.experts, shape.hidden, shape.inter, shape.top_k, rank))
+        if not entry or str(tokens) not in entry:
+            print(f"{cell}: no stored configuration, skipped", flush=True)
+            continue
+        start = MoEConfig.from_json(entry[str(tokens)])
+        stage[cell] = [start, *around_candidates(start, shape, tokens, rank, num_sms)]
+    best: dict[Cell, MoEConfig] = {}
+    for _stage_number in (1, 2):  # placement and segments, then launch order
+        if jobs > 1:
+            precompile(((c[0], c[1], cfg, c[2]) for c, cfgs in stage.items() for cfg in cfgs), jobs)
+        if compile_only:
+            return
+        for cell, candidates in stage.items():
+            if time.monotonic() - began > deadline:
+                print("deadline reached, stopping", flush=True)
+                return
+            key, tokens, rank = cell
+            if key not in layers:
+                shape = SHAPES[key]
+                layers[key] = random_layer(
+                    shape.experts, shape.hidden, shape.inter, shape.top_k, device="cuda"
+                )
+            tuner = tuners.setdefault(cell, Tuner(SHAPES[key], layers[key], tokens, rank))
+            best[cell] = tuner.best_of(candidates)
+            for config in candidates:
+                print(f"  {cell} {tuner.time_us(config):8.1f} µs {config}", flush=True)
+            report(tuner, cell, best[cell], f"(was {tuner.time_us(candidates[0]):.1f}) ")
+            store(table, out, cell, best[cell])
+        stage = {
+            cell: [config, *order_candidates(config)]
+            for cell, config in best.items()
+            if config.block_m >= 64
+        }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Tune kernels' launch configs on this GPU")
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -145,6 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", default="qwen3:64:64", help="extra shape:tokens:rank cells")
     parser.add_argument("--out", help="JSON to update (default: kernels/configs/<GPU>.json)")
     parser.add_argument("--deadline-s", type=float, default=math.inf, help="stop after this")
+    parser.add_argument(
+        "--around-table", action="store_true", help="search around the stored configurations"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="compile processes (--around-table)")
+    parser.add_argument(
+        "--compile-only", action="store_true", help="--around-table: only compile stage 1"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     out = Path(args.out) if args.out else config_path(device_name(device))
@@ -157,11 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         for t in args.tokens.split(",")
     ]
     cells += [(k, int(t), int(r)) for k, t, r in (c.split(":") for c in args.extra.split(",") if c)]
+    if args.around_table:
+        around_table(cells, table, out, args.jobs, args.deadline_s, args.compile_only)
+        return 0
     layers: dict[str, MoELayerWeights] = {}
-    for key, tokens, rank in cells:
+    for cell in cells:
         if time.monotonic() - began > args.deadline_s:
             print("deadline reached, stopping", flush=True)
             break
+        key, tokens, rank = cell
         shape = SHAPES[key]
         if key not in layers:
             layers.clear()
@@ -171,22 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         tuner = Tuner(shape, layers[key], tokens, rank)
         best = tune_cell(tuner, shape, tokens)
-        err = tuner.error(best)
-        if not err < BF16_TOLERANCE:
-            raise SystemExit(f"{key} M={tokens} r={rank}: best config wrong, error {err:.2e}")
-        print(
-            f"{key} M={tokens} r={rank}: {tuner.time_us(best):.1f} µs "
-            f"({len(tuner.times)} configs, err {err:.1e}) {best}",
-            flush=True,
-        )
-        targets = [rank] if rank != 16 else [16, 0]  # the base model shares rank 16's config
-        for r in targets:
-            entry = table.setdefault(
-                shape_key(shape.experts, shape.hidden, shape.inter, shape.top_k, r), {}
-            )
-            entry[str(tokens)] = best.to_json()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        report(tuner, cell, best)
+        store(table, out, cell, best)
     return 0
 
 

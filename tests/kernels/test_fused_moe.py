@@ -61,6 +61,8 @@ class Case:
     segments: int = 2
     w13: tuple[int, int, int] = (16, 32, 1)  # block_n, block_k, tiles_per_program
     w2: tuple[int, int, int] = (32, 32, 1)
+    fused_shrink: tuple[bool, bool] = (False, False)  # w13, w2
+    group_m: tuple[int, int] = (0, 0)  # w13, w2
     single_program_align: bool = True
     hidden_scale: float = 1.0
     extra: dict[str, object] = field(default_factory=dict)
@@ -69,8 +71,20 @@ class Case:
         return MoEConfig(
             block_m=self.block_m,
             lora_segments=self.segments,
-            w13=GemmConfig(*self.w13, num_warps=4, num_stages=2),
-            w2=GemmConfig(*self.w2, num_warps=4, num_stages=2),
+            w13=GemmConfig(
+                *self.w13,
+                num_warps=4,
+                num_stages=2,
+                group_m=self.group_m[0],
+                fused_shrink=self.fused_shrink[0],
+            ),
+            w2=GemmConfig(
+                *self.w2,
+                num_warps=4,
+                num_stages=2,
+                group_m=self.group_m[1],
+                fused_shrink=self.fused_shrink[1],
+            ),
             atomic_sum=atomic_sum,
         )
 
@@ -116,6 +130,58 @@ CASES = {
         tokens=150, experts=5, dtype=torch.float16, single_program_align=False, block_m=32
     ),
     "all_tiles_in_one_program": Case(inter=64, w13=(16, 32, 8), w2=(16, 32, 8), rank=16),
+    # The LoRA shrink inside the GEMMs' main loops (GemmConfig.fused_shrink).
+    "fused_shrink_one_token": Case(tokens=1, fused_shrink=(True, True), segments=1),
+    "fused_shrink_w13_only_fp16": Case(
+        tokens=37, experts=7, top_k=4, dtype=torch.float16, rank=16, fused_shrink=(True, False)
+    ),
+    "fused_shrink_w2_only_k_not_multiple_of_block_k": Case(
+        hidden=96, inter=40, w13=(16, 64, 1), w2=(32, 32, 1), fused_shrink=(False, True)
+    ),
+    "fused_shrink_more_segments_than_a_pass_holds": Case(
+        tokens=40, experts=3, slots=8, rank=8, block_m=64, segments=1, fused_shrink=(True, True)
+    ),
+    "fused_shrink_rank_64_several_tiles_per_program_fp16": Case(
+        tokens=16,
+        experts=4,
+        rank=64,
+        dtype=torch.float16,
+        segments=4,
+        inter=64,
+        w13=(16, 32, 3),
+        w2=(16, 32, 2),
+        fused_shrink=(True, True),
+    ),
+    "fused_shrink_gpt_oss_biases_disabled_slots": Case(
+        router=RouterSpec(RouterKind.TOPK_SOFTMAX, top_k=4, renormalize=True),
+        top_k=4,
+        activation=Activation.GPT_OSS,
+        biases=True,
+        hidden_scale=4.0,
+        slots=6,
+        enabled=(True, True, False, True, True, True),
+        fused_shrink=(True, True),
+    ),
+    # Launch order: groups of M blocks (GemmConfig.group_m), a last group cut short.
+    "grouped_launch_order_fp16": Case(
+        tokens=150,
+        experts=5,
+        dtype=torch.float16,
+        block_m=16,
+        inter=64,
+        w13=(16, 32, 2),
+        w2=(16, 32, 1),
+        group_m=(3, 1),
+    ),
+    "grouped_launch_order_fused_shrink": Case(
+        tokens=60,
+        experts=5,
+        inter=64,
+        w13=(16, 32, 1),
+        w2=(16, 32, 4),
+        group_m=(4, 2),
+        fused_shrink=(True, True),
+    ),
 }
 
 
