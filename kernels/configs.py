@@ -118,14 +118,19 @@ def load_table(name: str) -> dict[str, dict[int, MoEConfig]]:
     }
 
 
-#: Widest stacked LoRA operand (segments × padded rank) of one dot: bounds the registers and
-#: shared memory the LoRA adds to a tile.
+#: Widest stacked LoRA A operand (segments × padded rank) of a shrink fused into a main loop:
+#: bounds the registers and shared memory it adds to a tile.
 STACK_WIDTH = 64
 
 
 def segments_per_pass(lora_segments: int, padded_rank: int) -> int:
-    """Segments (adapter slots) of a block that one stacked LoRA dot handles."""
+    """Segments (adapter slots) of a block that a fused shrink's stacked dot handles."""
     return max(1, min(lora_segments, STACK_WIDTH // padded_rank))
+
+
+def padded_rank(rank: int) -> int:
+    """The rank as the kernels pad it: a power of two, at least 16 (tl.dot's minimum)."""
+    return max(1 << (max(rank, 1) - 1).bit_length(), 16)
 
 
 #: Shared memory the main loops' pipeline stages may take (H100/H200: 227 KB per block),
@@ -133,12 +138,14 @@ def segments_per_pass(lora_segments: int, padded_rank: int) -> int:
 SMEM_BUDGET = 160 * 1024
 
 
-def fit_stages(config: MoEConfig, elem_size: int) -> MoEConfig:
+def fit_stages(config: MoEConfig, elem_size: int, lora_rank: int = 16) -> MoEConfig:
     """Lower num_stages where the operand tiles of ``elem_size``-byte elements (fp32: 4)
-    would not fit ``SMEM_BUDGET``."""
+    would not fit ``SMEM_BUDGET`` (a fused shrink adds its stacked A tile)."""
+    rp = padded_rank(lora_rank)
+    lora_cols = segments_per_pass(config.lora_segments, rp) * rp
 
     def fit(gemm: GemmConfig, tile_rows: int) -> GemmConfig:
-        lora_rows = STACK_WIDTH if gemm.fused_shrink else 0  # the A tile of the fused shrink
+        lora_rows = lora_cols if gemm.fused_shrink else 0
         per_stage = (config.block_m + tile_rows + lora_rows) * gemm.block_k * elem_size
         stages = max(2, min(gemm.num_stages, SMEM_BUDGET // per_stage))
         return dataclasses.replace(gemm, num_stages=stages)
@@ -199,6 +206,7 @@ def get_config(
     elem_size = torch.finfo(dtype).bits // 8
     table = load_table(device_name(device)).get(shape_key(num_experts, hidden, inter, top_k, rank))
     if not table:
-        return heuristic_config(num_tokens, num_experts, hidden, inter, top_k, elem_size)
+        config = heuristic_config(num_tokens, num_experts, hidden, inter, top_k, elem_size)
+        return fit_stages(config, elem_size, rank)
     nearest = min(table, key=lambda m: (abs(math.log(m / num_tokens)), m))
-    return fit_stages(table[nearest], elem_size)
+    return fit_stages(table[nearest], elem_size, rank)

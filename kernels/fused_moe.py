@@ -22,12 +22,11 @@ small M and for few experts; every program of a block repeats it). The expand is
 the GEMM epilogue. Only rank-R vectors per row go through memory, and every sum has a fixed
 order.
 
-A block may hold rows of several adapter slots ("segments", numbered by slot). Shrink and
-expand handle up to ``segments_per_pass`` segments with *one* dot each: the shrink against their
-A matrices stacked side by side, each row keeping the rank-R slice of its own segment
-(``_collapse``); the expand with each row's vector placed in its segment's columns (``_stack``)
-against their B matrices stacked along the rank, so the B tiles of all the block's adapters are
-loaded together rather than one after another.
+A block may hold rows of several adapter slots ("segments", numbered by slot). The shrink
+handles up to ``MoEConfig.lora_segments`` segments (in the main loop: ``segments_per_pass``)
+with *one* dot against their A matrices stacked side by side, each row keeping the rank-R slice
+of its own segment (``_collapse``), so x is read once per that many segments. The expands take
+one small dot per segment, which keeps the GEMM epilogues' registers free for the accumulator.
 
 Dtypes: bf16/fp16 operands with fp32 accumulation (the rank-R vectors and ``a`` are rounded
 to the operand dtype before their dots, as in every fused MoE); fp32 operands use exact IEEE
@@ -45,7 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels.align import Alignment
-from kernels.configs import GemmConfig, MoEConfig, segments_per_pass
+from kernels.configs import GemmConfig, MoEConfig, padded_rank, segments_per_pass
 from kernels.types import Activation
 
 _CLEAR_BLOCK = 1024  # elements each w13 program zeroes per step of the output clear
@@ -210,27 +209,24 @@ def _lora_expand(
     stride_bs,
     stride_be,
     stride_br,
-    NSEG: tl.constexpr,
     RP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """acc += each row's xa (BLOCK_M, RP) times its slot's B[s, e] rows ``b_rows`` (offsets of
-    the tile's output columns in B): one small dot per segment, with the other rows' xa
-    zeroed. The segments of a pass are unrolled, so their B tiles load together rather than
-    one after another (a missing segment's load is masked off: no memory traffic)."""
+    the tile's output columns in B): one small dot per segment, with the other rows' xa zeroed.
+    One segment at a time keeps the epilogue's registers to 2-D (BLOCK_M, RP) and (RP, BLOCK_N)
+    tiles, next to the live accumulator."""
     ranks = tl.arange(0, RP)
-    for chunk in range(0, tl.cdiv(n_seg, NSEG)):
-        for j in tl.static_range(NSEG):
-            mine = seg == chunk * NSEG + j
-            seg_slot = tl.max(tl.where(mine, slot, -1), axis=0)
-            b_seg = b_ptr + expert * stride_be + seg_slot.to(tl.int64) * stride_bs
-            b = tl.load(
-                b_seg + ranks[:, None] * stride_br + b_rows[None, :],
-                mask=(ranks < R)[:, None] & col_mask[None, :] & (seg_slot >= 0),
-                other=0.0,
-            )
-            x = tl.where(mine[:, None], xa, 0.0).to(b.dtype)
-            acc = tl.dot(x, b, acc, input_precision=PRECISION)
+    for j in range(0, n_seg):
+        seg_slot = tl.max(tl.where(seg == j, slot, -1), axis=0).to(tl.int64)
+        b_seg = b_ptr + expert * stride_be + seg_slot * stride_bs
+        b = tl.load(
+            b_seg + ranks[:, None] * stride_br + b_rows[None, :],
+            mask=(ranks < R)[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        mine = tl.where((seg == j)[:, None], xa, 0.0).to(b.dtype)
+        acc = tl.dot(mine, b, acc, input_precision=PRECISION)
     return acc
 
 
@@ -287,7 +283,7 @@ def _fused_tile(
         )  # fmt: skip
     return _lora_expand(
         acc, xa, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
-        stride_bs, stride_be, stride_br, NSEG, RP, PRECISION,
+        stride_bs, stride_be, stride_br, RP, PRECISION,
     ), xa  # fmt: skip
 
 
@@ -435,7 +431,7 @@ def _w13_kernel(
                 xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
                 acc = _lora_expand(
                     acc, xa, slot, seg, n_seg, b_ptr, expert, w13_rows * stride_bn, col_mask, R,
-                    stride_bs, stride_be, stride_br, NSEG, RP, PRECISION,
+                    stride_bs, stride_be, stride_br, RP, PRECISION,
                 )  # fmt: skip
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias + w13_rows, mask=col_mask, other=0.0)
@@ -543,7 +539,7 @@ def _w2_kernel(
                 xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
                 acc = _lora_expand(
                     acc, xa, slot, seg, n_seg, b_ptr, expert, cols * stride_bn, col_mask, R,
-                    stride_bs, stride_be, stride_br, NSEG, RP, PRECISION,
+                    stride_bs, stride_be, stride_br, RP, PRECISION,
                 )  # fmt: skip
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias + cols, mask=col_mask, other=0.0)
@@ -594,7 +590,7 @@ def _lora_meta(lora_a: torch.Tensor) -> tuple[int, int]:
     """(RP, S_P2) of slot buffers (S, E, R, K): the rank padded to a power of two of at
     least 16 (tl.dot's minimum inner size), the slot count padded to a power of two."""
     num_slots, _, rank, _ = lora_a.shape
-    return max(triton.next_power_of_2(rank), 16), triton.next_power_of_2(num_slots)
+    return padded_rank(rank), triton.next_power_of_2(num_slots)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -624,7 +620,7 @@ def lora_shrink_stage(
         x.shape[1], top_k, lora_a.shape[2],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         GATHER=gather, BLOCK_M=alignment.block_m, BLOCK_K=block_k,
-        NSEG=segments_per_pass(config.lora_segments, rp), RP=rp, S_P2=s_p2,
+        NSEG=config.lora_segments, RP=rp, S_P2=s_p2,
         PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3,
     )  # fmt: skip
     return xa
@@ -641,7 +637,7 @@ class _LoRAArgs:
     rank: int
     rp: int
     s_p2: int
-    nseg: int
+    nseg: int  # segments per pass of the fused shrink
     fused: bool
 
 

@@ -159,28 +159,28 @@ def fused_tiles(num_tiles: int, num_blocks: int, num_sms: int) -> int:
 def around_candidates(
     start: MoEConfig, shape: Shape, tokens: int, rank: int, num_sms: int
 ) -> list[MoEConfig]:
-    """Stage 1 of ``--around-table``: the shrink fused into w13 / w2 or not (with the tiles
-    per program it wants), times the LoRA segments per pass."""
+    """Stage 1 of ``--around-table``: the LoRA segments per pass, times the shrink fused into
+    w13 / w2 or not (with the tiles per program it wants) where the separate shrink launch
+    has few programs: small M, or fewer than half a wave of blocks."""
     pairs = tokens * shape.top_k
     blocks = max_padded_rows(pairs, shape.experts, start.block_m) // start.block_m
-    compute = start.block_m >= 64
+    streaming = start.block_m <= 32
+    try_fused = streaming or 2 * blocks <= num_sms
 
     def placements(gemm: GemmConfig, num_tiles: int) -> list[GemmConfig]:
         options = [dataclasses.replace(gemm, fused_shrink=False)]
-        options.append(dataclasses.replace(gemm, fused_shrink=True))
-        if compute:
+        if try_fused:
+            options.append(dataclasses.replace(gemm, fused_shrink=True))
+        if try_fused and not streaming:
             tiles = fused_tiles(num_tiles, blocks, num_sms)
-            if tiles != gemm.tiles_per_program:
-                options.append(
-                    dataclasses.replace(gemm, fused_shrink=True, tiles_per_program=tiles)
-                )
+            options.append(dataclasses.replace(gemm, fused_shrink=True, tiles_per_program=tiles))
         return options
 
     w13_tiles = -(-shape.inter // start.w13.block_n)
     w2_tiles = -(-shape.hidden // start.w2.block_n)
-    segments = [1] if tokens == 1 or rank >= 64 else [1, 2] if tokens <= 8 else [1, 2, 4]
+    segments = [1] if tokens == 1 else [1, 2, 4]
     candidates = [
-        fit_stages(dataclasses.replace(start, w13=w13, w2=w2, lora_segments=seg), 2)
+        fit_stages(dataclasses.replace(start, w13=w13, w2=w2, lora_segments=seg), 2, rank)
         for w13, w2, seg in itertools.product(
             placements(start.w13, w13_tiles), placements(start.w2, w2_tiles), segments
         )
@@ -200,7 +200,9 @@ def order_candidates(best: MoEConfig) -> list[MoEConfig]:
     ]
 
 
-# One compile worker's inputs, kept between tasks (tasks come sorted by shape).
+# One compile worker's inputs, kept between tasks (tasks come sorted by shape): the layer of
+# the current shape and the cells' inputs.
+_WORKER_LAYER: dict[str, MoELayerWeights] = {}
 _WORKER_CELLS: dict[tuple[str, int, int], Tuner] = {}
 
 
@@ -208,15 +210,18 @@ def _compile_task(task: tuple[str, int, int, str]) -> str:
     """Run one candidate (and the base model with its tiles) once, so Triton compiles it."""
     key, tokens, rank, config_json = task
     try:
-        if (key, tokens, rank) not in _WORKER_CELLS:
-            if _WORKER_CELLS and next(iter(_WORKER_CELLS))[0] != key:
-                _WORKER_CELLS.clear()
-                torch.cuda.empty_cache()
+        if key not in _WORKER_LAYER:
+            _WORKER_LAYER.clear()
+            _WORKER_CELLS.clear()
+            torch.cuda.empty_cache()
             shape = SHAPES[key]
-            layer = random_layer(
+            _WORKER_LAYER[key] = random_layer(
                 shape.experts, shape.hidden, shape.inter, shape.top_k, device="cuda"
             )
-            _WORKER_CELLS[(key, tokens, rank)] = Tuner(shape, layer, tokens, rank)
+        if (key, tokens, rank) not in _WORKER_CELLS:
+            _WORKER_CELLS[(key, tokens, rank)] = Tuner(
+                SHAPES[key], _WORKER_LAYER[key], tokens, rank
+            )
         tuner = _WORKER_CELLS[(key, tokens, rank)]
         config = MoEConfig.from_json(json.loads(config_json))
         fused_moe(tuner.hidden, tuner.layer, tuner.lora, tuner.routing, config)
