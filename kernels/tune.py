@@ -9,8 +9,8 @@ float32 reference and stored for rank 0 (base) and the LoRA rank in
 what it found.
 
 ``--around-table`` searches instead around the stored configuration of each cell: where the
-LoRA shrink runs (``fused_shrink`` of w13 and w2, with the tiles per program it wants), the
-segments per pass, then the launch order (``group_m``); it keeps the tiles otherwise. With
+LoRA shrink runs (``fused_shrink`` of w13 and w2, with the tiles per program it wants) and the
+segments per pass; at large M then the launch order (``group_m``) and the tiles in that order. With
 ``--jobs N`` every candidate is first compiled by N worker processes (Triton's cache is on
 disk), so the timing loop, one process on the GPU, waits for no compiler.
 """
@@ -189,7 +189,7 @@ def around_candidates(
 
 
 def order_candidates(best: MoEConfig) -> list[MoEConfig]:
-    """Stage 2 of ``--around-table``: the launch order of both GEMMs."""
+    """Stage 2 of ``--around-table`` (large M): the launch order of both GEMMs."""
     return [
         dataclasses.replace(
             best,
@@ -197,6 +197,16 @@ def order_candidates(best: MoEConfig) -> list[MoEConfig]:
             w2=dataclasses.replace(best.w2, group_m=g),
         )
         for g in (0, 1, 8)
+    ]
+
+
+def tile_candidates(best: MoEConfig, rank: int) -> list[MoEConfig]:
+    """Stage 3 of ``--around-table`` (large M): the w13 tiles, then the w2 tiles, of the
+    compute-bound search space in the chosen launch order."""
+    w13 = [GemmConfig(*c, group_m=best.w13.group_m) for c in W13_COMPUTE]
+    w2 = [GemmConfig(*c, group_m=best.w2.group_m) for c in W2_COMPUTE]
+    return [fit_stages(dataclasses.replace(best, w13=g), 2, rank) for g in w13] + [
+        fit_stages(dataclasses.replace(best, w2=g), 2, rank) for g in w2
     ]
 
 
@@ -280,26 +290,41 @@ def around_table(
     jobs: int,
     deadline: float,
     compile_only: bool = False,
+    stages: tuple[int, ...] = (1, 2, 3),
 ) -> None:
-    """``--around-table``: stage 1 (shrink placement × segments) for every cell, then stage 2
-    (launch order) for the cells at large M; each stage compiled up front by ``jobs``
-    processes. ``compile_only``: compile stage 1 and stop (to overlap it with other work)."""
+    """``--around-table``: stage 1 (shrink placement × segments) for every cell, then for the
+    cells at large M stage 2 (launch order) and stage 3 (tiles in that order); each stage
+    compiled up front by ``jobs`` processes. ``compile_only``: compile the first stage and stop
+    (to overlap it with other work). ``stages``: which of them to run."""
     began = time.monotonic()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    layers: dict[str, MoELayerWeights] = {}
-    tuners: dict[Cell, Tuner] = {}
-    stage: dict[Cell, list[MoEConfig]] = {}
+    best: dict[Cell, MoEConfig] = {}
     for cell in cells:
         key, tokens, rank = cell
         shape = SHAPES[key]
         entry = table.get(shape_key(shape.experts, shape.hidden, shape.inter, shape.top_k, rank))
-        if not entry or str(tokens) not in entry:
+        if entry and str(tokens) in entry:
+            best[cell] = MoEConfig.from_json(entry[str(tokens)])
+        else:
             print(f"{cell}: no stored configuration, skipped", flush=True)
+
+    def stage_1(cell: Cell, config: MoEConfig) -> list[MoEConfig]:
+        key, tokens, rank = cell
+        return around_candidates(config, SHAPES[key], tokens, rank, num_sms)
+
+    def stage_2(cell: Cell, config: MoEConfig) -> list[MoEConfig]:
+        return order_candidates(config) if config.block_m >= 64 else []
+
+    def stage_3(cell: Cell, config: MoEConfig) -> list[MoEConfig]:
+        return tile_candidates(config, cell[2]) if config.block_m >= 64 else []
+
+    layers: dict[str, MoELayerWeights] = {}
+    tuners: dict[Cell, Tuner] = {}
+    for number, make_candidates in enumerate((stage_1, stage_2, stage_3), start=1):
+        if number not in stages:
             continue
-        start = MoEConfig.from_json(entry[str(tokens)])
-        stage[cell] = [start, *around_candidates(start, shape, tokens, rank, num_sms)]
-    best: dict[Cell, MoEConfig] = {}
-    for _stage_number in (1, 2):  # placement and segments, then launch order
+        stage = {cell: [config, *make_candidates(cell, config)] for cell, config in best.items()}
+        stage = {cell: candidates for cell, candidates in stage.items() if len(candidates) > 1}
         if jobs > 1:
             precompile(((c[0], c[1], cfg, c[2]) for c, cfgs in stage.items() for cfg in cfgs), jobs)
         if compile_only:
@@ -314,17 +339,14 @@ def around_table(
                 layers[key] = random_layer(
                     shape.experts, shape.hidden, shape.inter, shape.top_k, device="cuda"
                 )
-            tuner = tuners.setdefault(cell, Tuner(SHAPES[key], layers[key], tokens, rank))
+            if cell not in tuners:
+                tuners[cell] = Tuner(SHAPES[key], layers[key], tokens, rank)
+            tuner = tuners[cell]
             best[cell] = tuner.best_of(candidates)
             for config in candidates:
                 print(f"  {cell} {tuner.time_us(config):8.1f} µs {config}", flush=True)
             report(tuner, cell, best[cell], f"(was {tuner.time_us(candidates[0]):.1f}) ")
             store(table, out, cell, best[cell])
-        stage = {
-            cell: [config, *order_candidates(config)]
-            for cell, config in best.items()
-            if config.block_m >= 64
-        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=1, help="compile processes (--around-table)")
     parser.add_argument(
-        "--compile-only", action="store_true", help="--around-table: only compile stage 1"
+        "--compile-only", action="store_true", help="--around-table: only compile a stage"
     )
+    parser.add_argument("--stages", default="1,2,3", help="--around-table: stages to run")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     out = Path(args.out) if args.out else config_path(device_name(device))
@@ -355,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     cells += [(k, int(t), int(r)) for k, t, r in (c.split(":") for c in args.extra.split(",") if c)]
     if args.around_table:
-        around_table(cells, table, out, args.jobs, args.deadline_s, args.compile_only)
+        stages = tuple(int(n) for n in args.stages.split(","))
+        around_table(cells, table, out, args.jobs, args.deadline_s, args.compile_only, stages)
         return 0
     layers: dict[str, MoELayerWeights] = {}
     for cell in cells:
