@@ -15,12 +15,12 @@ The kernels run over the blocks of ``kernels.align`` (BLOCK_M pairs of one exper
     chooses (``MoEConfig.atomic_sum``).
 
 Where the LoRA shrink runs is a launch-configuration choice per GEMM (``GemmConfig.fused_shrink``):
-in the separate launch (one read of the block's rows and A matrices per block: best when there
-are many blocks) or inside the GEMM's main loop, as a second dot on the x tiles it loads anyway,
-in the first tile of each program (no launch, no serial K loop over a handful of blocks: best at
-small M and for few experts; every program of a block repeats it). The expand is a small dot in
-the GEMM epilogue. Only rank-R vectors per row go through memory, and every sum has a fixed
-order.
+in the separate launch (one read of the block's rows and A matrices per block) or inside the
+GEMM's main loop, as a second dot on the x tiles it loads anyway, in the first tile of each
+program (no launch, no serial K loop over a handful of blocks; but every program of a block
+repeats it: on an H100 it pays at about one row per expert, see kernels/BENCHMARKS.md). The
+expand is a small dot in the GEMM epilogue. Only rank-R vectors per row go through memory,
+and every sum has a fixed order.
 
 A block may hold rows of several adapter slots ("segments", numbered by slot). The shrink
 handles up to ``MoEConfig.lora_segments`` segments (in the main loop: ``segments_per_pass``)
