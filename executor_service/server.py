@@ -12,7 +12,6 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from importlib import metadata
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -26,6 +25,7 @@ from shared import codec
 from shared.errors import MoeLoraError, Unavailable
 from shared.logs import log_event
 from shared.refs import AdapterRef
+from shared.version import package_version
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             host_cache_bytes=settings.host_cache_bytes,
             max_tokens_per_request=settings.max_tokens_per_request,
             max_message_bytes=settings.max_message_bytes,
-            server_version=metadata.version("moe-lora-serve"),
+            server_version=package_version(),
         )
 
 
