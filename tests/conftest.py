@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,35 @@ def postgres_url() -> str:
         warnings.warn(message, stacklevel=1)
         pytest.skip(message)
     return url
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server in its HTTP mode on 127.0.0.1 (a real S3 protocol peer, no mocks)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def pg_schema_url(postgres_url: str) -> Iterator[str]:
+    """A PostgreSQL URL whose tables live in a fresh schema, dropped afterwards (the CI
+    database outlives every run)."""
+    from sqlalchemy import create_engine, make_url, text
+
+    schema = f"test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = make_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
+    yield url.render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    admin.dispose()
 
 
 def wait_for(predicate: object, timeout: float = 30.0, interval: float = 0.05) -> None:

@@ -29,11 +29,9 @@ from tests.helm.local_pods import (
     s3_client,
     start_serving,
 )
-from tests.registry.conftest import s3_endpoint
 from tests.registry.fixtures import write_adapter, write_base_model
 
 # The registry tests' fixture: moto's S3 server.
-__all__ = ["s3_endpoint"]
 
 
 def test_executor_fetches_its_model_loads_an_adapter_and_answers_forward(

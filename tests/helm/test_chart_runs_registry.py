@@ -14,10 +14,8 @@ import pytest
 
 from tests.helm.chart import REGISTRY_SERVICE, Release, container, container_env
 from tests.helm.local_pods import AWS, BIN, clean_env, relocate, s3_client, start_serving
-from tests.registry.conftest import pg_schema_url, s3_endpoint
 
 # The registry tests' fixtures: a PostgreSQL schema of its own, moto's S3 server.
-__all__ = ["pg_schema_url", "s3_endpoint"]
 
 
 def test_sqlite_registry_runs_from_the_default_configuration(

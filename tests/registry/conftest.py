@@ -16,8 +16,6 @@ from typing import Any
 import boto3
 import grpc
 import pytest
-from moto.server import ThreadedMotoServer
-from sqlalchemy import create_engine, make_url, text
 
 from registry_service.app import RegistryApp, open_registry
 from registry_service.config import RegistrySettings
@@ -45,37 +43,10 @@ def aws_credentials() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 def new_bucket(endpoint: str) -> str:
     name = f"adapters-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
     return name
-
-
-def schema_url(base_url: str, schema: str) -> str:
-    url = make_url(base_url).update_query_dict({"options": f"-csearch_path={schema}"})
-    return url.render_as_string(hide_password=False)
-
-
-@pytest.fixture
-def pg_schema_url(postgres_url: str) -> Iterator[str]:
-    """A PostgreSQL URL whose tables live in a fresh schema, dropped afterwards."""
-    schema = f"reg_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    yield schema_url(postgres_url, schema)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-    admin.dispose()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
