@@ -17,7 +17,7 @@ from executor_service.runtime import ExecutorRuntime, build_runtime
 from executor_service.server import ExecutorServicer
 from executor_service.sources import AdapterSource
 from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared.grpc_server import GrpcServer, ServerOptions
+from shared.grpc_server import GrpcServer
 from shared.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -42,13 +42,7 @@ class ExecutorApp:
         self._source = source
         self.servicer = ExecutorServicer()
         self.server = GrpcServer(
-            ServerOptions(
-                listen=settings.listen,
-                max_message_bytes=settings.max_message_bytes,
-                drain_seconds=settings.drain_seconds,
-                tls_cert_file=settings.tls_cert_file,
-                tls_key_file=settings.tls_key_file,
-            ),
+            settings.server_options(),
             [SERVICE_NAME],
             lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(self.servicer, server),
         )

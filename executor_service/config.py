@@ -7,10 +7,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from shared.config import ServiceSettings
+from shared.config import ServerSettings
 
 
-class ExecutorSettings(ServiceSettings):
+class ExecutorSettings(ServerSettings):
     """Embedded defaults: 127.0.0.1, the GPU if there is one (else the CPU with the
     torch reference), adapters from the registry on 127.0.0.1:50051."""
 
@@ -67,10 +67,3 @@ class ExecutorSettings(ServiceSettings):
     metrics_listen: str = Field(
         "127.0.0.1:9402", description="host:port of the Prometheus /metrics endpoint; empty: off"
     )
-    drain_seconds: float = Field(
-        30.0, ge=0, description="on SIGTERM, how long RPCs in flight may finish"
-    )
-    tls_cert_file: Path | None = Field(None, description="PEM certificate: serve TLS")
-    tls_key_file: Path | None = Field(None, description="PEM private key for tls_cert_file")
-    log_level: str = Field("info", description="debug, info, warning or error")
-    log_format: Literal["json", "text"] = Field("json", description="json or text log lines")

@@ -7,12 +7,12 @@ from typing import ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
-from shared.config import ServiceSettings
+from shared.config import ServerSettings
 
 DEFAULT_DATA_DIR = Path("~/.moelora/registry")
 
 
-class RegistrySettings(ServiceSettings):
+class RegistrySettings(ServerSettings):
     """The embedded defaults run a complete registry on one machine: SQLite and a
     local blob directory under ``data_dir``, on 127.0.0.1, without auth."""
 
@@ -83,18 +83,9 @@ class RegistrySettings(ServiceSettings):
     max_message_bytes: int = Field(
         16 * 1024 * 1024, ge=4 * 1024 * 1024, description="largest gRPC message in bytes"
     )
-    drain_seconds: float = Field(
-        30.0, ge=0, description="on SIGTERM, how long RPCs in flight may finish"
-    )
-    tls_cert_file: Path | None = Field(None, description="PEM certificate: serve TLS")
-    tls_key_file: Path | None = Field(None, description="PEM private key for tls_cert_file")
-    log_level: str = Field("info", description="debug, info, warning or error")
-    log_format: Literal["json", "text"] = Field("json", description="json or text log lines")
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
         if self.max_watch_streams > self.max_workers - 4:
             raise ValueError(
                 f"max_watch_streams ({self.max_watch_streams}) must leave at least 4 of the "

@@ -19,7 +19,7 @@ from registry_service.config import RegistrySettings
 from registry_service.domain import Chunk
 from registry_service.service import Registry
 from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
-from shared.grpc_server import GrpcServer, ServerOptions
+from shared.grpc_server import GrpcServer
 from shared.model_spec import ModelSpec
 from shared.registry_client import WATCH_START_METADATA
 
@@ -214,14 +214,7 @@ def create_server(app: RegistryApp, settings: RegistrySettings) -> GrpcServer:
 
     servicer = RegistryServicer(app.registry, app.authorizer, draining, settings.max_watch_streams)
     server = GrpcServer(
-        ServerOptions(
-            listen=settings.listen,
-            max_message_bytes=settings.max_message_bytes,
-            max_workers=settings.max_workers,
-            drain_seconds=settings.drain_seconds,
-            tls_cert_file=settings.tls_cert_file,
-            tls_key_file=settings.tls_key_file,
-        ),
+        settings.server_options(settings.max_workers),
         [SERVICE_NAME],
         lambda grpc_server: registry_pb2_grpc.add_AdapterRegistryServicer_to_server(
             servicer, grpc_server

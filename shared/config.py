@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any, ClassVar, TypeVar
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict, SettingsError
+
+from shared.grpc_server import ServerOptions
 
 ENV_PREFIX = "MOELORA_"
 
@@ -48,6 +51,40 @@ class ServiceSettings(BaseSettings):
     def env_names(cls) -> dict[str, str]:
         """Field name -> environment variable, for docs and the Helm chart."""
         return {name: f"{ENV_PREFIX}{name.upper()}" for name in cls.model_fields}
+
+
+class ServerSettings(ServiceSettings):
+    """What every gRPC server of the project is configured with. Each service declares
+    ``listen``, ``metrics_listen`` and ``max_message_bytes`` again with defaults of its own."""
+
+    listen: str = Field(description="host:port the gRPC server listens on")
+    metrics_listen: str = Field(
+        description="host:port of the Prometheus /metrics endpoint; empty: off"
+    )
+    max_message_bytes: int = Field(ge=4 * 1024 * 1024, description="largest gRPC message in bytes")
+    drain_seconds: float = Field(
+        30.0, ge=0, description="on SIGTERM, how long RPCs in flight may finish"
+    )
+    tls_cert_file: Path | None = Field(None, description="PEM certificate: serve TLS")
+    tls_key_file: Path | None = Field(None, description="PEM private key for tls_cert_file")
+    log_level: str = Field("info", description="debug, info, warning or error")
+    log_format: Literal["json", "text"] = Field("json", description="json or text log lines")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Self:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        return self
+
+    def server_options(self, max_workers: int = 16) -> ServerOptions:
+        return ServerOptions(
+            listen=self.listen,
+            max_message_bytes=self.max_message_bytes,
+            max_workers=max_workers,
+            drain_seconds=self.drain_seconds,
+            tls_cert_file=self.tls_cert_file,
+            tls_key_file=self.tls_key_file,
+        )
 
 
 def settings_reference(cls: type[ServiceSettings]) -> str:
