@@ -22,7 +22,7 @@ from executor_service.slot_buffers import DeviceSync, SlotBuffers
 from executor_service.slots import SlotManager
 from executor_service.sources import AdapterSource, LocalFolderSource
 from kernels.forward import Backend
-from shared.errors import InvalidArgument
+from shared.errors import InvalidArgument, MoeLoraError
 from shared.logs import log_event
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
@@ -159,7 +159,14 @@ def build_runtime(
         watcher=watcher,
     )
     for text in settings.preload_adapters:
-        status = manager.pin(AdapterRef.parse(text, "preload_adapters"), settings.slot_wait_seconds)
+        ref = AdapterRef.parse(text, "preload_adapters")
+        try:
+            status = manager.pin(ref, settings.slot_wait_seconds)
+        except MoeLoraError as exc:
+            # Serving without one preloaded adapter beats not serving at all (the registry
+            # may be briefly down); it will be pulled on first use.
+            log_event(log, "adapter_preload_failed", logging.WARNING, adapter=text, error=str(exc))
+            continue
         log_event(log, "adapter_preloaded", adapter=status.adapter.label, slot=status.slot)
     log_event(
         log,

@@ -54,6 +54,17 @@ def test_not_serving_until_loaded_and_the_client_retries(
     assert [(a.name, a.pinned) for a in preloaded] == [("alpha", True)]
 
 
+def test_a_preload_that_fails_leaves_the_executor_serving(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    running = start_executor(qwen_world, preload_adapters=["nosuch", "alpha"])
+    preloaded = running.client.list_loaded_adapters().adapters
+    assert [(a.name, a.pinned) for a in preloaded] == [("alpha", True)]
+    layer = qwen_world.moe_layers[0]
+    result = running.client.forward(layer, qwen_world.inputs[layer], [(TOKENS, None)])
+    assert_close(result.output, qwen_world.reference[(None, layer)])
+
+
 def test_forward_stream_answers_in_order_and_survives_errors(
     qwen_world: World, start_executor: StartExecutor
 ) -> None:
