@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 	helm-check clean
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 
 setup: $(STAMP) $(BUF) ## Create .venv with the pinned dependencies, and the buf tool
 
