@@ -5,14 +5,7 @@ by expert, each expert's rows padded to a multiple of BLOCK_M, so every block be
 expert. Blocks are *not* split by adapter slot: a block may hold rows of a few slots
 ("segments"), and the LoRA kernels give each segment its adapter. That keeps the padding
 (wasted MMA rows) that of the base MoE, where per-(expert, slot) blocks would pad every
-(expert, slot) group.
-
-``sort_slots`` also orders each expert's rows by adapter slot (slot 0 first, rows without an
-adapter last, then the padding), so a block holds about as many segments as it crosses slot
-boundaries (1–2 once an expert has more rows per adapter than a block has) instead of every
-adapter of the batch. It counts pairs per (expert, slot) key, E·S keys instead of E, so it
-is an option of the launch configuration (``MoEConfig.sort_slots``): it pays where experts
-span several blocks.
+(expert, slot) group, and keeps the sort key space small (E keys, not E·S).
 
 Outputs (``Alignment``):
     sorted_pair_ids (max_rows,)   int32: the pair in each row, -1 for padding rows
@@ -22,9 +15,8 @@ Outputs (``Alignment``):
 
 The sizes are upper bounds known on the host (so no GPU→host synchronisation and the whole
 forward can be captured in a CUDA graph); rows of unused blocks are left unwritten and never
-read. The order of the pairs within an expert (within an (expert, slot) key when sorted) is
-decided by atomics and may vary between runs; it does not change any result, since every row
-is computed independently.
+read. The order of the pairs within an expert is decided by atomics and may vary between runs;
+it does not change any result, since every row is computed independently.
 
 Two implementations of the same layout: one program for small batches (one launch), and
 count / layout / scatter launches across the GPU for large ones.
@@ -52,7 +44,6 @@ class Alignment:
     row_slots: torch.Tensor | None
     block_experts: torch.Tensor
     block_m: int
-    sorted_by_slot: bool = False
 
     @property
     def max_blocks(self) -> int:
@@ -81,20 +72,9 @@ def _pair_slots(token_slots_ptr, enabled_ptr, offs, mask, top_k):
 
 
 @triton.jit
-def _pair_keys(
-    topk_ids_ptr, token_slots_ptr, enabled_ptr, offs, num_pairs, top_k, num_slots,
-    S1: tl.constexpr,
-):  # fmt: skip
-    """Sort key ``expert * S1 + slot`` of the pairs ``offs`` (slot ``num_slots`` for none),
-    their effective slots and which of them exist."""
-    expert, mask = _pair_experts(topk_ids_ptr, offs, num_pairs)
-    slot = _pair_slots(token_slots_ptr, enabled_ptr, offs, mask, top_k)
-    return expert * S1 + tl.where(slot >= 0, slot, num_slots), slot, mask
-
-
-@triton.jit
 def _write_layout(
     counts,
+    cursor_ptr,
     pair_ids_ptr,
     row_slots_ptr,
     block_experts_ptr,
@@ -104,11 +84,12 @@ def _write_layout(
     BLOCK_B: tl.constexpr,
     HAS_LORA: tl.constexpr,
 ):
-    """From the per-expert counts: the padding rows' sentinels and every block's expert.
-    Returns each expert's first row."""
+    """From the per-expert counts: each expert's first row (into the cursors), the padding
+    rows' sentinels, and every block's expert."""
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     expert_end = tl.cumsum(padded, 0)
     expert_start = expert_end - padded
+    tl.store(cursor_ptr + tl.arange(0, E_P2), expert_start)
 
     pad_rows = (expert_start + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
     pad_mask = pad_rows < expert_end[:, None]
@@ -124,7 +105,6 @@ def _write_layout(
         expert = tl.sum((expert_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
         expert = tl.where(first_row < total_rows, expert, -1)
         tl.store(block_experts_ptr + blocks, expert, mask=blocks < max_blocks)
-    return expert_start
 
 
 @triton.jit
@@ -138,86 +118,15 @@ def _scatter_pairs(
     offs,
     num_pairs,
     top_k,
-    num_slots,
-    E_P2: tl.constexpr,
     HAS_LORA: tl.constexpr,
-    SORT: tl.constexpr,
-    S1: tl.constexpr,
 ):
-    """Each pair of ``offs`` takes the next free row of its expert (SORT: of its (expert, slot)
-    key, whose cursors follow the E_P2 experts' in the cursor buffer)."""
-    if SORT:
-        key, slot, mask = _pair_keys(
-            topk_ids_ptr, token_slots_ptr, enabled_ptr, offs, num_pairs, top_k, num_slots, S1
-        )
-        row = tl.atomic_add(cursor_ptr + E_P2 + key, 1, mask=mask, sem="relaxed")
-        tl.store(pair_ids_ptr + row, offs, mask=mask)
-        tl.store(row_slots_ptr + row, slot, mask=mask)
-    else:
-        expert, mask = _pair_experts(topk_ids_ptr, offs, num_pairs)
-        row = tl.atomic_add(cursor_ptr + expert, 1, mask=mask, sem="relaxed")
-        tl.store(pair_ids_ptr + row, offs, mask=mask)
-        if HAS_LORA:
-            slot = _pair_slots(token_slots_ptr, enabled_ptr, offs, mask, top_k)
-            tl.store(row_slots_ptr + row, slot, mask=mask)
-
-
-@triton.jit
-def _count_pairs(
-    topk_ids_ptr,
-    token_slots_ptr,
-    enabled_ptr,
-    counts_ptr,
-    offs,
-    num_pairs,
-    top_k,
-    num_slots,
-    E_P2: tl.constexpr,
-    SORT: tl.constexpr,
-    S1: tl.constexpr,
-):
-    """Add the pairs ``offs`` to the zeroed counts per expert (a histogram, then one atomic
-    per expert) and, SORT, per (expert, slot) key after them (one atomic per pair: E·S bins
-    would make the histogram's work per element grow with the bins)."""
+    """Each pair of ``offs`` takes the next free row of its expert."""
     expert, mask = _pair_experts(topk_ids_ptr, offs, num_pairs)
-    counts = tl.histogram(expert, E_P2, mask=mask)
-    tl.atomic_add(counts_ptr + tl.arange(0, E_P2), counts, mask=counts > 0, sem="relaxed")
-    if SORT:
-        key, _, mask = _pair_keys(
-            topk_ids_ptr, token_slots_ptr, enabled_ptr, offs, num_pairs, top_k, num_slots, S1
-        )
-        tl.atomic_add(counts_ptr + E_P2 + key, 1, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def _write_cursors(
-    counts,
-    cursor_ptr,
-    pair_ids_ptr,
-    row_slots_ptr,
-    block_experts_ptr,
-    max_blocks,
-    E_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    SORT: tl.constexpr,
-    S1: tl.constexpr,
-):
-    """From the per-expert counts: the layout, and each expert's first row into its cursor;
-    SORT: each (expert, slot) key's first row (its expert's first row plus the rows of the
-    expert's lower keys) into the key cursors, which hold the key counts on entry."""
-    expert_start = _write_layout(
-        counts, pair_ids_ptr, row_slots_ptr, block_experts_ptr, max_blocks,
-        E_P2, BLOCK_M, BLOCK_B, HAS_LORA,
-    )  # fmt: skip
-    if SORT:
-        keys = E_P2 + tl.arange(0, E_P2)[:, None] * S1 + tl.arange(0, S1)[None, :]
-        key_counts = tl.load(cursor_ptr + keys, cache_modifier=".cg")  # atomics wrote them
-        before = tl.cumsum(key_counts, 1) - key_counts
-        tl.store(cursor_ptr + keys, expert_start[:, None] + before)
-    else:
-        tl.store(cursor_ptr + tl.arange(0, E_P2), expert_start)
+    row = tl.atomic_add(cursor_ptr + expert, 1, mask=mask, sem="relaxed")
+    tl.store(pair_ids_ptr + row, offs, mask=mask)
+    if HAS_LORA:
+        slot = _pair_slots(token_slots_ptr, enabled_ptr, offs, mask, top_k)
+        tl.store(row_slots_ptr + row, slot, mask=mask)
 
 
 @triton.jit
@@ -231,63 +140,35 @@ def _align_single_program_kernel(
     block_experts_ptr,
     num_pairs,
     top_k,
-    num_slots,
     max_blocks,
     E_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_B: tl.constexpr,
     HAS_LORA: tl.constexpr,
-    SORT: tl.constexpr,
-    S1: tl.constexpr,
 ):
-    if SORT:  # the key counts by atomics in the cursor buffer (see _count_pairs)
-        tl.store(cursor_ptr + E_P2 + tl.arange(0, E_P2 * S1), 0)
-        tl.debug_barrier()
     counts = tl.zeros([E_P2], dtype=tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
-        offs = p0 + tl.arange(0, BLOCK_P)
-        expert, mask = _pair_experts(topk_ids_ptr, offs, num_pairs)
+        expert, mask = _pair_experts(topk_ids_ptr, p0 + tl.arange(0, BLOCK_P), num_pairs)
         counts += tl.histogram(expert, E_P2, mask=mask)
-        if SORT:
-            key, _, mask = _pair_keys(
-                topk_ids_ptr, token_slots_ptr, enabled_ptr, offs, num_pairs, top_k, num_slots, S1
-            )
-            tl.atomic_add(cursor_ptr + E_P2 + key, 1, mask=mask, sem="relaxed")
-    if SORT:
-        tl.debug_barrier()
-    _write_cursors(
+    _write_layout(
         counts, cursor_ptr, pair_ids_ptr, row_slots_ptr, block_experts_ptr, max_blocks,
-        E_P2, BLOCK_M, BLOCK_B, HAS_LORA, SORT, S1,
+        E_P2, BLOCK_M, BLOCK_B, HAS_LORA,
     )  # fmt: skip
     tl.debug_barrier()  # the cursors just stored are incremented by other threads below
     for p0 in range(0, num_pairs, BLOCK_P):
         _scatter_pairs(
             topk_ids_ptr, token_slots_ptr, enabled_ptr, cursor_ptr, pair_ids_ptr,
-            row_slots_ptr, p0 + tl.arange(0, BLOCK_P), num_pairs, top_k, num_slots,
-            E_P2, HAS_LORA, SORT, S1,
+            row_slots_ptr, p0 + tl.arange(0, BLOCK_P), num_pairs, top_k, HAS_LORA,
         )  # fmt: skip
 
 
 @triton.jit
-def _count_kernel(
-    topk_ids_ptr,
-    token_slots_ptr,
-    enabled_ptr,
-    counts_ptr,
-    num_pairs,
-    top_k,
-    num_slots,
-    E_P2: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    SORT: tl.constexpr,
-    S1: tl.constexpr,
-):
-    _count_pairs(
-        topk_ids_ptr, token_slots_ptr, enabled_ptr, counts_ptr,
-        tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P), num_pairs, top_k, num_slots,
-        E_P2, SORT, S1,
-    )  # fmt: skip
+def _count_kernel(topk_ids_ptr, counts_ptr, num_pairs, E_P2: tl.constexpr, BLOCK_P: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    expert, mask = _pair_experts(topk_ids_ptr, offs, num_pairs)
+    counts = tl.histogram(expert, E_P2, mask=mask)
+    tl.atomic_add(counts_ptr + tl.arange(0, E_P2), counts, mask=counts > 0, sem="relaxed")
 
 
 @triton.jit
@@ -301,13 +182,12 @@ def _layout_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_B: tl.constexpr,
     HAS_LORA: tl.constexpr,
-    SORT: tl.constexpr,
-    S1: tl.constexpr,
 ):
-    # The cursors hold the counts on entry and the first rows on exit.
-    _write_cursors(
-        tl.load(cursor_ptr + tl.arange(0, E_P2)), cursor_ptr, pair_ids_ptr, row_slots_ptr,
-        block_experts_ptr, max_blocks, E_P2, BLOCK_M, BLOCK_B, HAS_LORA, SORT, S1,
+    # The cursors hold the counts on entry and each expert's first row on exit.
+    counts = tl.load(cursor_ptr + tl.arange(0, E_P2))
+    _write_layout(
+        counts, cursor_ptr, pair_ids_ptr, row_slots_ptr, block_experts_ptr, max_blocks,
+        E_P2, BLOCK_M, BLOCK_B, HAS_LORA,
     )  # fmt: skip
 
 
@@ -321,17 +201,12 @@ def _scatter_kernel(
     row_slots_ptr,
     num_pairs,
     top_k,
-    num_slots,
-    E_P2: tl.constexpr,
     BLOCK_P: tl.constexpr,
     HAS_LORA: tl.constexpr,
-    SORT: tl.constexpr,
-    S1: tl.constexpr,
 ):
     _scatter_pairs(
         topk_ids_ptr, token_slots_ptr, enabled_ptr, cursor_ptr, pair_ids_ptr, row_slots_ptr,
-        tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P), num_pairs, top_k, num_slots,
-        E_P2, HAS_LORA, SORT, S1,
+        tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P), num_pairs, top_k, HAS_LORA,
     )  # fmt: skip
 
 
@@ -341,18 +216,15 @@ def align_pairs(
     block_m: int,
     token_slots: torch.Tensor | None = None,
     enabled: torch.Tensor | None = None,
-    sort_slots: bool = False,
 ) -> Alignment:
     """Lay out the pairs of ``topk_ids`` (T, k) int32 in expert-homogeneous BLOCK_M blocks.
 
     With ``token_slots`` (T,) int32 and ``enabled`` (S,) int32, ``row_slots`` gives each row's
-    effective slot (-1 = no adapter, or a disabled slot); ``sort_slots`` orders each expert's
-    rows by that slot (rows without one last).
+    effective slot (-1 = no adapter, or a disabled slot).
     """
     has_lora = token_slots is not None
     if has_lora and enabled is None:
         raise ValueError("align_pairs needs the slots' enabled flags with token_slots")
-    sort = sort_slots and enabled is not None and has_lora
     num_pairs = topk_ids.numel()
     top_k = topk_ids.shape[1]
     device = topk_ids.device
@@ -362,39 +234,31 @@ def align_pairs(
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     row_slots = torch.empty(max_rows, dtype=torch.int32, device=device) if has_lora else None
     if max_blocks == 0:
-        return Alignment(pair_ids, row_slots, block_experts, block_m, sort)
+        return Alignment(pair_ids, row_slots, block_experts, block_m)
 
     e_p2 = triton.next_power_of_2(num_experts)
-    num_slots = 0 if enabled is None else enabled.numel()
-    # Sort keys expert * S1 + slot, slot num_slots standing for "no adapter"; the cursor
-    # buffer holds E_P2 expert cursors, then (SORT) E_P2 * S1 key cursors.
-    s1 = triton.next_power_of_2(num_slots + 1) if sort else 1
-    num_cursors = e_p2 * (1 + s1) if sort else e_p2
     # Unused pointer arguments get a valid tensor; the kernels never read them.
     slots_arg = token_slots if token_slots is not None else topk_ids
     enabled_arg = enabled if enabled is not None else topk_ids
     row_slots_arg = row_slots if row_slots is not None else pair_ids
-    flags = {"HAS_LORA": has_lora, "SORT": sort, "S1": s1}
     if num_pairs <= SINGLE_PROGRAM_MAX_PAIRS:
-        cursor = torch.empty(num_cursors, dtype=torch.int32, device=device)
+        cursor = torch.empty(e_p2, dtype=torch.int32, device=device)
         _align_single_program_kernel[(1,)](
             topk_ids, slots_arg, enabled_arg, cursor, pair_ids, row_slots_arg, block_experts,
-            num_pairs, top_k, num_slots, max_blocks,
-            E_P2=e_p2, BLOCK_M=block_m, BLOCK_P=_BLOCK_P, BLOCK_B=_BLOCK_B, **flags, num_warps=8,
+            num_pairs, top_k, max_blocks,
+            E_P2=e_p2, BLOCK_M=block_m, BLOCK_P=_BLOCK_P, BLOCK_B=_BLOCK_B, HAS_LORA=has_lora,
+            num_warps=8,
         )  # fmt: skip
     else:
-        cursor = torch.zeros(num_cursors, dtype=torch.int32, device=device)
+        cursor = torch.zeros(e_p2, dtype=torch.int32, device=device)
         grid = (triton.cdiv(num_pairs, _BLOCK_P),)
-        _count_kernel[grid](
-            topk_ids, slots_arg, enabled_arg, cursor, num_pairs, top_k, num_slots,
-            E_P2=e_p2, BLOCK_P=_BLOCK_P, SORT=sort, S1=s1,
-        )  # fmt: skip
+        _count_kernel[grid](topk_ids, cursor, num_pairs, E_P2=e_p2, BLOCK_P=_BLOCK_P)
         _layout_kernel[(1,)](
             cursor, pair_ids, row_slots_arg, block_experts, max_blocks,
-            E_P2=e_p2, BLOCK_M=block_m, BLOCK_B=_BLOCK_B, **flags, num_warps=8,
+            E_P2=e_p2, BLOCK_M=block_m, BLOCK_B=_BLOCK_B, HAS_LORA=has_lora, num_warps=8,
         )  # fmt: skip
         _scatter_kernel[grid](
             topk_ids, slots_arg, enabled_arg, cursor, pair_ids, row_slots_arg,
-            num_pairs, top_k, num_slots, E_P2=e_p2, BLOCK_P=_BLOCK_P, **flags,
+            num_pairs, top_k, BLOCK_P=_BLOCK_P, HAS_LORA=has_lora,
         )  # fmt: skip
-    return Alignment(pair_ids, row_slots, block_experts, block_m, sort)
+    return Alignment(pair_ids, row_slots, block_experts, block_m)

@@ -150,9 +150,8 @@ def stage_times_us(
 
     def align() -> Alignment:
         return align_pairs(
-            routing.topk_ids, layer.num_experts, config.block_m, lora.token_slots, slots.enabled,
-            config.sort_slots,
-        )  # fmt: skip
+            routing.topk_ids, layer.num_experts, config.block_m, lora.token_slots, slots.enabled
+        )
 
     def align_w13() -> object:
         alignment = align()

@@ -57,16 +57,12 @@ class GemmConfig:
 @dataclass(frozen=True)
 class MoEConfig:
     """block_m: rows (pairs) per block, shared by both GEMMs since they share the alignment.
-    lora_segments: adapter slots a block's LoRA handles in one stacked dot (shrink and expand);
-        blocks holding more take extra passes (correct, slower).
+    lora_segments: adapter slots a block's LoRA handles in one stacked dot; blocks holding more
+        take extra passes (correct, slower).
     atomic_sum: w2 adds each pair's weighted output into a float32 (T, H) buffer with atomics
         (no (T*k, H) round trip through memory; the order of the k additions varies, so for
         k > 2 the last bit may differ between runs); else w2 stores one row per pair and a
         separate pass sums the k rows in a fixed order (deterministic).
-    sort_slots: the alignment orders each expert's rows by adapter slot, so a block holds
-        only the slots whose runs it crosses (1–2 once an expert has more rows per adapter
-        than a block has) and fewer segment passes suffice; it counts pairs per
-        (expert, slot), so it pays only where experts span several blocks.
     """
 
     block_m: int
@@ -74,7 +70,6 @@ class MoEConfig:
     w13: GemmConfig
     w2: GemmConfig
     atomic_sum: bool = True
-    sort_slots: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,7 +82,6 @@ class MoEConfig:
             w13=GemmConfig(**data["w13"]),
             w2=GemmConfig(**data["w2"]),
             atomic_sum=data.get("atomic_sum", True),
-            sort_slots=data.get("sort_slots", False),
         )
 
 
@@ -186,14 +180,10 @@ def heuristic_config(
             w2=dataclasses.replace(streaming, block_n=64, fused_shrink=rows_per_expert <= 1),
         )
     else:
-        # Tensor-core bound: large tiles; programs sweep several N tiles. Where an expert's
-        # rows span several blocks, rows sorted by slot leave about 2 segments per block.
-        block_m = 64 if rows_per_expert <= 128 else 128
-        sort_slots = rows_per_expert > block_m
+        # Tensor-core bound: large tiles; programs sweep several N tiles.
         config = MoEConfig(
-            block_m=block_m,
-            lora_segments=2 if sort_slots else 4,
-            sort_slots=sort_slots,
+            block_m=64 if rows_per_expert <= 128 else 128,
+            lora_segments=4,
             w13=GemmConfig(block_n=64, block_k=64, tiles_per_program=4, num_warps=8, num_stages=3),
             w2=GemmConfig(block_n=128, block_k=64, tiles_per_program=4, num_warps=8, num_stages=3),
         )

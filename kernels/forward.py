@@ -40,7 +40,6 @@ def fused_moe(
         config.block_m,
         token_slots=None if lora is None else lora.token_slots,
         enabled=None if slots is None else slots.enabled,
-        sort_slots=config.sort_slots,
     )
     buffers = None
     if slots is not None and alignment.row_slots is not None:

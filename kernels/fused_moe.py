@@ -25,11 +25,8 @@ and every sum has a fixed order.
 A block may hold rows of several adapter slots ("segments", numbered by slot). The shrink
 handles up to ``MoEConfig.lora_segments`` segments (in the main loop: ``segments_per_pass``)
 with *one* dot against their A matrices stacked side by side, each row keeping the rank-R slice
-of its own segment (``_collapse``), so x is read once per that many segments. The expands
-likewise take one dot per pass of that many segments, their B tiles stacked along the rank and
-each row's xa in its own segment's slice: a tile's epilogue waits for one B load and one dot
-per pass, not one per segment. Rows sorted by slot (``MoEConfig.sort_slots``) leave a large
-block about 2 segments, so 2 per pass (a 32-deep dot) suffice there.
+of its own segment (``_collapse``), so x is read once per that many segments. The expands take
+one small dot per segment, which keeps the GEMM epilogues' registers free for the accumulator.
 
 Dtypes: bf16/fp16 operands with fp32 accumulation (the rank-R vectors and ``a`` are rounded
 to the operand dtype before their dots, as in every fused MoE); fp32 operands use exact IEEE
@@ -198,75 +195,7 @@ def _shrink_rows(
 
 
 @triton.jit
-def _expand_pass(
-    acc,
-    mine,
-    slot,
-    seg,
-    chunk,
-    b_tile,
-    col_mask,
-    R,
-    stride_bs,
-    NSEG: tl.constexpr,
-    RP: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """acc += mine (BLOCK_M, NSEG*RP) · the B[s, e] tiles of segments chunk*NSEG.. stacked
-    along the rank: one load and one dot for NSEG segments. ``b_tile`` (NSEG*RP, BLOCK_N)
-    points at rank k % RP of the tile's columns of B[0, e]; each segment's slot offset is
-    constant over its RP rows and the rank contiguous, so the loads stay vectorised."""
-    k_seg = tl.arange(0, NSEG * RP) // RP
-    slot_offset = tl.zeros([NSEG * RP], dtype=tl.int64)
-    k_ok = tl.arange(0, NSEG * RP) % RP < R
-    for j in tl.static_range(NSEG):
-        seg_slot = tl.max(tl.where(seg == chunk * NSEG + j, slot, -1), axis=0)
-        slot_offset = tl.where(k_seg == j, seg_slot.to(tl.int64) * stride_bs, slot_offset)
-        k_ok = k_ok & ((k_seg != j) | (seg_slot >= 0))
-    b = tl.load(b_tile + slot_offset[:, None], mask=k_ok[:, None] & col_mask[None, :], other=0.0)
-    return tl.dot(mine, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
 def _lora_expand(
-    acc,
-    xa_ptr,
-    rows,
-    slot,
-    seg,
-    n_seg,
-    b_ptr,
-    expert,
-    b_rows,
-    col_mask,
-    R,
-    stride_bs,
-    stride_be,
-    stride_br,
-    NSEG: tl.constexpr,
-    RP: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """acc += each row's xa (the separate shrink's, rows ``rows`` of xa_ptr, RP wide) times its
-    slot's B[s, e] rows ``b_rows`` (offsets of the tile's output columns in B): per pass of
-    NSEG segments *one* dot of depth NSEG*RP, each row's xa loaded into its own segment's
-    slice (zeros elsewhere), so a tile's epilogue waits for one B load and one dot per pass,
-    not one per segment. With rows sorted by slot (``Alignment.sorted_by_slot``) a block
-    rarely needs a second pass."""
-    k = tl.arange(0, NSEG * RP)
-    xa_ptrs = xa_ptr + rows[:, None] * RP + (k % RP)[None, :]
-    b_tile = b_ptr + expert * stride_be + (k % RP)[:, None] * stride_br + b_rows[None, :]
-    # Not software-pipelined: prefetching a pass would hold its tiles next to the accumulator.
-    for chunk in tl.range(0, tl.cdiv(n_seg, NSEG), num_stages=1):
-        mine = tl.load(xa_ptrs, mask=seg[:, None] == chunk * NSEG + (k // RP)[None, :], other=0.0)
-        acc = _expand_pass(
-            acc, mine, slot, seg, chunk, b_tile, col_mask, R, stride_bs, NSEG, RP, PRECISION
-        )
-    return acc
-
-
-@triton.jit
-def _lora_expand_registers(
     acc,
     xa,
     slot,
@@ -280,22 +209,24 @@ def _lora_expand_registers(
     stride_bs,
     stride_be,
     stride_br,
-    BLOCK_M: tl.constexpr,
-    NSEG: tl.constexpr,
     RP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """``_lora_expand`` for an xa (BLOCK_M, RP) float32 held in registers (fused shrink)."""
-    k = tl.arange(0, NSEG * RP)
-    xa_tiled = tl.broadcast_to(xa[:, None, :], (BLOCK_M, NSEG, RP))
-    xa_tiled = tl.reshape(xa_tiled, (BLOCK_M, NSEG * RP))
-    b_tile = b_ptr + expert * stride_be + (k % RP)[:, None] * stride_br + b_rows[None, :]
-    for chunk in tl.range(0, tl.cdiv(n_seg, NSEG), num_stages=1):
-        mine = tl.where(seg[:, None] == chunk * NSEG + (k // RP)[None, :], xa_tiled, 0.0)
-        acc = _expand_pass(
-            acc, mine.to(b_ptr.dtype.element_ty), slot, seg, chunk, b_tile, col_mask, R,
-            stride_bs, NSEG, RP, PRECISION,
-        )  # fmt: skip
+    """acc += each row's xa (BLOCK_M, RP) times its slot's B[s, e] rows ``b_rows`` (offsets of
+    the tile's output columns in B): one small dot per segment, with the other rows' xa zeroed.
+    One segment at a time keeps the epilogue's registers to 2-D (BLOCK_M, RP) and (RP, BLOCK_N)
+    tiles, next to the live accumulator."""
+    ranks = tl.arange(0, RP)
+    for j in range(0, n_seg):
+        seg_slot = tl.max(tl.where(seg == j, slot, -1), axis=0).to(tl.int64)
+        b_seg = b_ptr + expert * stride_be + seg_slot * stride_bs
+        b = tl.load(
+            b_seg + ranks[:, None] * stride_br + b_rows[None, :],
+            mask=(ranks < R)[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        mine = tl.where((seg == j)[:, None], xa, 0.0).to(b.dtype)
+        acc = tl.dot(mine, b, acc, input_precision=PRECISION)
     return acc
 
 
@@ -350,9 +281,9 @@ def _fused_tile(
             acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_cols, col_mask, K,
             BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
         )  # fmt: skip
-    return _lora_expand_registers(
+    return _lora_expand(
         acc, xa, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
-        stride_bs, stride_be, stride_br, BLOCK_M, NSEG, RP, PRECISION,
+        stride_bs, stride_be, stride_br, RP, PRECISION,
     ), xa  # fmt: skip
 
 
@@ -360,7 +291,7 @@ def _fused_tile(
 def _lora_shrink_kernel(
     x_ptr,  # GATHER: (T, K) hidden states, row of token; else (max_rows, K) aligned rows
     a_ptr,  # (S, E, R, K) LoRA A
-    xa_ptr,  # (max_rows, RP) out: x·A[s, e]ᵀ per aligned row, rounded to the operand dtype
+    xa_ptr,  # (max_rows, RP) fp32 out: x·A[s, e]ᵀ per aligned row
     pair_ids_ptr,
     row_slots_ptr,
     block_experts_ptr,
@@ -396,9 +327,7 @@ def _lora_shrink_kernel(
         x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 0, K, R,
         stride_as, stride_ae, stride_ar, BLOCK_M, BLOCK_K, NSEG, RP, PRECISION,
     )  # fmt: skip
-    tl.store(
-        xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :], xa.to(xa_ptr.dtype.element_ty)
-    )
+    tl.store(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :], xa)
 
 
 @triton.jit
@@ -407,7 +336,7 @@ def _w13_kernel(
     w_ptr,  # (E, 2I, H)
     bias_ptr,  # (E, 2I) or unused
     a_ptr,  # (S, E, R, H) LoRA A13 (FUSED_SHRINK) or unused
-    xa_ptr,  # (max_rows, RP) x·A13ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
+    xa_ptr,  # (max_rows, RP) fp32 x·A13ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
     b_ptr,  # (S, E, 2I, R) LoRA B13
     out_ptr,  # (max_rows, I) activation, aligned row order
     pair_ids_ptr,
@@ -499,9 +428,10 @@ def _w13_kernel(
             if HAS_LORA:
                 # Loaded after the main loop, so they take no registers while it runs.
                 slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+                xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
                 acc = _lora_expand(
-                    acc, xa_ptr, rows, slot, seg, n_seg, b_ptr, expert, w13_rows * stride_bn,
-                    col_mask, R, stride_bs, stride_be, stride_br, NSEG, RP, PRECISION,
+                    acc, xa, slot, seg, n_seg, b_ptr, expert, w13_rows * stride_bn, col_mask, R,
+                    stride_bs, stride_be, stride_br, RP, PRECISION,
                 )  # fmt: skip
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias + w13_rows, mask=col_mask, other=0.0)
@@ -524,7 +454,7 @@ def _w2_kernel(
     w_ptr,  # (E, H, I)
     bias_ptr,  # (E, H) or unused
     a_ptr,  # (S, E, R, I) LoRA A2 (FUSED_SHRINK) or unused
-    xa_ptr,  # (max_rows, RP) a·A2ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
+    xa_ptr,  # (max_rows, RP) fp32 a·A2ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
     b_ptr,  # (S, E, H, R) LoRA B2
     out_ptr,  # ATOMIC_SUM: (T, H) fp32 zeroed by _w13_kernel; else (T*k, H), row per pair
     pair_ids_ptr,
@@ -606,9 +536,10 @@ def _w2_kernel(
             if HAS_LORA:
                 # Loaded after the main loop, so they take no registers while it runs.
                 slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+                xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
                 acc = _lora_expand(
-                    acc, xa_ptr, rows, slot, seg, n_seg, b_ptr, expert, cols * stride_bn,
-                    col_mask, R, stride_bs, stride_be, stride_br, NSEG, RP, PRECISION,
+                    acc, xa, slot, seg, n_seg, b_ptr, expert, cols * stride_bn, col_mask, R,
+                    stride_bs, stride_be, stride_br, RP, PRECISION,
                 )  # fmt: skip
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias + cols, mask=col_mask, other=0.0)
@@ -675,15 +606,14 @@ def lora_shrink_stage(
     lora: LoRABuffers,
     config: MoEConfig,
 ) -> torch.Tensor:
-    """x·A[s, e]ᵀ for every aligned row: (max_rows, RP) in x's dtype (the expand rounds it to
-    the operand dtype anyway; it is summed in float32).
+    """x·A[s, e]ᵀ for every aligned row: (max_rows, RP) float32.
 
     x: the hidden states (T, K), rows gathered by token (``gather``), or the aligned
     activation (max_rows, K); lora_a (S, E, R, K).
     """
     rp, s_p2 = _lora_meta(lora_a)
     rows = alignment.max_blocks * alignment.block_m
-    xa = torch.empty((rows, rp), dtype=x.dtype, device=x.device)
+    xa = torch.empty((rows, rp), dtype=torch.float32, device=x.device)
     block_k = _SHRINK_BLOCK_K if x.element_size() == 2 else _SHRINK_BLOCK_K // 2
     _lora_shrink_kernel[(alignment.max_blocks,)](
         x, lora_a, xa, alignment.sorted_pair_ids, lora.row_slots, alignment.block_experts,
@@ -733,9 +663,7 @@ def _lora_args(
         xa = x  # placeholder: the GEMM computes x·Aᵀ itself
     else:
         xa = lora_shrink_stage(x, lora_a, gather, top_k, alignment, lora, config)
-    # float32 operands take FMA dots, whose stacked operands would all sit in registers (the
-    # compiled expand spills kilobytes): one segment per pass there.
-    nseg = 1 if x.dtype == torch.float32 else segments_per_pass(config.lora_segments, rp)
+    nseg = segments_per_pass(config.lora_segments, rp)
     rank = lora_a.shape[2]
     return _LoRAArgs(lora_a, xa, lora_b, lora.row_slots, rank, rp, s_p2, nseg, gemm.fused_shrink)
 

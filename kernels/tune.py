@@ -3,17 +3,16 @@
 For each benchmark shape and token count it times ``fused_moe`` with LoRA (the benchmark's
 inputs and method: CUDA graph replay under do_bench) over a small search, one knob group at a
 time starting from the heuristic: BLOCK_M, then the w13 tiles, then the w2 tiles, then the
-sum over k, the LoRA segments per pass and the rows' slot order. The best configuration is
-checked against the float32 reference and stored for rank 0 (base) and the LoRA rank in
+sum over k and the LoRA segments per pass. The best configuration is checked against the
+float32 reference and stored for rank 0 (base) and the LoRA rank in
 ``kernels/configs/<GPU name>.json`` (or ``--out``), after every cell, so a run cut short keeps
 what it found.
 
 ``--around-table`` searches instead around the stored configuration of each cell: where the
-LoRA shrink runs (``fused_shrink`` of w13 and w2, with the tiles per program it wants), the
-segments per pass and whether rows are sorted by slot; at large M then the launch order
-(``group_m``) and the tiles in that order. With ``--jobs N`` every candidate is first compiled
-by N worker processes (Triton's cache is on disk), so the timing loop, one process on the GPU,
-waits for no compiler.
+LoRA shrink runs (``fused_shrink`` of w13 and w2, with the tiles per program it wants) and the
+segments per pass; at large M then the launch order (``group_m``) and the tiles in that order. With
+``--jobs N`` every candidate is first compiled by N worker processes (Triton's cache is on
+disk), so the timing loop, one process on the GPU, waits for no compiler.
 """
 
 from __future__ import annotations
@@ -142,22 +141,12 @@ def tune_cell(tuner: Tuner, shape: Shape, tokens: int) -> MoEConfig:
     )
     best = tuner.best_of([best] + [dataclasses.replace(best, w2=GemmConfig(*c)) for c in w2_space])
     segments = [1, 2, 4, 8]
-    sorts = [False, True] if slot_sorting_may_pay(rows_per_expert, best.block_m) else [False]
     best = tuner.best_of(
         [best]
-        + [
-            dataclasses.replace(best, lora_segments=s, sort_slots=o)
-            for s, o in itertools.product(segments, sorts)
-        ]
+        + [dataclasses.replace(best, lora_segments=s) for s in segments]
         + [dataclasses.replace(best, atomic_sum=not best.atomic_sum)]
     )
     return best
-
-
-def slot_sorting_may_pay(rows_per_expert: float, block_m: int) -> bool:
-    """Rows sorted by slot can leave a block fewer segments only where an expert's rows
-    reach past one block (with 4 adapters, half a block already splits some)."""
-    return rows_per_expert > block_m / 2
 
 
 def fused_tiles(num_tiles: int, num_blocks: int, num_sms: int) -> int:
@@ -172,9 +161,7 @@ def around_candidates(
 ) -> list[MoEConfig]:
     """Stage 1 of ``--around-table``: the LoRA segments per pass, times the shrink fused into
     w13 / w2 or not (with the tiles per program it wants) where the separate shrink launch
-    has few programs: small M, or fewer than half a wave of blocks; and, where experts span
-    more than half a block, rows sorted by slot with the stored placement and each segment
-    count."""
+    has few programs: small M, or fewer than half a wave of blocks."""
     pairs = tokens * shape.top_k
     blocks = max_padded_rows(pairs, shape.experts, start.block_m) // start.block_m
     streaming = start.block_m <= 32
@@ -198,11 +185,6 @@ def around_candidates(
             placements(start.w13, w13_tiles), placements(start.w2, w2_tiles), segments
         )
     ]
-    if slot_sorting_may_pay(pairs / shape.experts, start.block_m):
-        candidates += [
-            fit_stages(dataclasses.replace(start, lora_segments=seg, sort_slots=sort), 2, rank)
-            for seg, sort in itertools.product(segments, [False, True])
-        ]
     return list(dict.fromkeys(candidates))
 
 

@@ -64,7 +64,6 @@ class Case:
     fused_shrink: tuple[bool, bool] = (False, False)  # w13, w2
     group_m: tuple[int, int] = (0, 0)  # w13, w2
     single_program_align: bool = True
-    sort_slots: bool = False
     hidden_scale: float = 1.0
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -87,7 +86,6 @@ class Case:
                 fused_shrink=self.fused_shrink[1],
             ),
             atomic_sum=atomic_sum,
-            sort_slots=self.sort_slots,
         )
 
 
@@ -164,27 +162,9 @@ CASES = {
         enabled=(True, True, False, True, True, True),
         fused_shrink=(True, True),
     ),
-    # Rows sorted by slot within each expert (MoEConfig.sort_slots): blocks spanning slot
-    # boundaries, rows without an adapter and of a disabled slot, passes of 2 segments.
-    "sorted_rows_disabled_slot_multi_program_alignment": Case(
-        tokens=40,
-        experts=3,
-        slots=6,
-        enabled=(True, True, False, True, True, True),
-        sort_slots=True,
-        single_program_align=False,
-    ),
-    "sorted_rows_fused_shrink_fp16": Case(
-        tokens=30,
-        experts=3,
-        dtype=torch.float16,
-        rank=16,
-        fused_shrink=(True, True),
-        sort_slots=True,
-    ),
-    # Launch order: groups of M blocks (GemmConfig.group_m), a last group cut short; sorted rows.
-    "grouped_launch_order_sorted_rows_fp16": Case(
-        tokens=90,
+    # Launch order: groups of M blocks (GemmConfig.group_m), a last group cut short.
+    "grouped_launch_order_fp16": Case(
+        tokens=150,
         experts=5,
         dtype=torch.float16,
         block_m=16,
@@ -192,7 +172,6 @@ CASES = {
         w13=(16, 32, 2),
         w2=(16, 32, 1),
         group_m=(3, 1),
-        sort_slots=True,
     ),
     "grouped_launch_order_fused_shrink": Case(
         tokens=60,
