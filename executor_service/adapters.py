@@ -328,7 +328,14 @@ class AdapterManager:
         files = self.source.fetch(adapter)
         pack = self._pack
         try:
-            packed = pack_adapter(files.config, files.weights, pack.spec, pack.max_rank, pack.dtype)
+            packed = pack_adapter(
+                files.config,
+                files.weights,
+                pack.spec,
+                pack.max_rank,
+                pack.dtype,
+                pin=self.host.pin_memory,
+            )
         except InvalidArgument as exc:
             # The request was fine; the stored adapter does not fit this executor.
             raise FailedPrecondition(
