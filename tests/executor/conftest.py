@@ -23,9 +23,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from executor_service.app import ExecutorApp
+from executor_service.batch import KernelFn
 from executor_service.client import ExecutorClient, RetryPolicy
 from executor_service.config import ExecutorSettings
-from executor_service.engine import KernelFn
 from executor_service.metrics import ExecutorMetrics
 from executor_service.sources import AdapterFiles, AdapterSource, ResolvedAdapter
 from executor_service.synthetic import (
