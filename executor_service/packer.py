@@ -116,7 +116,7 @@ def _pack_layer(
     h, i = spec.hidden_size, spec.moe_intermediate_size
     w13 = [pair for pair in layout.pairs if pair.projection is not Projection.DOWN]
     w2 = [pair for pair in layout.pairs if pair.projection is Projection.DOWN]
-    deinterleave = spec.model_type == "gpt_oss"
+    deinterleave = spec.type.gate_up_interleaved
     a13, b13 = _fill(w13, layout.w13_rank, h, 2 * i, spec.num_experts, deinterleave, header, data)
     a2, b2 = _fill(w2, layout.w2_rank, i, h, spec.num_experts, False, header, data)
     return PackedLayer(
