@@ -36,6 +36,8 @@ from kernels.types import (
     SharedExpertWeights,
     validate_layer,
 )
+from shared.errors import InvalidArgument
+from shared.layer_set import format_layers
 from shared.model_spec import Checkpoint, ExpertLayout, LayerTensors, ModelSpec, read_checkpoint
 
 
@@ -52,23 +54,53 @@ class BaseModel:
 
 
 def load_base_model(
-    folder: Path, device: torch.device | str, dtype: torch.dtype, name: str | None = None
+    folder: Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    name: str | None = None,
+    only: Sequence[int] | None = None,
 ) -> BaseModel:
-    """Load the MoE layers of the checkpoint in ``folder`` onto ``device`` in ``dtype``.
+    """Load the MoE layers of the checkpoint in ``folder`` onto ``device`` in ``dtype``;
+    ``only``: just those MoE layers (``--layers``), others are never read.
 
     ``name`` defaults to the folder's name. Raises ``InvalidArgument`` (from read_checkpoint)
-    for unsupported model types and missing or misshaped tensors.
+    for unsupported model types and missing or misshaped tensors, and for an ``only`` that
+    names no MoE layer or a layer the model does not have.
     """
     checkpoint = read_checkpoint(folder)
     spec = checkpoint.spec
+    served = served_layers(spec, only)
     layers: dict[int, MoELayerWeights] = {}
     with ExitStack() as stack:
         reader = _Reader(checkpoint, stack, torch.device(device), dtype)
-        for layer in spec.moe_layers:
+        for layer in served:
             layers[layer] = _layer(spec, checkpoint.layout, checkpoint.layers[layer], reader)
             validate_layer(layers[layer])
     nbytes = sum(_nbytes(weights) for weights in layers.values())
     return BaseModel(spec=spec, name=name or folder.name, layers=layers, nbytes=nbytes)
+
+
+def served_layers(spec: ModelSpec, only: Sequence[int] | None) -> tuple[int, ...]:
+    """The MoE layers of ``spec`` within ``only`` (all when None). Dense layers inside a range
+    are skipped (a group "0-23" of a model whose first layers are dense is fine), but a layer
+    past the model's last, or a set without any MoE layer, is a mistake worth stopping for."""
+    if only is None:
+        return spec.moe_layers
+    beyond = [layer for layer in only if layer >= spec.num_layers]
+    if beyond:
+        raise InvalidArgument(
+            f"--layers: {format_layers(beyond)} beyond the model's {spec.num_layers} layers "
+            f"(MoE layers: {format_layers(spec.moe_layers)})",
+            "layers",
+        )
+    served = tuple(layer for layer in spec.moe_layers if layer in set(only))
+    if not served:
+        raise InvalidArgument(
+            f"--layers: {format_layers(only)} holds no MoE layer "
+            f"(MoE layers: {format_layers(spec.moe_layers)})",
+            "layers",
+        )
+    return served
 
 
 def router_spec(spec: ModelSpec) -> RouterSpec:

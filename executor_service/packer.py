@@ -77,9 +77,11 @@ def pack_adapter(
     spec: ModelSpec,
     max_rank: int,
     dtype: torch.dtype,
+    only: frozenset[int] | None = None,
 ) -> PackedAdapter:
     """Check a PEFT adapter (adapter_config.json parsed, adapter_model.safetensors as bytes
-    or a path) against ``spec`` and pack it. Raises InvalidArgument naming the tensor."""
+    or a path) against ``spec`` and pack it; ``only``: pack just those layers (a layer-sharded
+    executor), though the whole adapter is checked. Raises InvalidArgument naming the tensor."""
     data = weights.read_bytes() if isinstance(weights, Path) else weights
     header = parse_bytes(data)
     layout = inspect_adapter(config, header, spec, max_rank)
@@ -87,6 +89,7 @@ def pack_adapter(
     layers = {
         index: _pack_layer(layer, header, data, spec, dtype)
         for index, layer in sorted(layout.layers.items())
+        if only is None or index in only
     }
     nbytes = sum(
         tensor.numel() * tensor.element_size()
