@@ -88,6 +88,8 @@ class PackSettings:
     base_model_name: str
     max_rank: int
     dtype: torch.dtype
+    #: MoE layers this executor serves: only those are packed (None: all).
+    layers: frozenset[int] | None = None
 
 
 class AdapterManager:
@@ -356,7 +358,9 @@ class AdapterManager:
         files = self.source.fetch(adapter)
         pack = self._pack
         try:
-            packed = pack_adapter(files.config, files.weights, pack.spec, pack.max_rank, pack.dtype)
+            packed = pack_adapter(
+                files.config, files.weights, pack.spec, pack.max_rank, pack.dtype, pack.layers
+            )
         except InvalidArgument as exc:
             # The request was fine; the stored adapter does not fit this executor.
             raise FailedPrecondition(

@@ -31,7 +31,8 @@ from executor_service.runner import Launch, Runner
 from kernels import MoELayerWeights, Routing
 from moelora.v1 import tensor_pb2
 from shared import codec
-from shared.errors import InvalidArgument, ResourceExhausted
+from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from shared.layer_set import format_layers
 from shared.refs import AdapterRef
 
 WIRE_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -154,14 +155,21 @@ class ForwardEngine:
 
     def _layer(self, index: int) -> MoELayerWeights:
         layer = self.model.layers.get(index)
-        if layer is None:
-            moe = sorted(self.model.layers)
-            raise InvalidArgument(
-                f"layer: {index} is not a MoE layer of base model {self.model.name}; "
-                f"its MoE layers are {_ranges(moe)}",
+        if layer is not None:
+            return layer
+        served = format_layers(self.model.layers)
+        if index in self.model.spec.moe_layers:
+            # A cluster client sent a layer to the wrong group: say where this one stands.
+            raise FailedPrecondition(
+                f"layer: {index} is a MoE layer of base model {self.model.name} that this "
+                f"executor does not serve; it serves layers {served} (--layers)",
                 "layer",
             )
-        return layer
+        raise InvalidArgument(
+            f"layer: {index} is not a MoE layer of base model {self.model.name}; "
+            f"its MoE layers are {format_layers(self.model.spec.moe_layers)}",
+            "layer",
+        )
 
     def _check_hidden(self, hidden: torch.Tensor) -> int:
         if hidden.dtype not in WIRE_FLOAT_DTYPES:
@@ -247,22 +255,6 @@ def _checked_segments(segments: Sequence[Segment], tokens: int) -> list[Segment]
             f"segments: num_tokens sum to {total}, but hidden_states has T={tokens}", "segments"
         )
     return list(segments)
-
-
-def _ranges(values: Sequence[int]) -> str:
-    """[1, 2, 3, 7] -> "1-3, 7"."""
-    parts: list[str] = []
-    start = prev = None
-    for v in values:
-        if prev is not None and v == prev + 1:
-            prev = v
-            continue
-        if start is not None:
-            parts.append(f"{start}-{prev}" if start != prev else f"{start}")
-        start = prev = v
-    if start is not None:
-        parts.append(f"{start}-{prev}" if start != prev else f"{start}")
-    return ", ".join(parts)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from executor_service.sources import AdapterSource, LocalFolderSource
 from executor_service.staging import Staging
 from kernels.forward import Backend
 from shared.errors import InvalidArgument, MoeLoraError
+from shared.layer_set import format_layers
 from shared.logs import log_event
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
@@ -99,6 +101,11 @@ class ExecutorRuntime:
             self.watcher.close()
 
 
+def replica_name(settings: ExecutorSettings) -> str:
+    """``--replica-name``, or the host name: a StatefulSet pod's name, stable across restarts."""
+    return settings.replica_name or socket.gethostname()
+
+
 def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
     """The local adapter folder when ``--adapter-dir`` is set, else the registry when
     ``--registry-address`` is, else none (base model only)."""
@@ -109,6 +116,11 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
             settings.registry_address,
             token=settings.registry_token,
             tls=settings.registry_tls,
+            root_certificates=(
+                settings.registry_tls_ca_file.expanduser().read_bytes()
+                if settings.registry_tls_ca_file is not None
+                else None
+            ),
             timeout=settings.registry_timeout_seconds,
         )
         disk = DiskCache(settings.disk_cache_dir, settings.disk_cache_bytes)
@@ -152,7 +164,9 @@ def build_runtime(
         raise InvalidArgument("--base-model-path is not set")
     where = placement(settings)
     folder = settings.base_model_path.expanduser()
-    model = load_base_model(folder, where.device, where.dtype, settings.base_model_name)
+    model = load_base_model(
+        folder, where.device, where.dtype, settings.base_model_name, settings.layer_set
+    )
     sync = DeviceSync(where.device)
     buffers = SlotBuffers(model.layers, settings.num_slots, settings.max_rank, where.dtype, sync)
     manager = AdapterManager(
@@ -162,6 +176,7 @@ def build_runtime(
             base_model_name=model.name,
             max_rank=settings.max_rank,
             dtype=where.dtype,
+            layers=frozenset(model.layers),
         ),
         host=HostCache(settings.host_cache_bytes, pin_memory=where.device.type == "cuda"),
         slots=SlotManager(buffers, LRUPolicy()),
@@ -218,5 +233,7 @@ def build_runtime(
         dtype=str(where.dtype).removeprefix("torch."),
         backend=where.backend_name,
         moe_layers=len(model.layers),
+        served_layers=format_layers(model.layers),
+        replica=replica_name(settings),
     )
     return runtime

@@ -19,7 +19,7 @@ from typing_extensions import override
 from executor_service.adapters import AdapterStatus, Location
 from executor_service.batch import Segment
 from executor_service.engine import ForwardInput
-from executor_service.runtime import ExecutorRuntime
+from executor_service.runtime import ExecutorRuntime, replica_name
 from moelora.v1 import executor_pb2, executor_pb2_grpc
 from shared import codec
 from shared.errors import MoeLoraError, Overloaded, Unavailable
@@ -205,6 +205,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             max_tokens_per_request=settings.max_tokens_per_request,
             max_message_bytes=settings.max_message_bytes,
             server_version=package_version(),
+            served_layers=sorted(runtime.model.layers),
+            replica_name=replica_name(settings),
         )
 
 

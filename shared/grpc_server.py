@@ -44,6 +44,11 @@ RPC_SECONDS = Histogram(
 
 _ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
+#: Called before each RPC (health and reflection excepted) with the full method name
+#: ("/moelora.v1.Executor/Forward") and the call's metadata; refuses it by raising a
+#: MoeLoraError (Unauthenticated, PermissionDenied).
+Authorizer = Callable[[str, Sequence[tuple[str, str | bytes]]], None]
+
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -79,11 +84,6 @@ class _State:
         """Waits until no counted RPC is in flight; False if ``timeout`` passed first."""
         with self._idle:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
-
-
-#: Called before every RPC but health and reflection with (method, invocation metadata);
-#: raises a ``MoeLoraError`` (such as ``PermissionDenied``) to refuse the call.
-Authorizer = Callable[[str, Sequence[tuple[str, str | bytes]]], None]
 
 
 def internal_error_message(event: str, **fields: object) -> str:

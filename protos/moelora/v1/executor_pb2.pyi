@@ -619,6 +619,8 @@ class GetExecutorInfoResponse(_message.Message):
     MAX_TOKENS_PER_REQUEST_FIELD_NUMBER: _builtins.int
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
+    SERVED_LAYERS_FIELD_NUMBER: _builtins.int
+    REPLICA_NAME_FIELD_NUMBER: _builtins.int
     compute_dtype: _tensor_pb2.DataType.ValueType
     """Element type the expert weights and adapters are computed in."""
     num_slots: _builtins.int
@@ -639,9 +641,20 @@ class GetExecutorInfoResponse(_message.Message):
     """Largest request message the server accepts, in bytes."""
     server_version: _builtins.str
     """moe-lora-serve version."""
+    replica_name: _builtins.str
+    """This replica's name (--replica-name, default the host name: the pod's name in a
+    StatefulSet).
+    """
     @_builtins.property
     def base_model(self) -> _model_pb2.BaseModel:
         """The loaded base model (name as configured, shape and fingerprint)."""
+
+    @_builtins.property
+    def served_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """MoE layers this executor serves, ascending: all of base_model.moe_layers, or the subset
+        its --layers names. A cluster client sends each layer to a replica that serves it;
+        Forward on another MoE layer fails with FAILED_PRECONDITION.
+        """
 
     def __init__(
         self,
@@ -657,10 +670,12 @@ class GetExecutorInfoResponse(_message.Message):
         max_tokens_per_request: _builtins.int = ...,
         max_message_bytes: _builtins.int = ...,
         server_version: _builtins.str = ...,
+        served_layers: _abc.Iterable[_builtins.int] | None = ...,
+        replica_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "compute_dtype", b"compute_dtype", "device", b"device", "host_cache_bytes", b"host_cache_bytes", "max_message_bytes", b"max_message_bytes", "max_rank", b"max_rank", "max_tokens_per_request", b"max_tokens_per_request", "num_slots", b"num_slots", "server_version", b"server_version", "slot_memory_bytes", b"slot_memory_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "compute_dtype", b"compute_dtype", "device", b"device", "host_cache_bytes", b"host_cache_bytes", "max_message_bytes", b"max_message_bytes", "max_rank", b"max_rank", "max_tokens_per_request", b"max_tokens_per_request", "num_slots", b"num_slots", "replica_name", b"replica_name", "served_layers", b"served_layers", "server_version", b"server_version", "slot_memory_bytes", b"slot_memory_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
