@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from executor_service.auth import open_authorizer
 from executor_service.config import ExecutorSettings
 from executor_service.engine import KernelFn
 from executor_service.metrics import ExecutorMetrics
@@ -45,6 +46,7 @@ class ExecutorApp:
             settings.server_options(),
             [SERVICE_NAME],
             lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(self.servicer, server),
+            authorize=open_authorizer(settings),
         )
         #: The loaded runtime, once ``loaded`` is set without ``load_error``.
         self.runtime: ExecutorRuntime | None = None

@@ -27,6 +27,7 @@ import torch
 
 from moelora.v1 import executor_pb2, executor_pb2_grpc
 from shared import torch_codec
+from shared.auth import open_channel
 from shared.errors import MoeLoraError, error_for_code, from_rpc_error
 from shared.grpc_server import wait_until_serving
 
@@ -110,16 +111,21 @@ class ExecutorClient:
         root_certificates: bytes | None = None,
         max_message_bytes: int = 512 * 1024 * 1024,
         retry: RetryPolicy | None = None,
+        token: str | None = None,
     ) -> None:
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
-        if tls:
-            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self._channel = grpc.secure_channel(address, credentials, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
+        """``token``: the bearer token every call carries (an executor with auth on wants
+        read for Forward and the listings, admin for Load/Unload/Pin/Unpin); ``tls`` with the
+        system roots, or ``root_certificates`` (PEM) when given."""
+        self._channel = open_channel(
+            address,
+            token=token,
+            tls=tls,
+            root_certificates=root_certificates,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self.address = address
         self.timeout = timeout

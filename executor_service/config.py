@@ -37,8 +37,23 @@ class ExecutorSettings(ServerSettings):
     registry_address: str | None = Field(
         "127.0.0.1:50051", description="registry host:port adapters are pulled from; empty: none"
     )
-    registry_token: str | None = Field(None, description="bearer token for the registry")
+    registry_token: str | None = Field(
+        None,
+        description="bearer token the executor presents to the registry (role read); "
+        "not one it accepts: those are in auth_tokens_file",
+    )
     registry_tls: bool = Field(False, description="talk TLS to the registry")
+    registry_tls_ca_file: Path | None = Field(
+        None, description="PEM roots that sign the registry's certificate; default: the system's"
+    )
+    auth: Literal["auto", "on", "off"] = Field(
+        "auto", description="bearer-token auth on this server: auto = on unless on loopback"
+    )
+    auth_tokens_file: Path | None = Field(
+        None,
+        description="JSON file of hashed tokens with roles, the registry's format: Forward "
+        "and the listings need read, Load/Unload/Pin/Unpin need admin",
+    )
     registry_timeout_seconds: float = Field(
         30.0, gt=0, description="deadline of each registry call (downloads excepted)"
     )

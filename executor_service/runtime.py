@@ -108,6 +108,11 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
             settings.registry_address,
             token=settings.registry_token,
             tls=settings.registry_tls,
+            root_certificates=(
+                settings.registry_tls_ca_file.expanduser().read_bytes()
+                if settings.registry_tls_ca_file is not None
+                else None
+            ),
             timeout=settings.registry_timeout_seconds,
         )
         disk = DiskCache(settings.disk_cache_dir, settings.disk_cache_bytes)

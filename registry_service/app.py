@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from registry_service.auth import Authorizer, TokenFile, auth_required
 from registry_service.blobs import BlobStore, open_blob_store
 from registry_service.config import RegistrySettings
 from registry_service.db import migrate
@@ -16,6 +15,7 @@ from registry_service.gc import GarbageCollector
 from registry_service.service import Registry, RegistryLimits
 from registry_service.store import Store
 from shared.logs import log_event
+from shared.tokens import TokenChecker, open_token_checker
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +35,23 @@ def open_blobs(settings: RegistrySettings) -> BlobStore:
     )
 
 
-def open_authorizer(settings: RegistrySettings) -> Authorizer:
-    """Auth as the settings ask; refuses auth without a token file."""
-    if not auth_required(settings.auth, settings.listen, settings.embedded_storage):
-        return Authorizer(None)
-    if settings.auth_tokens_file is None:
-        why = "auth=on" if settings.auth == "on" else "auth=auto outside the embedded mode"
-        raise ValueError(
-            f"{why} needs --auth-tokens-file / MOELORA_AUTH_TOKENS_FILE "
-            "(make entries with `moelora-registry hash-token NAME ROLE`), or --auth off"
-        )
-    return Authorizer(TokenFile(settings.auth_tokens_file.expanduser()))
+def open_authorizer(settings: RegistrySettings) -> TokenChecker:
+    """Auth as the settings ask: ``auto`` is off only in the embedded mode (loopback, SQLite
+    and blobs in data_dir); refuses auth without a token file."""
+    return open_token_checker(
+        settings.auth,
+        settings.listen,
+        settings.auth_tokens_file,
+        local=settings.embedded_storage,
+        hint="adapterctl --token or MOELORA_REGISTRY_TOKEN",
+        auto_on_when="outside the embedded mode",
+    )
 
 
 @dataclass
 class RegistryApp:
     registry: Registry
-    authorizer: Authorizer
+    authorizer: TokenChecker
     db: Database
     feed: EventFeed
 

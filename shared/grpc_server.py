@@ -44,6 +44,11 @@ RPC_SECONDS = Histogram(
 
 _ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
+#: Called before each RPC (health and reflection excepted) with the full method name
+#: ("/moelora.v1.Executor/Forward") and the call's metadata; refuses it by raising a
+#: MoeLoraError (Unauthenticated, PermissionDenied).
+Authorizer = Callable[[str, Sequence[tuple[str, str | bytes]]], None]
+
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -86,8 +91,9 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     INTERNAL error with an id that is in the log, refuses new RPCs while draining,
     and counts every RPC."""
 
-    def __init__(self, state: _State) -> None:
+    def __init__(self, state: _State, authorize: Authorizer | None) -> None:
         self._state = state
+        self._authorize = authorize
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
@@ -97,6 +103,7 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         state = self._state
         # Health and reflection are answered during a drain and don't hold it up.
         counted = not method.startswith(_ALWAYS_ALLOWED)
+        authorize = self._authorize if counted else None
 
         def guard(context: grpc.ServicerContext) -> None:
             if state.draining.is_set() and counted:
@@ -141,6 +148,8 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             if counted:
                 state.enter()
             try:
+                if authorize is not None:
+                    authorize(method, context.invocation_metadata())
                 yield
             except Exception as exc:
                 if _is_abort(exc, context):
@@ -205,6 +214,7 @@ class GrpcServer:
         options: ServerOptions,
         service_names: Sequence[str],
         register: Callable[[grpc.Server], None],
+        authorize: Authorizer | None = None,
     ) -> None:
         self.options = options
         self._state = _State()
@@ -213,7 +223,7 @@ class GrpcServer:
         limit = options.max_message_bytes
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="grpc"),
-            interceptors=[_ErrorAndMetricsInterceptor(self._state)],
+            interceptors=[_ErrorAndMetricsInterceptor(self._state, authorize)],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -335,6 +345,7 @@ def wait_until_serving(
 
 
 __all__ = [
+    "Authorizer",
     "GrpcServer",
     "ServerOptions",
     "health_check",
