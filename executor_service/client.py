@@ -28,7 +28,7 @@ import grpc
 import torch
 
 from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared import codec
+from shared import torch_codec
 from shared.auth import open_channel
 from shared.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
 from shared.grpc_server import wait_until_serving
@@ -100,20 +100,20 @@ def forward_request(
     """The ForwardRequest message for torch inputs."""
     request = executor_pb2.ForwardRequest(
         layer=layer,
-        hidden_states=codec.from_torch(hidden),
+        hidden_states=torch_codec.from_torch(hidden),
         segments=[
             executor_pb2.Segment(num_tokens=n, adapter=ref or "") for n, ref in segments or ()
         ],
     )
     if routing is not None:
         ids, weights = routing
-        request.routing.topk_ids.CopyFrom(codec.from_torch(ids))
-        request.routing.topk_weights.CopyFrom(codec.from_torch(weights))
+        request.routing.topk_ids.CopyFrom(torch_codec.from_torch(ids))
+        request.routing.topk_weights.CopyFrom(torch_codec.from_torch(weights))
     return request
 
 
 def forward_result(response: executor_pb2.ForwardResponse) -> ForwardResult:
-    output = codec.to_torch(response.output, "output").clone()  # writable, owns its memory
+    output = torch_codec.to_torch(response.output, "output").clone()  # writable, owns its memory
     return ForwardResult(
         output=output,
         resolved_adapters=list(response.resolved_adapters),

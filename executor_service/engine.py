@@ -30,7 +30,7 @@ from executor_service.model_loader import BaseModel
 from executor_service.runner import Launch, Runner
 from kernels import MoELayerWeights, Routing
 from moelora.v1 import tensor_pb2
-from shared import codec
+from shared import torch_codec
 from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from shared.layer_set import format_layers
 from shared.refs import AdapterRef
@@ -131,7 +131,7 @@ class ForwardEngine:
         encoding = time.perf_counter()
         outputs = [
             ForwardOutput(
-                output=codec.from_torch(out[a:b].to(r.hidden.dtype)),
+                output=torch_codec.from_torch(out[a:b].to(r.hidden.dtype)),
                 resolved_adapters=r.labels,
             )
             for r, (a, b) in zip(requests, row_ranges(requests), strict=True)

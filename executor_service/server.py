@@ -21,7 +21,7 @@ from executor_service.batch import Segment
 from executor_service.engine import ForwardInput
 from executor_service.runtime import ExecutorRuntime, replica_name
 from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared import codec
+from shared import codec, torch_codec
 from shared.errors import MoeLoraError, Overloaded, Unavailable
 from shared.grpc_server import internal_error_message
 from shared.refs import AdapterRef
@@ -44,11 +44,13 @@ def decode_forward(request: executor_pb2.ForwardRequest) -> ForwardInput:
     has_weights = routing is not None and routing.HasField("topk_weights")
     return ForwardInput(
         layer=request.layer,
-        hidden=codec.to_torch(request.hidden_states, "hidden_states"),
+        hidden=torch_codec.to_torch(request.hidden_states, "hidden_states"),
         segments=[Segment(s.num_tokens, s.adapter) for s in request.segments],
-        topk_ids=codec.to_torch(request.routing.topk_ids, "routing.topk_ids") if has_ids else None,
+        topk_ids=torch_codec.to_torch(request.routing.topk_ids, "routing.topk_ids")
+        if has_ids
+        else None,
         topk_weights=(
-            codec.to_torch(request.routing.topk_weights, "routing.topk_weights")
+            torch_codec.to_torch(request.routing.topk_weights, "routing.topk_weights")
             if has_weights
             else None
         ),
