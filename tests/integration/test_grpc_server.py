@@ -20,7 +20,7 @@ def _identity(data: bytes) -> bytes:
 
 
 class _Probe:
-    """Methods of a raw-bytes service: echo, fail with a domain error, crash, block until released."""
+    """Methods of a raw-bytes service: echo, fail with a domain error, crash, block."""
 
     def __init__(self) -> None:
         self.started = threading.Event()
