@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -79,6 +80,15 @@ class Row:
     batch: float
     stages_ms: dict[str, float]
     churn: bool
+
+
+def _progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _stop(signum: int, _frame: object) -> None:
+    # Unwind (so that the executor, echo and client processes are stopped), then exit.
+    raise SystemExit(128 + signum)
 
 
 def _free_port() -> int:
@@ -296,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--batch-window-us", type=int, default=0)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     client_counts = [int(c) for c in args.clients.split(",") if c]
@@ -306,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-forward-") as tmp:
         root = Path(tmp)
+        _progress(f"writing the {args.shape} checkpoint and {churn_pool} adapters")
         spec = write_base_checkpoint(root / "base", SHAPES[args.shape], dtype=dtype)
         for seed in range(churn_pool):
             write_adapter(
@@ -315,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
                 seed=seed,
             )
         kernel_ms = _kernel_timer(root / "base", device, args.rank, args.slots)
+        _progress("starting the executor and the echo server")
         port, metrics_port = _free_port(), _free_port()
         address = f"127.0.0.1:{port}"
         executor = [
@@ -330,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
             f"--max-rank={args.rank}",
             f"--cuda-graphs={args.cuda_graphs}",
             f"--batch-window-us={args.batch_window_us}",
-            "--log-level=warning",
+            "--log-level=info",
         ]
         echo = [sys.executable, "-m", "executor_service.echo_server", "--listen=127.0.0.1:0"]
         env = {**os.environ, "MOELORA_REGISTRY_ADDRESS": ""}
@@ -339,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
             echo_address = f"127.0.0.1:{echo_proc.stdout.readline().strip()}"
             with ExecutorClient(address, timeout=600) as client:
                 client.wait_until_serving(timeout=600)
+                _progress("executor serving")
                 for name in pinned:
                     client.pin_adapter(name)
                 info = client.get_executor_info()
@@ -396,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
                             churn=churn,
                         )
                     )
+                    _progress(f"row done: {rows[-1]}")
     _print(
         rows,
         f"Forward, {args.shape} layer on {info.device} ({info.backend}), compute "

@@ -118,6 +118,18 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         request_iterator: Iterator[executor_pb2.ForwardStreamRequest],
         context: grpc.ServicerContext,
     ) -> Iterator[executor_pb2.ForwardStreamResponse]:
+        try:
+            yield from self._answer_stream(request_iterator, context)
+        except grpc.RpcError:
+            if context.is_active():
+                raise
+            # The client closed or cancelled the stream: nothing is left to answer.
+
+    def _answer_stream(
+        self,
+        request_iterator: Iterator[executor_pb2.ForwardStreamRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[executor_pb2.ForwardStreamResponse]:
         for item in request_iterator:
             try:
                 answer = self._forward(item.forward, context)
