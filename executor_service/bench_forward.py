@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import select
 import signal
 import socket
 import statistics
@@ -173,6 +174,9 @@ def _run_clients(
     try:
         for proc in procs:
             assert proc.stdout is not None
+            # A client that cannot get through its warm-up must not hang the benchmark.
+            if not select.select([proc.stdout], [], [], 600)[0]:
+                raise RuntimeError("a bench client did not finish its warm-up in 600 s")
             line = proc.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"a bench client failed to start (said {line!r})")
@@ -345,7 +349,13 @@ def main(argv: list[str] | None = None) -> None:
             f"--batch-window-us={args.batch_window_us}",
             "--log-level=info",
         ]
-        echo = [sys.executable, "-m", "executor_service.echo_server", "--listen=127.0.0.1:0"]
+        echo = [
+            sys.executable,
+            "-m",
+            "executor_service.echo_server",
+            "--listen=127.0.0.1:0",
+            "--workers=64",  # as many handler threads as the executor: one per open stream
+        ]
         env = {**os.environ, "MOELORA_REGISTRY_ADDRESS": ""}
         with _process(executor, env) as _, _process(echo) as echo_proc:
             assert echo_proc.stdout is not None
