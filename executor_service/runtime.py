@@ -15,6 +15,7 @@ from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
 from executor_service.engine import EngineSettings, ForwardEngine, KernelFn
 from executor_service.host_cache import HostCache
+from executor_service.kernel_configs import KernelConfigReport, prepare_kernel_configs
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.registry_source import RegistrySource, RegistryWatcher
@@ -82,6 +83,8 @@ class ExecutorRuntime:
     model: BaseModel
     adapters: AdapterManager
     engine: ForwardEngine
+    #: Where the kernels' launch configurations come from (GetExecutorInfo).
+    kernel_configs: tuple[KernelConfigReport, ...] = ()
     #: Follows the registry's changes when adapters come from the registry.
     watcher: RegistryWatcher | None = None
 
@@ -121,6 +124,8 @@ def build_runtime(
     where = placement(settings)
     folder = settings.base_model_path.expanduser()
     model = load_base_model(folder, where.device, where.dtype, settings.base_model_name)
+    # Tuned (or autotuned, within its budget) before anything is served or captured.
+    configs = prepare_kernel_configs(settings, where.device, model)
     sync = DeviceSync(where.device)
     buffers = SlotBuffers(model.layers, settings.num_slots, settings.max_rank, where.dtype, sync)
     manager = AdapterManager(
@@ -143,7 +148,14 @@ def build_runtime(
             dtype=where.dtype,
             max_tokens_per_request=settings.max_tokens_per_request,
         ),
-        kernel=kernel or functools.partial(kernels.moe_forward, backend=where.kernel_backend),
+        # The loader validated every layer once (kernels.validate_layer): not again per call.
+        kernel=kernel
+        or functools.partial(
+            kernels.moe_forward,
+            backend=where.kernel_backend,
+            configs=configs.selector,
+            check_layer=False,
+        ),
         metrics=metrics,
     )
     watcher = None
@@ -156,6 +168,7 @@ def build_runtime(
         model=model,
         adapters=manager,
         engine=engine,
+        kernel_configs=configs.reports,
         watcher=watcher,
     )
     for text in settings.preload_adapters:

@@ -205,7 +205,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             max_tokens_per_request=settings.max_tokens_per_request,
             max_message_bytes=settings.max_message_bytes,
             server_version=package_version(),
-        )
+            kernel_configs=[
+                executor_pb2.KernelConfigInfo(
+                    rank=c.rank, source=c.source, shape=c.shape,
+                    autotune_seconds=c.autotune_seconds,
+                )
+                for c in runtime.kernel_configs
+            ],
+        )  # fmt: skip
 
 
 def _slot_wait(runtime: ExecutorRuntime, context: grpc.ServicerContext) -> float:

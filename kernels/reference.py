@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.routing import route
+from kernels.shared_expert import shared_expert_forward
 from kernels.types import (
     Activation,
     LoRAContext,
     MoELayerWeights,
     Routing,
-    SharedExpertWeights,
     validate_forward_inputs,
 )
 
@@ -66,18 +66,6 @@ def _add_lora(
         rows = row_slots == slot
         shrunk = inputs[rows] @ lora_a[slot].to(inputs.dtype).T
         out[rows] += shrunk @ lora_b[slot].to(inputs.dtype).T
-
-
-def shared_expert_forward(
-    hidden: torch.Tensor, shared: SharedExpertWeights, compute_dtype: torch.dtype
-) -> torch.Tensor:
-    """The always-on expert: silu(gate)·up MLP, optionally scaled by sigmoid(x·gateᵀ)."""
-    x = hidden.to(compute_dtype)
-    a = activate(x @ shared.w13.to(compute_dtype).T, Activation.SILU, 0.0, 0.0)
-    y = a @ shared.w2.to(compute_dtype).T
-    if shared.gate is not None:
-        y = y * torch.sigmoid(x @ shared.gate.to(compute_dtype).T)
-    return y
 
 
 def moe_forward_reference(
