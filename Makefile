@@ -47,10 +47,11 @@ proto-check: $(STAMP) ## Fail if the committed stubs differ from freshly generat
 		cmp -s $$tmp/$$f protos/$$f || { echo "stale stub: protos/$$f (run make proto)"; exit 1; }; \
 	done && echo "stubs are in sync"
 
-lint: setup proto-check ## ruff, mypy, buf lint, stub freshness
+lint: setup proto-check ## ruff, mypy, import contracts (layers), buf lint, stub freshness
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(BUF) lint
 
 docs: $(STAMP) ## Regenerate docs/configuration.md from the settings classes

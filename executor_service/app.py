@@ -11,8 +11,8 @@ import logging
 import threading
 
 from executor_service.auth import open_authorizer
+from executor_service.batch import KernelFn
 from executor_service.config import ExecutorSettings
-from executor_service.engine import KernelFn
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runtime import ExecutorRuntime, build_runtime
 from executor_service.server import ExecutorServicer

@@ -87,12 +87,12 @@ def _kernel_fn(
 ) -> Callable[[], object]:
     """The kernel call the executor makes for this request, without the service around it."""
     adapters = runtime.adapters
-    slots_of = {s.adapter.label: s.slot for s in adapters.slots.status()}
+    slots_of = {s.adapter.label: s.slot for s in adapters.list_loaded() if s.slot is not None}
     token_slots = torch.repeat_interleave(
         torch.tensor([slots_of[name] for _, name in segments], dtype=torch.int32),
         torch.tensor([n for n, _ in segments]),
     ).to(runtime.placement.device)
-    lora = LoRAContext(adapters.slots.buffers.layer(layer), token_slots)
+    lora = LoRAContext(adapters.lora_slots(layer), token_slots)
     x = hidden.to(device=runtime.placement.device, dtype=runtime.placement.dtype)
     weights = runtime.model.layers[layer]
     backend = runtime.placement.kernel_backend

@@ -78,6 +78,28 @@ class ExecutorSettings(ServerSettings):
     max_tokens_per_request: int = Field(
         16384, ge=1, description="largest T a Forward request may carry"
     )
+    max_batch_tokens: int = Field(
+        512,
+        ge=1,
+        description="requests for the same layer waiting together are merged into one launch "
+        "of up to this many tokens (a longer request runs alone)",
+    )
+    batch_window_us: int = Field(
+        0,
+        ge=0,
+        description="how long an idle GPU waits for more requests to merge, in microseconds "
+        "(0 = never wait)",
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=1,
+        description="Forward requests waiting for the GPU beyond which new ones are refused "
+        "with RESOURCE_EXHAUSTED and a retry hint",
+    )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="replay the layer forward from CUDA graphs per token bucket; auto = on a GPU",
+    )
     max_message_bytes: int = Field(
         512 * 1024 * 1024, ge=4 * 1024 * 1024, description="largest gRPC message in bytes"
     )

@@ -20,7 +20,7 @@ from registry_service.service import Registry
 from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
 from shared.grpc_server import GrpcServer
 from shared.model_spec import ModelSpec
-from shared.registry_client import WATCH_START_METADATA
+from shared.rpc_metadata import WATCH_START_METADATA
 from shared.tokens import Principal, Role, TokenChecker
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name

@@ -74,6 +74,32 @@ class ResourceExhausted(MoeLoraError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class Overloaded(ResourceExhausted):
+    """Too many requests are queued: retry after ``retry_after_ms`` (sent to the client as
+    the trailing metadata key ``RETRY_AFTER_METADATA``)."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+#: Trailing metadata key carrying an ``Overloaded`` error's retry hint in milliseconds.
+RETRY_AFTER_METADATA = "moelora-retry-after-ms"
+
+
+def retry_after_ms(error: grpc.RpcError) -> int | None:
+    """The server's retry hint of a failed call, if it sent one."""
+    if not isinstance(error, grpc.Call):
+        return None
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER_METADATA:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
 class Unavailable(MoeLoraError):
     """Draining, not ready yet, or a dependency cannot be reached: retry later."""
 
@@ -149,4 +175,7 @@ def from_rpc_error(error: grpc.RpcError) -> MoeLoraError:
     """Turns a failed call's ``grpc.RpcError`` back into the domain error."""
     code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = error.details() if isinstance(error, grpc.Call) else str(error)
+    hint = retry_after_ms(error) if code is grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    if hint is not None:
+        return Overloaded(details or code.name, hint)
     return error_for_code(code, details or code.name)

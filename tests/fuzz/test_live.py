@@ -179,9 +179,9 @@ def m_layer(rng: random.Random, r: executor_pb2.ForwardRequest) -> Codes:
 
 
 def _tensor(tensor: torch.Tensor) -> tensor_pb2.Tensor:
-    from shared import codec
+    from shared import torch_codec
 
-    return codec.from_torch(tensor)
+    return torch_codec.from_torch(tensor)
 
 
 FORWARD_MUTATIONS: dict[str, ForwardMutation] = {
@@ -246,9 +246,9 @@ def test_mutated_forward_requests(stack: Stack, request: pytest.FixtureRequest) 
 
 
 def _output(response: executor_pb2.ForwardResponse) -> torch.Tensor:
-    from shared import codec
+    from shared import torch_codec
 
-    return codec.to_torch(response.output).clone()
+    return torch_codec.to_torch(response.output).clone()
 
 
 # -- uploads ---------------------------------------------------------------------------------

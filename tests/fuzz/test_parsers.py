@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moelora.v1 import tensor_pb2
-from shared import codec
+from shared import codec, torch_codec
 from shared.adapter_format import inspect_adapter, parse_adapter_config
 from shared.errors import InvalidArgument, MoeLoraError
 from shared.model_spec import read_model_spec
@@ -50,7 +50,7 @@ wire_tensors = st.builds(
 @given(wire_tensors)
 def test_codec_decodes_or_refuses_any_message(message: tensor_pb2.Tensor) -> None:
     try:
-        tensor = codec.to_torch(message, "hidden_states")
+        tensor = torch_codec.to_torch(message, "hidden_states")
     except MoeLoraError as exc:
         _refused(exc)
         return
@@ -67,7 +67,7 @@ def test_codec_round_trips_exactly(dtype: str, shape: list[int], seed: int) -> N
     generator = torch.Generator().manual_seed(seed)
     values = torch.randn(shape, generator=generator, dtype=torch.float64) * 100
     tensor = values.to(getattr(torch, dtype))
-    back = codec.to_torch(codec.from_torch(tensor))
+    back = torch_codec.to_torch(torch_codec.from_torch(tensor))
     assert back.dtype == tensor.dtype and back.shape == tensor.shape
     assert torch.equal(back, tensor)
 
@@ -75,13 +75,13 @@ def test_codec_round_trips_exactly(dtype: str, shape: list[int], seed: int) -> N
 def test_codec_caps_dimensions_and_elements() -> None:
     f32 = tensor_pb2.DATA_TYPE_FLOAT32
     with pytest.raises(InvalidArgument, match="9 dimensions; at most 8"):
-        codec.to_torch(tensor_pb2.Tensor(dtype=f32, shape=[1] * 9, data=b"\0" * 4))
+        torch_codec.to_torch(tensor_pb2.Tensor(dtype=f32, shape=[1] * 9, data=b"\0" * 4))
     with pytest.raises(InvalidArgument, match="elements"):
-        codec.to_torch(tensor_pb2.Tensor(dtype=f32, shape=[2**31, 0], data=b""))
+        torch_codec.to_torch(tensor_pb2.Tensor(dtype=f32, shape=[2**31, 0], data=b""))
     # Zero-size with huge others: no data, but still refused (strides would overflow).
     for shape in ([0, 2**63], [0, 6, 100, 123976774, 123993279]):
         with pytest.raises(InvalidArgument):
-            codec.to_torch(tensor_pb2.Tensor(dtype=f32, shape=shape, data=b""))
+            torch_codec.to_torch(tensor_pb2.Tensor(dtype=f32, shape=shape, data=b""))
 
 
 # -- safetensors header ----------------------------------------------------------------------

@@ -224,19 +224,25 @@ class RequestError(_message.Message):
 
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """gRPC status code number (for example 3 for INVALID_ARGUMENT)."""
     message: _builtins.str
     """What went wrong, naming the field."""
+    retry_after_ms: _builtins.int
+    """For RESOURCE_EXHAUSTED because too many requests are queued: retry after this many
+    milliseconds (unary Forward sends it as trailing metadata `moelora-retry-after-ms`).
+    """
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         message: _builtins.str = ...,
+        retry_after_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
