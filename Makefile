@@ -73,7 +73,7 @@ bench: setup ## Kernel benchmark on a GPU: correctness at real shapes, then the 
 bench-registry: setup ## Registry upload/download throughput, 1 GB adapter, local dir and S3 (moto)
 	$(PY) -m registry_service.bench
 
-bench-forward: setup ## Forward latency over gRPC vs kernel-only time (GPU)
+bench-forward: setup ## Forward as a client sees it: p50/p99, transport floor, tokens/s (GPU)
 	$(PY) -m executor_service.bench_forward
 
 fuzz: setup ## Full fuzz run: property tests, >= 1,000 mutated Forward and >= 300 uploads (figures printed)

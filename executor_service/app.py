@@ -43,7 +43,7 @@ class ExecutorApp:
         self._source = source
         self.servicer = ExecutorServicer()
         self.server = GrpcServer(
-            settings.server_options(),
+            settings.server_options(settings.grpc_workers),
             [SERVICE_NAME],
             lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(self.servicer, server),
             authorize=open_authorizer(settings),

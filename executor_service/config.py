@@ -78,6 +78,12 @@ class ExecutorSettings(ServerSettings):
     max_tokens_per_request: int = Field(
         16384, ge=1, description="largest T a Forward request may carry"
     )
+    grpc_workers: int = Field(
+        64,
+        ge=1,
+        description="gRPC handler threads: the most Forward calls in flight at once (an open "
+        "ForwardStream holds one for its lifetime)",
+    )
     max_batch_tokens: int = Field(
         512,
         ge=1,

@@ -8,6 +8,7 @@ back into the same classes with ``from_rpc_error``.
 from __future__ import annotations
 
 import grpc
+import grpc.aio
 
 #: The longest message an error carries: it travels in the grpc-message trailer, whose size is
 #: limited, and a request can make it quote anything (a megabyte-long name).
@@ -89,7 +90,7 @@ RETRY_AFTER_METADATA = "moelora-retry-after-ms"
 
 def retry_after_ms(error: grpc.RpcError) -> int | None:
     """The server's retry hint of a failed call, if it sent one."""
-    if not isinstance(error, grpc.Call):
+    if not isinstance(error, grpc.Call | grpc.aio.AioRpcError):
         return None
     for key, value in error.trailing_metadata() or ():
         if key == RETRY_AFTER_METADATA:
@@ -173,8 +174,10 @@ def error_for_code(code: grpc.StatusCode, message: str) -> MoeLoraError:
 
 def from_rpc_error(error: grpc.RpcError) -> MoeLoraError:
     """Turns a failed call's ``grpc.RpcError`` back into the domain error."""
-    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    # A failed grpc.aio call is an AioRpcError, which is not a grpc.Call but answers the same.
+    call = isinstance(error, grpc.Call | grpc.aio.AioRpcError)
+    code = error.code() if call else grpc.StatusCode.UNKNOWN
+    details = error.details() if call else str(error)
     hint = retry_after_ms(error) if code is grpc.StatusCode.RESOURCE_EXHAUSTED else None
     if hint is not None:
         return Overloaded(details or code.name, hint)
