@@ -77,9 +77,11 @@ def pack_adapter(
     spec: ModelSpec,
     max_rank: int,
     dtype: torch.dtype,
+    only: frozenset[int] | None = None,
 ) -> PackedAdapter:
     """Check a PEFT adapter (adapter_config.json parsed, adapter_model.safetensors as bytes
-    or a path) against ``spec`` and pack it. Raises InvalidArgument naming the tensor."""
+    or a path) against ``spec`` and pack it; ``only``: pack just those layers (a layer-sharded
+    executor), though the whole adapter is checked. Raises InvalidArgument naming the tensor."""
     data = weights.read_bytes() if isinstance(weights, Path) else weights
     header = parse_bytes(data)
     layout = inspect_adapter(config, header, spec, max_rank)
@@ -87,6 +89,7 @@ def pack_adapter(
     layers = {
         index: _pack_layer(layer, header, data, spec, dtype)
         for index, layer in sorted(layout.layers.items())
+        if only is None or index in only
     }
     nbytes = sum(
         tensor.numel() * tensor.element_size()
@@ -116,7 +119,7 @@ def _pack_layer(
     h, i = spec.hidden_size, spec.moe_intermediate_size
     w13 = [pair for pair in layout.pairs if pair.projection is not Projection.DOWN]
     w2 = [pair for pair in layout.pairs if pair.projection is Projection.DOWN]
-    deinterleave = spec.model_type == "gpt_oss"
+    deinterleave = spec.type.gate_up_interleaved
     a13, b13 = _fill(w13, layout.w13_rank, h, 2 * i, spec.num_experts, deinterleave, header, data)
     a2, b2 = _fill(w2, layout.w2_rank, i, h, spec.num_experts, False, header, data)
     return PackedLayer(

@@ -224,19 +224,25 @@ class RequestError(_message.Message):
 
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """gRPC status code number (for example 3 for INVALID_ARGUMENT)."""
     message: _builtins.str
     """What went wrong, naming the field."""
+    retry_after_ms: _builtins.int
+    """For RESOURCE_EXHAUSTED because too many requests are queued: retry after this many
+    milliseconds (unary Forward sends it as trailing metadata `moelora-retry-after-ms`).
+    """
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         message: _builtins.str = ...,
+        retry_after_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -614,6 +620,8 @@ class GetExecutorInfoResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
     KERNEL_CONFIGS_FIELD_NUMBER: _builtins.int
+    SERVED_LAYERS_FIELD_NUMBER: _builtins.int
+    REPLICA_NAME_FIELD_NUMBER: _builtins.int
     compute_dtype: _tensor_pb2.DataType.ValueType
     """Element type the expert weights and adapters are computed in."""
     num_slots: _builtins.int
@@ -634,6 +642,10 @@ class GetExecutorInfoResponse(_message.Message):
     """Largest request message the server accepts, in bytes."""
     server_version: _builtins.str
     """moe-lora-serve version."""
+    replica_name: _builtins.str
+    """This replica's name (--replica-name, default the host name: the pod's name in a
+    StatefulSet).
+    """
     @_builtins.property
     def base_model(self) -> _model_pb2.BaseModel:
         """The loaded base model (name as configured, shape and fingerprint)."""
@@ -641,6 +653,13 @@ class GetExecutorInfoResponse(_message.Message):
     @_builtins.property
     def kernel_configs(self) -> _containers.RepeatedCompositeFieldContainer[Global___KernelConfigInfo]:
         """Where the MoE kernels' launch configurations come from, per LoRA rank served."""
+
+    @_builtins.property
+    def served_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """MoE layers this executor serves, ascending: all of base_model.moe_layers, or the subset
+        its --layers names. A cluster client sends each layer to a replica that serves it;
+        Forward on another MoE layer fails with FAILED_PRECONDITION.
+        """
 
     def __init__(
         self,
@@ -657,10 +676,12 @@ class GetExecutorInfoResponse(_message.Message):
         max_message_bytes: _builtins.int = ...,
         server_version: _builtins.str = ...,
         kernel_configs: _abc.Iterable[Global___KernelConfigInfo] | None = ...,
+        served_layers: _abc.Iterable[_builtins.int] | None = ...,
+        replica_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "compute_dtype", b"compute_dtype", "device", b"device", "host_cache_bytes", b"host_cache_bytes", "kernel_configs", b"kernel_configs", "max_message_bytes", b"max_message_bytes", "max_rank", b"max_rank", "max_tokens_per_request", b"max_tokens_per_request", "num_slots", b"num_slots", "server_version", b"server_version", "slot_memory_bytes", b"slot_memory_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "compute_dtype", b"compute_dtype", "device", b"device", "host_cache_bytes", b"host_cache_bytes", "kernel_configs", b"kernel_configs", "max_message_bytes", b"max_message_bytes", "max_rank", b"max_rank", "max_tokens_per_request", b"max_tokens_per_request", "num_slots", b"num_slots", "replica_name", b"replica_name", "served_layers", b"served_layers", "server_version", b"server_version", "slot_memory_bytes", b"slot_memory_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
