@@ -15,7 +15,7 @@ PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
 PYTEST_ARGS ?=
 
 .PHONY: help setup proto proto-check lint docs format test demo bench bench-registry bench-forward \
-	helm-check clean
+	helm-check fuzz chaos soak clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -75,6 +75,9 @@ bench-registry: setup ## Registry upload/download throughput, 1 GB adapter, loca
 
 bench-forward: setup ## Forward as a client sees it: p50/p99, transport floor, tokens/s (GPU)
 	$(PY) -m executor_service.bench_forward
+
+fuzz: setup ## Full fuzz run: property tests, >= 1,000 mutated Forward and >= 300 uploads (figures printed)
+	$(PY) -m pytest tests/fuzz --long -s -q $(PYTEST_ARGS)
 
 helm-check: setup ## Render, lint and validate the Helm chart
 	$(PY) -m pytest tests/helm $(PYTEST_ARGS)

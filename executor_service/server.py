@@ -221,7 +221,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             server_version=package_version(),
             served_layers=sorted(runtime.model.layers),
             replica_name=replica_name(settings),
-        )
+            kernel_configs=[
+                executor_pb2.KernelConfigInfo(
+                    rank=c.rank, source=c.source, shape=c.shape,
+                    autotune_seconds=c.autotune_seconds,
+                )
+                for c in runtime.kernel_configs
+            ],
+        )  # fmt: skip
 
 
 def _slot_wait(runtime: ExecutorRuntime, context: grpc.ServicerContext) -> float:

@@ -11,7 +11,7 @@ from registry_service.config import RegistrySettings
 from registry_service.db import migrate
 from registry_service.db.engine import Database, sqlite_url
 from registry_service.events import EventFeed
-from registry_service.gc import GarbageCollector
+from registry_service.gc import GarbageCollector, PeriodicGc
 from registry_service.service import Registry, RegistryLimits
 from registry_service.store import Store
 from shared.logs import log_event
@@ -32,6 +32,7 @@ def open_blobs(settings: RegistrySettings) -> BlobStore:
         s3_region=settings.s3_region,
         s3_path_style=settings.s3_path_style,
         s3_part_bytes=settings.s3_part_bytes,
+        s3_max_attempts=settings.s3_max_attempts,
     )
 
 
@@ -54,13 +55,18 @@ class RegistryApp:
     authorizer: TokenChecker
     db: Database
     feed: EventFeed
+    periodic_gc: PeriodicGc | None = None
 
     def close(self) -> None:
+        if self.periodic_gc is not None:
+            self.periodic_gc.stop()
         self.feed.stop()
         self.db.dispose()
 
 
-def open_registry(settings: RegistrySettings, *, start_feed: bool = True) -> RegistryApp:
+def open_registry(settings: RegistrySettings, *, background: bool = True) -> RegistryApp:
+    """The registry's parts; ``background``: start the event feed and the periodic gc (a
+    server does, a one-off command does not)."""
     authorizer = open_authorizer(settings)
     db = open_database(settings)
     if settings.migrate_on_start:
@@ -78,8 +84,12 @@ def open_registry(settings: RegistrySettings, *, start_feed: bool = True) -> Reg
         gc_grace_seconds=settings.gc_grace_seconds,
     )
     registry = Registry(store, blobs, feed, collector, spool_dir, limits)
-    if start_feed:
+    periodic_gc = None
+    if background:
         feed.start()
+        if settings.gc_interval_seconds > 0:
+            periodic_gc = PeriodicGc(lambda: registry.gc(None, False), settings.gc_interval_seconds)
+            periodic_gc.start()
     log_event(
         log,
         "registry_opened",
@@ -88,4 +98,4 @@ def open_registry(settings: RegistrySettings, *, start_feed: bool = True) -> Reg
         auth="on" if authorizer.enabled else "off",
         max_rank=settings.max_rank,
     )
-    return RegistryApp(registry, authorizer, db, feed)
+    return RegistryApp(registry, authorizer, db, feed, periodic_gc)

@@ -49,7 +49,7 @@ def run_migrate(settings: RegistrySettings) -> None:
 
 
 def run_gc(settings: RegistrySettings, grace_seconds: int | None, dry_run: bool) -> None:
-    app = open_registry(settings, start_feed=False)
+    app = open_registry(settings, background=False)
     try:
         report = app.registry.gc(grace_seconds, dry_run)
     finally:

@@ -75,10 +75,26 @@ def _wire_type(dtype: DataTypeCode, field: str) -> WireType:
     return wire
 
 
+#: Limits of a decoded tensor: more is never a valid request, and a shape is checked before
+#: anything is sized by it (a dimension of 2**63 with another of 0 holds no data at all).
+MAX_DIMS = 8
+MAX_ELEMENTS = 2**31 - 1
+
+
 def checked_shape(message: tensor_pb2.Tensor, field: str) -> tuple[tuple[int, ...], WireType]:
     """The message's shape and wire type, once its byte length is checked against them."""
     wire = _wire_type(message.dtype, f"{field}.dtype")
+    if len(message.shape) > MAX_DIMS:
+        raise InvalidArgument(
+            f"{field}.shape: {len(message.shape)} dimensions; at most {MAX_DIMS}", f"{field}.shape"
+        )
     shape = tuple(int(d) for d in message.shape)
+    # Zero-size dimensions count as 1: strides multiply the others even when no data exists.
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise InvalidArgument(
+            f"{field}.shape: {list(shape)} has more than {MAX_ELEMENTS} elements",
+            f"{field}.shape",
+        )
     expected = math.prod(shape) * wire.itemsize
     if len(message.data) != expected:
         raise InvalidArgument(

@@ -10,6 +10,24 @@ from __future__ import annotations
 import grpc
 import grpc.aio
 
+#: The longest message an error carries: it travels in the grpc-message trailer, whose size is
+#: limited, and a request can make it quote anything (a megabyte-long name).
+MAX_MESSAGE_CHARS = 1024
+
+
+def quoted(text: str, limit: int = 80) -> str:
+    """``repr(text)``, shortened to about ``limit`` characters: for quoting client input."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
+
+
+def capped(message: str) -> str:
+    """``message`` cut to MAX_MESSAGE_CHARS, saying so."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[: MAX_MESSAGE_CHARS - 16] + " …(truncated)"
+
 
 class MoeLoraError(Exception):
     """Base of every error that has a meaning for the caller."""
@@ -17,6 +35,7 @@ class MoeLoraError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
     def __init__(self, message: str, field: str | None = None) -> None:
+        message = capped(message)
         super().__init__(message)
         self.message = message
         self.field = field

@@ -35,6 +35,14 @@ _PR_SET_CHILD_SUBREAPER = 36
 _LONG_LIVED_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="run the fuzz, chaos and soak suites at full size (make fuzz / chaos / soak)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Become the subreaper of everything the tests start, so that a grandchild orphaned by a
     killed child is re-parented here (and found at the end) rather than to init."""
