@@ -109,6 +109,18 @@ class ExecutorSettings(ServerSettings):
     max_message_bytes: int = Field(
         512 * 1024 * 1024, ge=4 * 1024 * 1024, description="largest gRPC message in bytes"
     )
+    kernel_autotune_seconds: float = Field(
+        300.0,
+        ge=0,
+        description="start-up budget for autotuning the MoE kernels when this GPU has no tuned "
+        "table for the model's shape and rank (before SERVING; cached on disk); 0 = heuristic "
+        "configurations only",
+    )
+    kernel_cache_dir: Path = Field(
+        Path("~/.moelora/kernel-configs"),
+        description="on-disk cache of autotuned kernel configurations (per GPU, Triton "
+        "version, shape and rank)",
+    )
     metrics_listen: str = Field(
         "127.0.0.1:9402", description="host:port of the Prometheus /metrics endpoint; empty: off"
     )

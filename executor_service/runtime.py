@@ -18,6 +18,7 @@ from executor_service.disk_cache import DiskCache
 from executor_service.engine import EngineSettings, ForwardEngine
 from executor_service.graphs import GraphCache
 from executor_service.host_cache import HostCache
+from executor_service.kernel_configs import KernelConfigReport, prepare_kernel_configs
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.registry_source import RegistrySource, RegistryWatcher
@@ -92,6 +93,8 @@ class ExecutorRuntime:
     #: Where Forward requests wait to be merged into launches.
     scheduler: Scheduler
     metrics: ExecutorMetrics
+    #: Where the kernels' launch configurations come from (GetExecutorInfo).
+    kernel_configs: tuple[KernelConfigReport, ...] = ()
     #: Follows the registry's changes when adapters come from the registry.
     watcher: RegistryWatcher | None = None
 
@@ -167,6 +170,8 @@ def build_runtime(
     model = load_base_model(
         folder, where.device, where.dtype, settings.base_model_name, settings.layer_set
     )
+    # Tuned (or autotuned, within its budget) before any graph is captured or request served.
+    configs = prepare_kernel_configs(settings, where.device, model)
     sync = DeviceSync(where.device)
     buffers = SlotBuffers(model.layers, settings.num_slots, settings.max_rank, where.dtype, sync)
     manager = AdapterManager(
@@ -182,7 +187,13 @@ def build_runtime(
         slots=SlotManager(buffers, LRUPolicy()),
         metrics=metrics,
     )
-    kernel = kernel or functools.partial(kernels.moe_forward, backend=where.kernel_backend)
+    # The loader validated every layer once (kernels.validate_layer): not again per call.
+    kernel = kernel or functools.partial(
+        kernels.moe_forward,
+        backend=where.kernel_backend,
+        configs=configs.selector,
+        check_layer=False,
+    )
     engine = ForwardEngine(
         model=model,
         adapters=manager,
@@ -212,6 +223,7 @@ def build_runtime(
         engine=engine,
         scheduler=scheduler,
         metrics=metrics,
+        kernel_configs=configs.reports,
         watcher=watcher,
     )
     for text in settings.preload_adapters:

@@ -118,6 +118,18 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         request_iterator: Iterator[executor_pb2.ForwardStreamRequest],
         context: grpc.ServicerContext,
     ) -> Iterator[executor_pb2.ForwardStreamResponse]:
+        try:
+            yield from self._answer_stream(request_iterator, context)
+        except grpc.RpcError:
+            if context.is_active():
+                raise
+            # The client closed or cancelled the stream: nothing is left to answer.
+
+    def _answer_stream(
+        self,
+        request_iterator: Iterator[executor_pb2.ForwardStreamRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[executor_pb2.ForwardStreamResponse]:
         for item in request_iterator:
             try:
                 answer = self._forward(item.forward, context)
@@ -209,7 +221,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             server_version=package_version(),
             served_layers=sorted(runtime.model.layers),
             replica_name=replica_name(settings),
-        )
+            kernel_configs=[
+                executor_pb2.KernelConfigInfo(
+                    rank=c.rank, source=c.source, shape=c.shape,
+                    autotune_seconds=c.autotune_seconds,
+                )
+                for c in runtime.kernel_configs
+            ],
+        )  # fmt: skip
 
 
 def _slot_wait(runtime: ExecutorRuntime, context: grpc.ServicerContext) -> float:

@@ -23,12 +23,12 @@ import torch.nn.functional as F
 
 from kernels.routing import route
 from kernels.row_blocks import linear
+from kernels.shared_expert import shared_expert_forward
 from kernels.types import (
     Activation,
     LoRAContext,
     MoELayerWeights,
     Routing,
-    SharedExpertWeights,
     validate_forward_inputs,
 )
 
@@ -69,18 +69,6 @@ def _add_lora(
         rows = row_slots == slot
         shrunk = linear(inputs[rows], lora_a[slot].to(inputs.dtype))
         out[rows] += linear(shrunk, lora_b[slot].to(inputs.dtype))
-
-
-def shared_expert_forward(
-    hidden: torch.Tensor, shared: SharedExpertWeights, compute_dtype: torch.dtype
-) -> torch.Tensor:
-    """The always-on expert: silu(gate)·up MLP, optionally scaled by sigmoid(x·gateᵀ)."""
-    x = hidden.to(compute_dtype)
-    a = activate(linear(x, shared.w13.to(compute_dtype)), Activation.SILU, 0.0, 0.0)
-    y = linear(a, shared.w2.to(compute_dtype))
-    if shared.gate is not None:
-        y = y * torch.sigmoid(linear(x, shared.gate.to(compute_dtype)))
-    return y
 
 
 def moe_forward_reference(
