@@ -84,6 +84,13 @@ class ExecutorSettings(ServerSettings):
         description="gRPC handler threads: the most Forward calls in flight at once (an open "
         "ForwardStream holds one for its lifetime)",
     )
+    gil_switch_interval_us: int = Field(
+        200,
+        ge=1,
+        description="Python's thread switch interval in microseconds (sys.setswitchinterval); "
+        "the launching thread waits up to this long for the GIL after each GPU call while "
+        "handler threads decode (Python's default: 5000)",
+    )
     max_batch_tokens: int = Field(
         512,
         ge=1,

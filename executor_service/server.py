@@ -97,7 +97,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         runtime = self._ready()
         start = time.perf_counter()
         decoded = decode_forward(request)
-        runtime.metrics.stage_seconds.labels("decode").observe(time.perf_counter() - start)
+        runtime.metrics.stage["decode"].observe(time.perf_counter() - start)
         prepared = runtime.engine.prepare(decoded, _slot_wait(runtime, context))
         result = runtime.scheduler.submit(prepared)
         response = executor_pb2.ForwardResponse(
