@@ -133,6 +133,21 @@ class DiskCache:
         shutil.rmtree(self._folder(digest), ignore_errors=True)
         return known
 
+    def shed(self) -> list[str]:
+        """The volume is full (ENOSPC) below the byte budget: evicts the least recently used
+        half of the entries (at least one); returns their digests, [] when empty."""
+        with self._lock:
+            count = (len(self._entries) + 1) // 2
+            evicted = list(self._entries)[:count]
+            for digest in evicted:
+                del self._entries[digest]
+                self._verified.pop(digest, None)
+        for gone in evicted:
+            shutil.rmtree(self._folder(gone), ignore_errors=True)
+        if evicted:
+            log_event(log, "disk_cache_shed", logging.WARNING, digests=evicted)
+        return evicted
+
     def _evict_locked(self, keep: str) -> list[str]:
         evicted = []
         total = sum(e.nbytes for e in self._entries.values())

@@ -36,6 +36,8 @@ from kernels.types import (
     SharedExpertWeights,
     validate_layer,
 )
+from shared.errors import InvalidArgument
+from shared.layer_set import format_layers
 from shared.model_spec import Checkpoint, ExpertLayout, LayerTensors, ModelSpec, read_checkpoint
 
 
@@ -52,39 +54,65 @@ class BaseModel:
 
 
 def load_base_model(
-    folder: Path, device: torch.device | str, dtype: torch.dtype, name: str | None = None
+    folder: Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    name: str | None = None,
+    only: Sequence[int] | None = None,
 ) -> BaseModel:
-    """Load the MoE layers of the checkpoint in ``folder`` onto ``device`` in ``dtype``.
+    """Load the MoE layers of the checkpoint in ``folder`` onto ``device`` in ``dtype``;
+    ``only``: just those MoE layers (``--layers``), others are never read.
 
     ``name`` defaults to the folder's name. Raises ``InvalidArgument`` (from read_checkpoint)
-    for unsupported model types and missing or misshaped tensors.
+    for unsupported model types and missing or misshaped tensors, and for an ``only`` that
+    names no MoE layer or a layer the model does not have.
     """
     checkpoint = read_checkpoint(folder)
     spec = checkpoint.spec
+    served = served_layers(spec, only)
     layers: dict[int, MoELayerWeights] = {}
     with ExitStack() as stack:
         reader = _Reader(checkpoint, stack, torch.device(device), dtype)
-        for layer in spec.moe_layers:
+        for layer in served:
             layers[layer] = _layer(spec, checkpoint.layout, checkpoint.layers[layer], reader)
             validate_layer(layers[layer])
     nbytes = sum(_nbytes(weights) for weights in layers.values())
     return BaseModel(spec=spec, name=name or folder.name, layers=layers, nbytes=nbytes)
 
 
-def router_spec(spec: ModelSpec) -> RouterSpec:
-    """The kernels' router settings for a model."""
-    if spec.model_type == "gpt_oss":
-        return RouterSpec(RouterKind.TOPK_SOFTMAX, spec.top_k, renormalize=True)
-    if spec.model_type == "deepseek_v3":
-        return RouterSpec(
-            RouterKind.SIGMOID_GROUPED_TOPK,
-            spec.top_k,
-            renormalize=spec.norm_topk_prob,
-            n_group=spec.n_group,
-            topk_group=spec.topk_group,
-            routed_scaling_factor=spec.routed_scaling_factor,
+def served_layers(spec: ModelSpec, only: Sequence[int] | None) -> tuple[int, ...]:
+    """The MoE layers of ``spec`` within ``only`` (all when None). Dense layers inside a range
+    are skipped (a group "0-23" of a model whose first layers are dense is fine), but a layer
+    past the model's last, or a set without any MoE layer, is a mistake worth stopping for."""
+    if only is None:
+        return spec.moe_layers
+    beyond = [layer for layer in only if layer >= spec.num_layers]
+    if beyond:
+        raise InvalidArgument(
+            f"--layers: {format_layers(beyond)} beyond the model's {spec.num_layers} layers "
+            f"(MoE layers: {format_layers(spec.moe_layers)})",
+            "layers",
         )
-    return RouterSpec(RouterKind.SOFTMAX_TOPK, spec.top_k, renormalize=spec.norm_topk_prob)
+    served = tuple(layer for layer in spec.moe_layers if layer in set(only))
+    if not served:
+        raise InvalidArgument(
+            f"--layers: {format_layers(only)} holds no MoE layer "
+            f"(MoE layers: {format_layers(spec.moe_layers)})",
+            "layers",
+        )
+    return served
+
+
+def router_spec(spec: ModelSpec) -> RouterSpec:
+    """The kernels' router settings for a model (RouterKind shares RouterStyle's names)."""
+    return RouterSpec(
+        RouterKind[spec.type.router.name],
+        spec.top_k,
+        renormalize=spec.norm_topk_prob,
+        n_group=spec.n_group,
+        topk_group=spec.topk_group,
+        routed_scaling_factor=spec.routed_scaling_factor,
+    )
 
 
 class _Reader:
@@ -134,20 +162,21 @@ def _layer(
 ) -> MoELayerWeights:
     get = reader.get
     if layout is ExpertLayout.FUSED_TRANSPOSED:
-        gate_up = get(names.gate_up).transpose(1, 2)  # (E, 2I, H), rows interleaved
-        w13 = torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1).contiguous()
-        bias = get(names.gate_up_bias)
-        b13 = torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1).contiguous()
+        w13 = get(names.gate_up).transpose(1, 2)  # (E, 2I, H)
+        b13 = get(names.gate_up_bias)
+        if spec.type.gate_up_interleaved:  # gate = even rows, up = odd rows
+            w13 = torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1)
+            b13 = torch.cat((b13[:, 0::2], b13[:, 1::2]), dim=1)
         w2 = get(names.down).transpose(1, 2).contiguous()
         return MoELayerWeights(
             router=router_spec(spec),
             router_weight=get(names.router_weight),
             router_bias=get(names.router_bias),
-            w13=w13,
+            w13=w13.contiguous(),
             w2=w2,
-            b13=b13,
+            b13=b13.contiguous(),
             b2=get(names.down_bias),
-            activation=Activation.GPT_OSS,
+            activation=Activation[spec.type.activation.name],
             swiglu_alpha=spec.swiglu_alpha,
             swiglu_limit=spec.swiglu_limit,
         )
@@ -171,6 +200,7 @@ def _layer(
         w13=w13,
         w2=w2,
         shared=shared,
+        activation=Activation[spec.type.activation.name],
     )
 
 

@@ -82,16 +82,23 @@ def pack_adapter(
     spec: ModelSpec,
     max_rank: int,
     dtype: torch.dtype,
+    only: frozenset[int] | None = None,
     pin: bool = False,
 ) -> PackedAdapter:
     """Check a PEFT adapter (adapter_config.json parsed, adapter_model.safetensors as bytes
-    or a path) against ``spec`` and pack it, into page-locked memory when ``pin``. Raises
-    InvalidArgument naming the tensor."""
+    or a path) against ``spec`` and pack it, into page-locked memory when ``pin``; ``only``:
+    pack just those layers (a layer-sharded executor), though the whole adapter is checked.
+    Raises InvalidArgument naming the tensor."""
     data = _mapped(weights)
     header = parse_bytes(data)
     layout = inspect_adapter(config, header, spec, max_rank)
     packing = _Packing(header, data, spec, dtype, pin)
-    layers = {index: packing.layer(layer) for index, layer in sorted(layout.layers.items())}
+    layers = {}
+    for index, layer in sorted(layout.layers.items()):
+        if only is None or index in only:
+            layers[index] = packing.layer(layer)
+        else:
+            packing.check_finite(layer)
     nbytes = sum(
         tensor.numel() * tensor.element_size()
         for layer in layers.values()
@@ -134,10 +141,17 @@ class _Packing:
         h, i, e = self.spec.hidden_size, self.spec.moe_intermediate_size, self.spec.num_experts
         w13 = [pair for pair in layout.pairs if pair.projection is not Projection.DOWN]
         w2 = [pair for pair in layout.pairs if pair.projection is Projection.DOWN]
-        deinterleave = self.spec.model_type == "gpt_oss"
+        deinterleave = self.spec.type.gate_up_interleaved
         a13, b13 = self._fill(w13, layout.w13_rank, h, 2 * i, e, deinterleave, ("a13", "b13"))
         a2, b2 = self._fill(w2, layout.w2_rank, i, h, e, False, ("a2", "b2"))
         return PackedLayer(a13=a13, b13=b13, a2=a2, b2=b2)
+
+    def check_finite(self, layout: LayerLayout) -> None:
+        """The check packing makes, for a layer that is not packed."""
+        for pair in layout.pairs:
+            for key in (pair.a_key, pair.b_key):
+                if not bool(torch.isfinite(self._tensor(key)).all()):
+                    raise InvalidArgument(f"tensor {key} contains NaN or Inf values")
 
     def _empty(self, *shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype, pin_memory=self.pin)

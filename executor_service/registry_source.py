@@ -18,6 +18,7 @@ the registry's change stream so that cached answers stay true.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from shared.errors import (
     MoeLoraError,
     NotFound,
     OutOfRange,
+    ResourceExhausted,
     Unavailable,
 )
 from shared.logs import log_event
@@ -104,6 +106,22 @@ class RegistrySource:
         folder = self._disk.get(adapter.digest)
         if folder is not None:
             return _files_in(adapter, folder, where=f"the disk cache {self._disk.root}")
+        while True:
+            try:
+                return self._download_to_disk(adapter)
+            except OSError as exc:
+                # A full volume (below the byte budget: shared, or the budget is too big):
+                # make room from the least recently used entries and try again.
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                if not self._disk.shed():
+                    raise ResourceExhausted(
+                        f"adapter {adapter.label}: the disk cache volume {self._disk.root} is "
+                        f"full ({exc.strerror}) and holds nothing to evict; free space or "
+                        "lower --disk-cache-bytes"
+                    ) from None
+
+    def _download_to_disk(self, adapter: ResolvedAdapter) -> AdapterFiles:
         partial = self._disk.reserve()
         try:
             start = time.perf_counter()

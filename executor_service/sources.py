@@ -174,7 +174,10 @@ class LocalFolderSource:
         versions = {
             int(child.name): child
             for child in folder.iterdir()
-            if child.name.isdigit() and int(child.name) >= 1 and child.is_dir()
+            if child.name.isascii()
+            and child.name.isdigit()
+            and int(child.name) >= 1
+            and child.is_dir()
         }
         if not versions:
             raise NotFound(
