@@ -79,6 +79,12 @@ bench-forward: setup ## Forward as a client sees it: p50/p99, transport floor, t
 fuzz: setup ## Full fuzz run: property tests, >= 1,000 mutated Forward and >= 300 uploads (figures printed)
 	$(PY) -m pytest tests/fuzz --long -s -q $(PYTEST_ARGS)
 
+chaos: setup ## Fault suite: S3 faults behind a proxy, SIGKILLed servers, damaged and full disk caches
+	$(PY) -m pytest tests/chaos --long -q $(PYTEST_ARGS)
+
+soak: setup ## Soak: 32 client processes x 64 adapters through 8 slots, >= 10,000 Forward calls (figures printed)
+	$(PY) -m pytest tests/soak --long -s -q $(PYTEST_ARGS)
+
 helm-check: setup ## Render, lint and validate the Helm chart
 	$(PY) -m pytest tests/helm $(PYTEST_ARGS)
 

@@ -309,8 +309,7 @@ class AdapterManager:
         return None
 
     def _held(self) -> list[ResolvedAdapter]:
-        on_gpu = [s.adapter for s in self.slots.status()]
-        return on_gpu + [e.adapter for e in self.host.entries()]
+        return self.slots.adapters() + [e.adapter for e in self.host.entries()]
 
     def _held_version(self, ref: AdapterRef) -> ResolvedAdapter:
         """The held version ``ref`` names (resolved as everywhere), or NotFound."""
@@ -359,7 +358,13 @@ class AdapterManager:
         pack = self._pack
         try:
             packed = pack_adapter(
-                files.config, files.weights, pack.spec, pack.max_rank, pack.dtype, pack.layers
+                files.config,
+                files.weights,
+                pack.spec,
+                pack.max_rank,
+                pack.dtype,
+                pack.layers,
+                pin=self.host.pin_memory,
             )
         except InvalidArgument as exc:
             # The request was fine; the stored adapter does not fit this executor.

@@ -41,7 +41,9 @@ class ExecutorApp:
         self._metrics = metrics
         self._kernel = kernel
         self._source = source
-        self.servicer = ExecutorServicer()
+        self.servicer = ExecutorServicer(
+            settings.max_forward_streams or max(1, settings.grpc_workers * 3 // 4)
+        )
         self.server = GrpcServer(
             settings.server_options(settings.grpc_workers),
             [SERVICE_NAME],

@@ -23,6 +23,8 @@ import argparse
 import json
 import os
 import re
+import select
+import signal
 import socket
 import statistics
 import subprocess
@@ -79,6 +81,15 @@ class Row:
     batch: float
     stages_ms: dict[str, float]
     churn: bool
+
+
+def _progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _stop(signum: int, _frame: object) -> None:
+    # Unwind (so that the executor, echo and client processes are stopped), then exit.
+    raise SystemExit(128 + signum)
 
 
 def _free_port() -> int:
@@ -163,6 +174,9 @@ def _run_clients(
     try:
         for proc in procs:
             assert proc.stdout is not None
+            # A client that cannot get through its warm-up must not hang the benchmark.
+            if not select.select([proc.stdout], [], [], 600)[0]:
+                raise RuntimeError("a bench client did not finish its warm-up in 600 s")
             line = proc.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"a bench client failed to start (said {line!r})")
@@ -296,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--batch-window-us", type=int, default=0)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     client_counts = [int(c) for c in args.clients.split(",") if c]
@@ -306,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-forward-") as tmp:
         root = Path(tmp)
+        _progress(f"writing the {args.shape} checkpoint and {churn_pool} adapters")
         spec = write_base_checkpoint(root / "base", SHAPES[args.shape], dtype=dtype)
         for seed in range(churn_pool):
             write_adapter(
@@ -315,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
                 seed=seed,
             )
         kernel_ms = _kernel_timer(root / "base", device, args.rank, args.slots)
+        _progress("starting the executor and the echo server")
         port, metrics_port = _free_port(), _free_port()
         address = f"127.0.0.1:{port}"
         executor = [
@@ -330,15 +347,22 @@ def main(argv: list[str] | None = None) -> None:
             f"--max-rank={args.rank}",
             f"--cuda-graphs={args.cuda_graphs}",
             f"--batch-window-us={args.batch_window_us}",
-            "--log-level=warning",
+            "--log-level=info",
         ]
-        echo = [sys.executable, "-m", "executor_service.echo_server", "--listen=127.0.0.1:0"]
+        echo = [
+            sys.executable,
+            "-m",
+            "executor_service.echo_server",
+            "--listen=127.0.0.1:0",
+            "--workers=64",  # as many handler threads as the executor: one per open stream
+        ]
         env = {**os.environ, "MOELORA_REGISTRY_ADDRESS": ""}
         with _process(executor, env) as _, _process(echo) as echo_proc:
             assert echo_proc.stdout is not None
             echo_address = f"127.0.0.1:{echo_proc.stdout.readline().strip()}"
             with ExecutorClient(address, timeout=600) as client:
                 client.wait_until_serving(timeout=600)
+                _progress("executor serving")
                 for name in pinned:
                     client.pin_adapter(name)
                 info = client.get_executor_info()
@@ -396,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
                             churn=churn,
                         )
                     )
+                    _progress(f"row done: {rows[-1]}")
     _print(
         rows,
         f"Forward, {args.shape} layer on {info.device} ({info.backend}), compute "

@@ -84,6 +84,19 @@ class ExecutorSettings(ServerSettings):
         description="gRPC handler threads: the most Forward calls in flight at once (an open "
         "ForwardStream holds one for its lifetime)",
     )
+    max_forward_streams: int | None = Field(
+        None,
+        ge=1,
+        description="ForwardStream streams open at once, each holding a handler thread; more "
+        "are refused with RESOURCE_EXHAUSTED and a retry hint; default: 3/4 of grpc_workers",
+    )
+    gil_switch_interval_us: int = Field(
+        200,
+        ge=1,
+        description="Python's thread switch interval in microseconds (sys.setswitchinterval); "
+        "the launching thread waits up to this long for the GIL after each GPU call while "
+        "handler threads decode (Python's default: 5000)",
+    )
     max_batch_tokens: int = Field(
         512,
         ge=1,

@@ -138,7 +138,7 @@ class ForwardEngine:
         ]
         end = time.perf_counter()
         metrics = self._metrics
-        metrics.stage_seconds.labels("encode").observe(end - encoding)
+        metrics.stage["encode"].observe(end - encoding)
         tokens = sum(r.tokens for r in requests)
         lora_tokens = sum(
             s.num_tokens
@@ -146,8 +146,8 @@ class ForwardEngine:
             for s, a in zip(r.segments, r.adapters, strict=True)
             if a is not None
         )
-        metrics.forward_tokens.labels("lora").inc(lora_tokens)
-        metrics.forward_tokens.labels("base").inc(tokens - lora_tokens)
+        metrics.lora_tokens.inc(lora_tokens)
+        metrics.base_tokens.inc(tokens - lora_tokens)
         metrics.forward_seconds.observe(end - start)
         metrics.batch_requests.observe(len(requests))
         metrics.batch_tokens.observe(tokens)

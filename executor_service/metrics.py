@@ -160,6 +160,16 @@ class ExecutorMetrics:
             registry=registry,
         )
 
+        # Label children resolved once: ``labels()`` costs microseconds on every Forward.
+        self.stage = {
+            name: self.stage_seconds.labels(name)
+            for name in ("decode", "queue", "stage", "h2d", "kernel", "d2h", "encode")
+        }
+        self.graph_runs = self.runs.labels("graph")
+        self.eager_runs = self.runs.labels("eager")
+        self.lora_tokens = self.forward_tokens.labels("lora")
+        self.base_tokens = self.forward_tokens.labels("base")
+
     def set_resident(self, adapter: str, tier: str, resident: bool) -> None:
         """Adds or removes one adapter's series (absent, rather than 0, once it left)."""
         if resident:

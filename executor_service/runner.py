@@ -73,9 +73,9 @@ class Runner:
             lora = LoRAContext(launch.lora_slots, launch.token_slots)
         staged = time.perf_counter()
         out = self._kernel(hidden, launch.layer, lora, routing)
-        self._metrics.runs.labels("eager").inc()
-        self._metrics.stage_seconds.labels("stage").observe(staged - start)
-        self._metrics.stage_seconds.labels("kernel").observe(time.perf_counter() - staged)
+        self._metrics.eager_runs.inc()
+        self._metrics.stage["stage"].observe(staged - start)
+        self._metrics.stage["kernel"].observe(time.perf_counter() - staged)
         return out
 
     def _run_device(self, launch: Launch, staging: Staging) -> torch.Tensor:
@@ -100,7 +100,7 @@ class Runner:
             events[1].record()
             graph.replay()
             out = graph.output[:rows]
-            self._metrics.runs.labels("graph").inc()
+            self._metrics.graph_runs.inc()
         else:
             hidden = staging.input[:rows].to(device, non_blocking=True)
             lora = None
@@ -115,13 +115,13 @@ class Runner:
                 )
             events[1].record()
             out = self._kernel(hidden, launch.layer, lora, routing)
-            self._metrics.runs.labels("eager").inc()
+            self._metrics.eager_runs.inc()
         events[2].record()
         staging.output[:rows].copy_(out, non_blocking=True)
         events[3].record()
         events[3].synchronize()
-        stage = self._metrics.stage_seconds
-        stage.labels("stage").observe(staged - start)
+        stage = self._metrics.stage
+        stage["stage"].observe(staged - start)
         for i, name in enumerate(("h2d", "kernel", "d2h")):
-            stage.labels(name).observe(events[i].elapsed_time(events[i + 1]) / 1000)
+            stage[name].observe(events[i].elapsed_time(events[i + 1]) / 1000)
         return staging.output[:rows]

@@ -153,7 +153,7 @@ class Scheduler:
         start = time.perf_counter()
         for pending in batch:
             self._metrics.queue_wait_seconds.observe(start - pending.enqueued)
-            self._metrics.stage_seconds.labels("queue").observe(start - pending.enqueued)
+            self._metrics.stage["queue"].observe(start - pending.enqueued)
         groups = [batch]
         while groups:
             group = groups.pop()

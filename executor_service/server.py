@@ -9,6 +9,7 @@ them into per-request ``RequestError`` answers so that one bad request does not 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -79,8 +80,12 @@ def loaded_adapter(status: AdapterStatus) -> executor_pb2.LoadedAdapter:
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     """Answers UNAVAILABLE until ``attach`` hands it the loaded runtime."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_streams: int = 48) -> None:
         self._runtime: ExecutorRuntime | None = None
+        # Each open ForwardStream holds a handler thread: past this many, refuse new ones
+        # rather than let idle or slow streams take every thread from unary calls.
+        self._max_streams = max_streams
+        self._streams = threading.BoundedSemaphore(max_streams)
 
     def attach(self, runtime: ExecutorRuntime) -> None:
         self._runtime = runtime
@@ -97,7 +102,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         runtime = self._ready()
         start = time.perf_counter()
         decoded = decode_forward(request)
-        runtime.metrics.stage_seconds.labels("decode").observe(time.perf_counter() - start)
+        runtime.metrics.stage["decode"].observe(time.perf_counter() - start)
         prepared = runtime.engine.prepare(decoded, _slot_wait(runtime, context))
         result = runtime.scheduler.submit(prepared)
         response = executor_pb2.ForwardResponse(
@@ -114,6 +119,26 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     @override
     def ForwardStream(
+        self,
+        request_iterator: Iterator[executor_pb2.ForwardStreamRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[executor_pb2.ForwardStreamResponse]:
+        if not self._streams.acquire(blocking=False):
+            raise Overloaded(
+                f"{self._max_streams} ForwardStream streams are open, the most this executor "
+                "serves at once (--max-forward-streams); retry later or use another replica",
+                retry_after_ms=1000,
+            )
+        try:
+            yield from self._answer_stream(request_iterator, context)
+        except grpc.RpcError:
+            if context.is_active():
+                raise
+            # The client closed or cancelled the stream: nothing is left to answer.
+        finally:
+            self._streams.release()
+
+    def _answer_stream(
         self,
         request_iterator: Iterator[executor_pb2.ForwardStreamRequest],
         context: grpc.ServicerContext,

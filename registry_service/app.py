@@ -33,6 +33,7 @@ def open_blobs(settings: RegistrySettings) -> BlobStore:
         s3_path_style=settings.s3_path_style,
         s3_part_bytes=settings.s3_part_bytes,
         s3_max_attempts=settings.s3_max_attempts,
+        s3_timeout_seconds=settings.s3_timeout_seconds,
     )
 
 

@@ -52,6 +52,12 @@ class RegistrySettings(ServerSettings):
         description="attempts of each S3 request (backoff between them) before the RPC "
         "answers UNAVAILABLE",
     )
+    s3_timeout_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="how long one S3 request may wait for the server (a stalled store fails "
+        "the attempt rather than the RPC hanging)",
+    )
     auth: Literal["auto", "on", "off"] = Field(
         "auto",
         description="bearer-token auth: auto = on unless listening on loopback in embedded mode",

@@ -43,6 +43,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="full-size run: pass --long (make fuzz / chaos / soak)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Become the subreaper of everything the tests start, so that a grandchild orphaned by a
     killed child is re-parented here (and found at the end) rather than to init."""

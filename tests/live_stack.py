@@ -94,16 +94,17 @@ class Stack:
             wait_until_serving(channel, "moelora.v1.Executor", timeout=120)
         return self.executor
 
-    def start(self, adapters: list[str] | None = None) -> None:
-        """Both servers, the base model registered and ``adapters`` (folder names of the
-        world) uploaded under their own names."""
+    def start(self, adapters: list[str] | None = None, *, executor: bool = True) -> None:
+        """Both servers (the registry alone without ``executor``), the base model registered
+        and ``adapters`` (folder names of the world) uploaded under their own names."""
         self.start_registry()
         with self.registry_client() as client:
             spec = read_model_spec(self.world.checkpoint)
             client.register_base_model(spec.to_proto(BASE))
             for name in adapters or ():
                 client.upload(self.world.adapter_dir / name, name, BASE)
-        self.start_executor()
+        if executor:
+            self.start_executor()
 
     def kill(self, process: ServerProcess | None) -> None:
         """SIGKILL: no drain, no clean-up; the process is reaped and its log closed."""

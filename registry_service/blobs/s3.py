@@ -53,6 +53,7 @@ class S3BlobStore:
         region: str | None = None,
         path_style: bool = False,
         max_attempts: int = 8,
+        timeout_seconds: float = 120.0,
         part_bytes: int = DEFAULT_PART_BYTES,
     ) -> None:
         self.bucket = bucket
@@ -70,8 +71,8 @@ class S3BlobStore:
             signature_version="s3v4",
             retries={"mode": "standard", "max_attempts": max_attempts},
             s3={"addressing_style": "path" if path_style else "auto"},
-            connect_timeout=10,
-            read_timeout=120,
+            connect_timeout=min(10.0, timeout_seconds),
+            read_timeout=timeout_seconds,
             max_pool_connections=32,
         )
         self._client: Any = boto3.session.Session().client(
