@@ -178,7 +178,13 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
             forwards = _Forwards(client, spec, args.tokens)
             forwards.sample(3)
             results.forward_idle = forwards.sample(args.forwards)
-            load = lambda: client.load_adapter(cold, to_gpu=True)  # noqa: E731
+            device = torch.device(args.device)
+
+            def load() -> None:
+                client.load_adapter(cold, to_gpu=True)
+                if device.type == "cuda":  # LoadAdapter returns once the copy is issued
+                    torch.cuda.synchronize(device)
+
             results.seconds["cold"], results.forward_loading = forwards.during(load)
             client.unload_adapter(cold)
             results.seconds["disk warm"] = _timed(load)
@@ -190,7 +196,7 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
             disk = root / f"disk-{address.rsplit(':', 1)[1]}" / digest.removeprefix("sha256:")
             files = disk / WEIGHTS_FILE
             config = json.loads((disk / CONFIG_FILE).read_text())
-            pin = torch.device(args.device).type == "cuda"
+            pin = device.type == "cuda"
             results.seconds["pack"] = _timed(
                 lambda: pack_adapter(config, files, spec, shape.rank, torch.bfloat16, pin=pin)
             )

@@ -110,9 +110,11 @@ def moto_server(workdir: Path) -> Iterator[str]:
 @contextmanager
 def registry_server(workdir: Path, flags: Sequence[str]) -> Iterator[str]:
     address = f"127.0.0.1:{free_port()}"
-    exe = str(Path(sys.executable).parent / "moelora-registry")
+    # The module, not the console script: runs where the package is only on PYTHONPATH.
     args = [
-        exe,
+        sys.executable,
+        "-m",
+        "registry_service.main",
         "--listen",
         address,
         "--data-dir",

@@ -71,6 +71,10 @@ EXIT_CODES = {
 }
 
 
+#: Smaller transfers take a blink: no bar.
+_PROGRESS_MIN_BYTES = 4 * 1000**2
+
+
 class Output:
     """Results on stdout (tables or JSON), progress and notes on stderr."""
 
@@ -87,7 +91,8 @@ class Output:
 
     @contextmanager
     def progress(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
-        """A bar with bytes/s on stderr when it is a terminal; silent otherwise."""
+        """A bar with bytes/s on stderr when it is a terminal and the transfer is over a few
+        MB; silent otherwise."""
         bar = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -96,7 +101,7 @@ class Output:
             TimeRemainingColumn(),
             console=self.err,
             transient=True,
-            disable=self.as_json or not self.err.is_terminal,
+            disable=self.as_json or not self.err.is_terminal or total < _PROGRESS_MIN_BYTES,
         )
         with bar:
             task = bar.add_task(label, total=total)
