@@ -142,6 +142,7 @@ def _executor(
             "num_slots": 2,
             "max_rank": shape.rank,
             "host_cache_bytes": 8 * 1024**3,
+            "kernel_autotune_seconds": 0.0,  # heuristic kernel configs: start at once
             "metrics_listen": "",
             "drain_seconds": 1.0,
             "log_level": "warning",
@@ -174,10 +175,6 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
         _upload(address, root, spec, "other")
         cold, results.seconds["upload"] = _upload(address, root, spec, "cold")
         with _executor(root, address, args, shape) as (client, runtime):
-            client.pin_adapter("other:1")
-            forwards = _Forwards(client, spec, args.tokens)
-            forwards.sample(3)
-            results.forward_idle = forwards.sample(args.forwards)
             device = torch.device(args.device)
 
             def load() -> None:
@@ -185,7 +182,14 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
                 if device.type == "cuda":  # LoadAdapter returns once the copy is issued
                     torch.cuda.synchronize(device)
 
-            results.seconds["cold"], results.forward_loading = forwards.during(load)
+            if args.forwards:
+                client.pin_adapter("other:1")
+                forwards = _Forwards(client, spec, args.tokens)
+                forwards.sample(3)
+                results.forward_idle = forwards.sample(args.forwards)
+                results.seconds["cold"], results.forward_loading = forwards.during(load)
+            else:
+                results.seconds["cold"] = _timed(load)
             client.unload_adapter(cold)
             results.seconds["disk warm"] = _timed(load)
             digest = runtime.adapters.resolve(AdapterRef.parse(cold)).digest
@@ -241,7 +245,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, help="MoE layers (default 2)")
     parser.add_argument("--rank", type=int, help="adapter rank (default 384: 1.26 GB)")
     parser.add_argument("--tokens", type=int, default=16, help="T of the Forward calls")
-    parser.add_argument("--forwards", type=int, default=20, help="Forward calls for the idle p50")
+    parser.add_argument(
+        "--forwards",
+        type=int,
+        default=20,
+        help="Forward calls for the idle p50; 0: no Forward at all",
+    )
     parser.add_argument("--backends", default="local,s3", help="comma list: local, s3")
     args = parser.parse_args(argv)
     shape = SMALL if args.small else FULL
