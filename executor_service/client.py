@@ -48,6 +48,9 @@ class ForwardResult:
     output: torch.Tensor
     resolved_adapters: list[str]
     server_time_us: int
+    #: Every adapter was already in a GPU slot; how many this request loaded.
+    adapters_resident: bool = True
+    adapters_loaded: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,12 +93,22 @@ def forward_request(
     return request
 
 
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC channel options that let messages up to ``max_message_bytes`` through both ways."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
 def forward_result(response: executor_pb2.ForwardResponse) -> ForwardResult:
     output = codec.to_torch(response.output, "output").clone()  # writable, owns its memory
     return ForwardResult(
         output=output,
         resolved_adapters=list(response.resolved_adapters),
         server_time_us=response.server_time_us,
+        adapters_resident=response.adapters_resident,
+        adapters_loaded=response.adapters_loaded,
     )
 
 
@@ -111,10 +124,7 @@ class ExecutorClient:
         max_message_bytes: int = 512 * 1024 * 1024,
         retry: RetryPolicy | None = None,
     ) -> None:
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
+        options = channel_options(max_message_bytes)
         if tls:
             credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self._channel = grpc.secure_channel(address, credentials, options=options)

@@ -57,6 +57,8 @@ class ForwardOutput:
 
     output: torch.Tensor
     resolved_adapters: list[str]
+    #: Adapters this request loaded into GPU slots (0: all were resident, or none used).
+    adapters_loaded: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class ForwardEngine:
         return ForwardOutput(
             output=output,
             resolved_adapters=[resolved[s.adapter].label if s.adapter else "" for s in segments],
+            adapters_loaded=0 if lease is None else len(lease.loaded),
         )
 
     def _layer(self, index: int) -> MoELayerWeights:

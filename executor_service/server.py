@@ -98,6 +98,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         response = executor_pb2.ForwardResponse(
             output=codec.from_torch(result.output),
             resolved_adapters=result.resolved_adapters,
+            adapters_resident=result.adapters_loaded == 0,
+            adapters_loaded=result.adapters_loaded,
         )
         response.server_time_us = int((time.perf_counter() - start) * 1e6)
         return response
