@@ -358,7 +358,13 @@ class AdapterManager:
         pack = self._pack
         try:
             packed = pack_adapter(
-                files.config, files.weights, pack.spec, pack.max_rank, pack.dtype, pack.layers
+                files.config,
+                files.weights,
+                pack.spec,
+                pack.max_rank,
+                pack.dtype,
+                pack.layers,
+                pin=self.host.pin_memory,
             )
         except InvalidArgument as exc:
             # The request was fine; the stored adapter does not fit this executor.

@@ -3,7 +3,8 @@
 Triton compiles a kernel on its first launch and keeps the binary in its on-disk cache, so
 a worker that launches a configuration once leaves it compiled for the timing process. The
 workers are spawned (CUDA cannot be forked) and hold a copy of the layer with at most
-``WORKER_EXPERTS`` experts (a 256-expert layer would take gigabytes in every worker): the
+as many experts as fit ``WORKER_BYTES`` (at least k; a 256-expert layer would take gigabytes in
+every worker, and 14 workers ran an H100 out of memory): the
 routing then hits only those, while the alignment is still computed for the full expert
 count, so every integer a kernel is specialised on (block counts, strides modulo 16) matches
 the timing process's launch and the cache key is the same.
@@ -24,7 +25,8 @@ from kernels.fused_moe import LoRABuffers, fused_experts
 from kernels.synthetic import random_layer
 from kernels.types import Activation, MoELayerWeights
 
-WORKER_EXPERTS = 16
+#: Expert weights one compile worker holds at most (beyond the k experts it needs).
+WORKER_BYTES = 512 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,15 @@ class CompileJob:
         )  # fmt: skip
 
 
+def worker_experts(job: CompileJob) -> int:
+    """Experts a worker holds: as many as fit WORKER_BYTES, at least k, at most all."""
+    per_expert = 3 * job.hidden * job.inter * torch.finfo(getattr(torch, job.dtype)).bits // 8
+    return min(job.experts, max(job.top_k, WORKER_BYTES // per_expert))
+
+
 def _worker_layer(job: CompileJob) -> MoELayerWeights:
     return random_layer(
-        min(job.experts, max(WORKER_EXPERTS, job.top_k)), job.hidden, job.inter, job.top_k,
+        worker_experts(job), job.hidden, job.inter, job.top_k,
         dtype=getattr(torch, job.dtype), device="cuda",
         activation=Activation(job.activation), biases=job.biases,
     )  # fmt: skip

@@ -9,7 +9,7 @@ first rank's configurations also serve the base model (rank 0). The layer is ran
 timings depend on the shape, not on the values.
 
 The table of the earlier tuner (a from-scratch search, then ``--around-table`` stages) was made
-by the version of this file before commit "kernels: autotune"; see kernels/BENCHMARKS.md.
+by the version of this file at commit 02b4e9d; see kernels/BENCHMARKS.md.
 """
 
 from __future__ import annotations

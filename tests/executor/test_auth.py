@@ -25,6 +25,7 @@ from shared.tokens import Role
 from tests.conftest import wait_for
 from tests.executor.conftest import StartExecutor, assert_close
 from tests.executor.worlds import World
+from tests.tls_certs import self_signed
 
 Tokens = tuple[Path, dict[str, str]]
 
@@ -142,3 +143,21 @@ def test_auth_auto_off_loopback_needs_a_tokens_file(qwen_world: World) -> None:
     settings = ExecutorSettings(**values)
     with pytest.raises(ValueError, match="auth=auto off loopback needs --auth-tokens-file"):
         ExecutorApp(settings, ExecutorMetrics())
+
+
+def test_tls_with_a_token(
+    qwen_world: World, start_executor: StartExecutor, tokens: Tokens, tmp_path: Path
+) -> None:
+    cert, key = self_signed(tmp_path)
+    path, secret = tokens
+    running = start_executor(
+        qwen_world, auth="on", auth_tokens_file=path, tls_cert_file=cert, tls_key_file=key
+    )
+    address = running.app.address
+    trusted = ExecutorClient(
+        address, timeout=10, root_certificates=cert.read_bytes(), token=secret["admin"]
+    )
+    with trusted:
+        assert trusted.pin_adapter("alpha").pinned
+    with _client(address, secret["admin"]) as plain:  # no TLS: the handshake fails
+        assert _code(plain.get_executor_info).name == "UNAVAILABLE"
