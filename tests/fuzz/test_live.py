@@ -24,6 +24,7 @@ import torch
 
 from executor_service.client import forward_request
 from moelora.v1 import executor_pb2, executor_pb2_grpc, registry_pb2, registry_pb2_grpc, tensor_pb2
+from shared import torch_codec
 from shared.grpc_server import health_check
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import Recipe, World, build_world
@@ -62,10 +63,6 @@ def _sizes(request: pytest.FixtureRequest) -> tuple[int, int]:
 
 
 # -- Forward ---------------------------------------------------------------------------------
-
-
-def _hidden(request: executor_pb2.ForwardRequest) -> tensor_pb2.Tensor:
-    return request.hidden_states
 
 
 def m_bytes(rng: random.Random, r: executor_pb2.ForwardRequest) -> Codes:
@@ -142,9 +139,9 @@ def m_reference(rng: random.Random, r: executor_pb2.ForwardRequest) -> Codes:
     elif choice == 1:
         name = rng.choice("a/\0é😀.:@") * rng.randrange(200, 20000)
     else:
-        name = "".join(chr(rng.randrange(1, 0x2FFFF)) for _ in range(rng.randrange(1, 40)))
-        name = name.replace("\ud800", "x")
-        name = "".join(c for c in name if not 0xD800 <= ord(c) <= 0xDFFF) or "\x01"
+        # Any code point protobuf can carry (surrogates cannot be UTF-8 encoded).
+        chars = (chr(rng.randrange(1, 0x2FFFF)) for _ in range(rng.randrange(1, 40)))
+        name = "".join(c for c in chars if not 0xD800 <= ord(c) <= 0xDFFF) or "\x01"
     r.segments[0].adapter = name
     return frozenset({INVALID, NOT_FOUND})
 
@@ -179,8 +176,6 @@ def m_layer(rng: random.Random, r: executor_pb2.ForwardRequest) -> Codes:
 
 
 def _tensor(tensor: torch.Tensor) -> tensor_pb2.Tensor:
-    from shared import torch_codec
-
     return torch_codec.from_torch(tensor)
 
 
@@ -246,8 +241,6 @@ def test_mutated_forward_requests(stack: Stack, request: pytest.FixtureRequest) 
 
 
 def _output(response: executor_pb2.ForwardResponse) -> torch.Tensor:
-    from shared import torch_codec
-
     return torch_codec.to_torch(response.output).clone()
 
 
@@ -457,7 +450,8 @@ def _report(what: str, sent: int, counts: Counter[tuple[str, str]], rss: list[in
     print(
         f"\nfuzz {what}: {sent} mutations after a warm-up of {sum(counts.values()) - sent}; "
         f"codes {dict(sorted(by_code.items()))}; RSS {rss[0] / 2**20:.1f} -> "
-        f"{rss[-1] / 2**20:.1f} MiB ({rss[-1] / rss[0] - 1:+.2%})"
+        f"{rss[-1] / 2**20:.1f} MiB ({rss[-1] / rss[0] - 1:+.2%}); per round (MiB): "
+        + " ".join(f"{r / 2**20:.1f}" for r in rss)
     )
     for (name, code), n in sorted(counts.items()):
         print(f"  {name:12s} {code:20s} {n}")
