@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: help setup proto proto-check lint docs format test demo bench bench-registry bench-forward \
+.PHONY: help setup proto proto-check lint docs format test demo bench bench-registry bench-load bench-forward \
 	helm-check fuzz chaos soak clean
 
 help: ## List the targets
@@ -72,6 +72,9 @@ bench: setup ## Kernel benchmark on a GPU: correctness at real shapes, then the 
 
 bench-registry: setup ## Registry upload/download throughput, 1 GB adapter, local dir and S3 (moto)
 	$(PY) -m registry_service.bench
+
+bench-load: setup ## Adapter cold start, 1.26 GB: cold/disk/host warm (ARGS=--device cuda)
+	$(PY) -m executor_service.bench_load $(ARGS)
 
 bench-forward: setup ## Forward as a client sees it: p50/p99, transport floor, tokens/s (GPU)
 	$(PY) -m executor_service.bench_forward

@@ -224,5 +224,16 @@ class _Packing:
 
 
 def _scaled_into(out: torch.Tensor, factor: torch.Tensor, scaling: float) -> None:
-    """out ← scaling·factor, computed in float32 and rounded once to out's dtype."""
-    out.copy_(factor.to(torch.float32, copy=True).mul_(scaling))
+    """out (E', rows, r) ← scaling·factor, computed in float32 and rounded once to out's
+    dtype, a band of rows at a time: a 3D B is a transposing gather (stride E), which runs
+    several times faster when its float32 temporary stays in the CPU's cache."""
+    rows = factor.shape[1]
+    row_bytes = max(1, factor[:, :1].numel() * 4)
+    step = max(1, _BAND_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        band = slice(start, start + step)
+        out[:, band].copy_(factor[:, band].to(torch.float32, copy=True).mul_(scaling))
+
+
+#: float32 bytes of one band of ``_scaled_into``: about a core's share of the L2/L3 cache.
+_BAND_BYTES = 2 << 20
