@@ -14,8 +14,8 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: help setup proto proto-check lint docs format test demo bench bench-registry bench-forward \
-	helm-check clean
+.PHONY: help setup proto proto-check lint docs format test demo bench bench-registry bench-load bench-forward \
+	helm-check fuzz chaos soak clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -47,10 +47,11 @@ proto-check: $(STAMP) ## Fail if the committed stubs differ from freshly generat
 		cmp -s $$tmp/$$f protos/$$f || { echo "stale stub: protos/$$f (run make proto)"; exit 1; }; \
 	done && echo "stubs are in sync"
 
-lint: setup proto-check ## ruff, mypy, buf lint, stub freshness
+lint: setup proto-check ## ruff, mypy, import contracts (layers), buf lint, stub freshness
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(BUF) lint
 
 docs: $(STAMP) ## Regenerate docs/configuration.md from the settings classes
@@ -72,8 +73,20 @@ bench: setup ## Kernel benchmark on a GPU: correctness at real shapes, then the 
 bench-registry: setup ## Registry upload/download throughput, 1 GB adapter, local dir and S3 (moto)
 	$(PY) -m registry_service.bench
 
-bench-forward: setup ## Forward latency over gRPC vs kernel-only time (GPU)
+bench-load: setup ## Adapter cold start, 1.26 GB: cold/disk/host warm (ARGS=--device cuda)
+	$(PY) -m executor_service.bench_load $(ARGS)
+
+bench-forward: setup ## Forward as a client sees it: p50/p99, transport floor, tokens/s (GPU)
 	$(PY) -m executor_service.bench_forward
+
+fuzz: setup ## Full fuzz run: property tests, >= 1,000 mutated Forward and >= 300 uploads (figures printed)
+	$(PY) -m pytest tests/fuzz --long -s -q $(PYTEST_ARGS)
+
+chaos: setup ## Fault suite: S3 faults behind a proxy, SIGKILLed servers, damaged and full disk caches
+	$(PY) -m pytest tests/chaos --long -q $(PYTEST_ARGS)
+
+soak: setup ## Soak: 32 client processes x 64 adapters through 8 slots, >= 10,000 Forward calls (figures printed)
+	$(PY) -m pytest tests/soak --long -s -q $(PYTEST_ARGS)
 
 helm-check: setup ## Render, lint and validate the Helm chart
 	$(PY) -m pytest tests/helm $(PYTEST_ARGS)

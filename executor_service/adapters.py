@@ -8,10 +8,11 @@ and packing each digest once even when many requests ask for it at the same mome
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -21,9 +22,9 @@ import torch
 from executor_service.host_cache import HostCache, HostEntry
 from executor_service.metrics import ExecutorMetrics
 from executor_service.packer import PackedAdapter, pack_adapter
-from executor_service.slot_buffers import DeviceEvent
-from executor_service.slots import SlotDataMissing, SlotLease, SlotManager, SlotStatus
+from executor_service.slots import SlotLease, SlotManager, SlotStatus, Wanted
 from executor_service.sources import AdapterSource, ResolvedAdapter
+from kernels import LoRASlots
 from shared.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -65,6 +66,18 @@ class AdapterStatus:
     nbytes: int
     in_flight: int
     last_used: float | None
+
+
+@dataclass(frozen=True)
+class AdapterStats:
+    """The two tiers' occupancy, as ListLoadedAdapters and GetExecutorInfo report it."""
+
+    num_slots: int
+    free_slots: int
+    pinned_slots: int
+    slot_memory_bytes: int
+    host_cache_used_bytes: int
+    host_cache_budget_bytes: int
 
 
 @dataclass(frozen=True)
@@ -127,26 +140,47 @@ class AdapterManager:
 
     # -- Forward's path ------------------------------------------------------------------
 
-    def acquire(self, adapters: Sequence[ResolvedAdapter], timeout: float) -> SlotLease:
-        """Holds GPU slots for ``adapters`` (distinct digests), loading what is missing.
-        Release with ``release`` after the kernel."""
-        data: dict[str, PackedAdapter] = {}
-        need = [a for a in adapters if not self.slots.holds(a.digest)]
-        while True:
-            for adapter in need:
-                data[adapter.digest] = self._packed(adapter)
-            try:
-                lease = self.slots.acquire(adapters, data, timeout)
-            except SlotDataMissing as exc:
-                # Evicted between the check and the acquisition: fetch those too, retry.
-                need = list(exc.adapters)
-                continue
-            break
-        self._count_gpu(lease)
-        return lease
+    def prepare(self, adapters: Sequence[ResolvedAdapter]) -> list[Wanted]:
+        """What ``lease`` needs for ``adapters`` (distinct digests): the packed data of those
+        not in a slot now, fetched and packed here (so that a load failure belongs to the
+        request that asked). ResourceExhausted if they can never fit in the slots together."""
+        self.slots.check_capacity(adapters)
+        return [
+            Wanted(a, None if self.slots.holds(a.digest) else self._packed(a)) for a in adapters
+        ]
 
-    def release(self, lease: SlotLease, done: DeviceEvent) -> None:
-        self.slots.release(lease, done)
+    def can_lease(self, digests: Iterable[str]) -> bool:
+        """Whether adapters with these digests fit in the slots at the same time."""
+        return self.slots.fits(digests)
+
+    @contextlib.contextmanager
+    def lease(self, wanted: Sequence[Wanted], timeout: float) -> Iterator[SlotLease]:
+        """Holds GPU slots for ``wanted`` while the block runs (waiting up to ``timeout`` for
+        slots that requests in flight hold). Inside, the current stream already waits for
+        the slots' writes; kernels enqueued inside may read them. On leaving, an event after
+        those kernels keeps any rewrite of the slots behind them."""
+        lease = self.slots.acquire(wanted, self._packed, timeout)
+        self._count_gpu(lease)
+        sync = self.slots.buffers.sync
+        try:
+            sync.wait(lease.ready)
+            yield lease
+        finally:
+            self.slots.release(lease, sync.record())
+
+    def lora_slots(self, layer: int) -> LoRASlots:
+        """The slot buffers of one MoE layer, as the kernels read them."""
+        return self.slots.buffers.layer(layer)
+
+    def stats(self) -> AdapterStats:
+        return AdapterStats(
+            num_slots=self.slots.num_slots,
+            free_slots=self.slots.free_slots(),
+            pinned_slots=self.slots.pinned_slots(),
+            slot_memory_bytes=self.slots.buffers.nbytes,
+            host_cache_used_bytes=self.host.used_bytes,
+            host_cache_budget_bytes=self.host.budget_bytes,
+        )
 
     # -- admin ---------------------------------------------------------------------------
 
@@ -154,11 +188,8 @@ class AdapterManager:
         """Brings the adapter into the host cache and, if ``to_gpu``, into a slot."""
         adapter = self.resolve(ref)
         if to_gpu:
-            lease = self.acquire([adapter], timeout)
-            try:
+            with self.lease(self.prepare([adapter]), timeout):
                 status = self.status_of(adapter)
-            finally:
-                self.release(lease, None)  # nothing read the slot
             # Taken while this call held the slot: do not count that hold.
             return replace(status, in_flight=status.in_flight - 1)
         known = self._find(adapter)
@@ -184,11 +215,8 @@ class AdapterManager:
     def pin(self, ref: AdapterRef, timeout: float) -> AdapterStatus:
         """Loads the adapter into a slot and pins it there."""
         adapter = self.resolve(ref)
-        lease = self.acquire([adapter], timeout)
-        try:
+        with self.lease(self.prepare([adapter]), timeout):
             slot = self.slots.pin(adapter.digest)
-        finally:
-            self.release(lease, None)  # nothing read the slot
         self._update_slot_gauges()
         log_event(log, "adapter_pinned", adapter=adapter.label, slot=slot.slot)
         # Taken while this call held the slot: do not count that hold.
@@ -281,8 +309,7 @@ class AdapterManager:
         return None
 
     def _held(self) -> list[ResolvedAdapter]:
-        on_gpu = [s.adapter for s in self.slots.status()]
-        return on_gpu + [e.adapter for e in self.host.entries()]
+        return self.slots.adapters() + [e.adapter for e in self.host.entries()]
 
     def _held_version(self, ref: AdapterRef) -> ResolvedAdapter:
         """The held version ``ref`` names (resolved as everywhere), or NotFound."""
@@ -331,7 +358,13 @@ class AdapterManager:
         pack = self._pack
         try:
             packed = pack_adapter(
-                files.config, files.weights, pack.spec, pack.max_rank, pack.dtype, pack.layers
+                files.config,
+                files.weights,
+                pack.spec,
+                pack.max_rank,
+                pack.dtype,
+                pack.layers,
+                pin=self.host.pin_memory,
             )
         except InvalidArgument as exc:
             # The request was fine; the stored adapter does not fit this executor.

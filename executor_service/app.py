@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 
+from executor_service.auth import open_authorizer
+from executor_service.batch import KernelFn
 from executor_service.config import ExecutorSettings
-from executor_service.engine import KernelFn
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runtime import ExecutorRuntime, build_runtime
 from executor_service.server import ExecutorServicer
@@ -40,11 +41,14 @@ class ExecutorApp:
         self._metrics = metrics
         self._kernel = kernel
         self._source = source
-        self.servicer = ExecutorServicer()
+        self.servicer = ExecutorServicer(
+            settings.max_forward_streams or max(1, settings.grpc_workers * 3 // 4)
+        )
         self.server = GrpcServer(
-            settings.server_options(),
+            settings.server_options(settings.grpc_workers),
             [SERVICE_NAME],
             lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(self.servicer, server),
+            authorize=open_authorizer(settings),
         )
         #: The loaded runtime, once ``loaded`` is set without ``load_error``.
         self.runtime: ExecutorRuntime | None = None

@@ -1,43 +1,55 @@
-"""Forward latency over gRPC vs kernel-only time: ``python -m executor_service.bench_forward``.
+"""Forward as a client backend sees it: ``python -m executor_service.bench_forward``.
 
 Writes a one-layer synthetic checkpoint of a real shape (default: a Qwen3-30B-A3B MoE layer,
-H=2048, I=768, E=128, k=8, random bf16 weights) and rank-16 PEFT adapters, starts an executor
-in this process on 127.0.0.1, and for each T times:
+H=2048, I=768, E=128, k=8) with rank-16 PEFT adapters, starts the executor as its own process
+(``python -m executor_service.main``) and a bare grpcio echo server (``echo_server``), and runs
+clients as separate processes (``bench_clients``: plain generated stubs, bf16 on the wire,
+tokens split evenly over 4 adapters per request). Rows, each for unary Forward and for
+ForwardStream: T = 1, 8, 64, 512 with one client; T = 64 with 8 and 32 clients (the last row
+draws its adapters from a pool larger than the executor's slots, so batches churn slots).
 
-* ``grpc``: ``ExecutorClient.forward`` round trips (encode, send, decode, compute, reply),
-* ``server``: the ``server_time_us`` the executor reports (decode to encode),
-* ``kernel``: ``kernels.moe_forward`` alone on the executor's layer and slot buffers with the
-  same adapters, timed with CUDA events (host timer on the CPU).
+Columns: p50 and p99 round trip; the executor's ``server_time_us`` p50; the kernel alone
+(CUDA-graph replay of the same T on the GPU, the eager torch reference on the CPU); the
+transport floor (the echo server, same bytes, same clients); overhead = p50 − kernel − floor;
+tokens/s over the row; the mean number of requests per launch (from the executor's metrics).
+Then the executor's mean time per stage for each row.
 
-Tokens are split into ``--adapters`` equal segments, one adapter each, named ``name:1`` (so
-that no source lookup is timed) and all resident (pinned, warm slots). Prints a markdown table
-of medians. ``--shape tiny --device cpu`` is a smoke run.
+``--shape tiny --device cpu`` runs in seconds (CI runs it through a test).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import select
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from prometheus_client import CollectorRegistry
 
-from executor_service.app import ExecutorApp
 from executor_service.client import ExecutorClient
-from executor_service.config import ExecutorSettings
-from executor_service.metrics import ExecutorMetrics
-from executor_service.runtime import ExecutorRuntime
+from executor_service.graphs import GraphCache
+from executor_service.model_loader import load_base_model
 from executor_service.synthetic import (
     SyntheticAdapter,
     SyntheticBase,
     write_adapter,
     write_base_checkpoint,
 )
-from kernels import LoRAContext, moe_forward
+from kernels import LoRAContext, LoRASlots, moe_forward
+from kernels.forward import Backend
 
 SHAPES = {
     "qwen3-30b-a3b": SyntheticBase(
@@ -50,128 +62,372 @@ SHAPES = {
     ),
     "tiny": SyntheticBase("qwen3_moe", hidden_size=64, moe_intermediate_size=32, num_layers=1),
 }
+#: Adapters per request; the pinned pool every row but the churn row draws from.
+PER_REQUEST = 4
+STAGES = ("decode", "queue", "stage", "h2d", "kernel", "d2h", "encode")
 
 
-def _median_ms(samples: list[float]) -> float:
-    return statistics.median(samples) * 1e3
+@dataclass(frozen=True)
+class Row:
+    mode: str
+    tokens: int
+    clients: int
+    p50_ms: float
+    p99_ms: float
+    server_ms: float
+    kernel_ms: float | None
+    floor_ms: float
+    tokens_per_s: float
+    batch: float
+    stages_ms: dict[str, float]
+    churn: bool
 
 
-def _time_kernel(fn: Callable[[], object], iters: int, device: torch.device) -> float:
-    """Median seconds of ``fn`` (CUDA events on a GPU)."""
-    samples = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(float(start.elapsed_time(end)) / 1e3)
-        else:
+def _progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _stop(signum: int, _frame: object) -> None:
+    # Unwind (so that the executor, echo and client processes are stopped), then exit.
+    raise SystemExit(128 + signum)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def _process(args: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """The executor's Prometheus samples (name{labels} -> value)."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"^(moelora_executor_\S+?)\s+(\S+)$", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def _delta_mean(
+    after: dict[str, float], before: dict[str, float], name: str, labels: str = ""
+) -> float:
+    """Mean of a histogram's observations between two scrapes."""
+    total, count = (
+        after.get(f"{name}_{part}{labels}", 0.0) - before.get(f"{name}_{part}{labels}", 0.0)
+        for part in ("sum", "count")
+    )
+    return total / count if count else 0.0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _run_clients(
+    address: str,
+    layer: int,
+    target: str,
+    mode: str,
+    tokens: int,
+    hidden: int,
+    adapter_sets: list[list[str]],
+    iters: int,
+    warmup: int,
+) -> tuple[list[float], list[int], float]:
+    """Latencies and server times of all clients, and tokens/s over the row."""
+    procs = []
+    for i, adapters in enumerate(adapter_sets):
+        command = [
+            sys.executable,
+            "-m",
+            "executor_service.bench_clients",
+            f"--address={address}",
+            f"--target={target}",
+            f"--mode={mode}",
+            f"--layer={layer}",
+            f"--tokens={tokens}",
+            f"--hidden={hidden}",
+            f"--adapters={','.join(adapters)}",
+            f"--iters={iters}",
+            f"--warmup={warmup}",
+            f"--seed={i}",
+        ]
+        procs.append(
+            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        )
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            # A client that cannot get through its warm-up must not hang the benchmark.
+            if not select.select([proc.stdout], [], [], 600)[0]:
+                raise RuntimeError("a bench client did not finish its warm-up in 600 s")
+            line = proc.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(f"a bench client failed to start (said {line!r})")
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        results = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=900)
+            if proc.returncode != 0:
+                raise RuntimeError(f"a bench client failed with status {proc.returncode}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    latency = [x for r in results for x in r["latency_s"]]
+    server = [x for r in results for x in r["server_us"]]
+    span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    return latency, server, len(latency) * tokens / span
+
+
+def _kernel_timer(
+    checkpoint: Path, device: torch.device, rank: int, slots: int
+) -> Callable[[int], float]:
+    """Milliseconds of the layer forward alone at T tokens with 4 adapters: CUDA-graph replay
+    on a GPU (median of CUDA-event times), the eager torch reference on the CPU."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_base_model(checkpoint, device, dtype)
+    index, layer = next(iter(model.layers.items()))
+    e, h, inter = layer.num_experts, layer.hidden_size, layer.intermediate_size
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=generator) * 0.02).to(device, dtype)
+
+    lora = LoRASlots(
+        a13=rand(slots, e, rank, h),
+        b13=rand(slots, e, 2 * inter, rank),
+        a2=rand(slots, e, rank, inter),
+        b2=rand(slots, e, h, rank),
+        enabled=torch.ones(slots, dtype=torch.int32, device=device),
+    )
+    backend: Backend = "triton" if device.type == "cuda" else "torch"
+
+    def kernel(x: torch.Tensor, w: object, ctx: LoRAContext | None, r: object) -> torch.Tensor:
+        return moe_forward(x, layer, ctx, None, backend=backend)
+
+    graphs = (
+        GraphCache(kernel, model.layers, lambda _: lora, device, dtype)
+        if device.type == "cuda"
+        else None
+    )
+
+    def time_ms(tokens: int) -> float:
+        token_slots = (torch.arange(tokens, dtype=torch.int32) * PER_REQUEST // tokens).to(device)
+        if graphs is not None:
+            bucket = graphs.bucket(tokens) or tokens
+            graph = graphs.get(index, bucket)
+            assert graph is not None, "CUDA-graph capture failed; see the log"
+            graph.input.copy_(torch.randn(bucket, h, generator=generator).to(device, dtype))
+            graph.slots.fill_(-1)
+            graph.slots[:tokens].copy_(token_slots)
+            samples = []
+            for _ in range(50):
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                samples.append(float(start.elapsed_time(end)))
+            return statistics.median(samples)
+        x = torch.randn(tokens, h, generator=generator).to(dtype)
+        ctx = LoRAContext(lora, token_slots)
+        samples = []
+        for _ in range(20):
             begin = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - begin)
-    return statistics.median(samples)
+            moe_forward(x, layer, ctx, None, backend=backend)
+            samples.append((time.perf_counter() - begin) * 1e3)
+        return statistics.median(samples)
+
+    return time_ms
 
 
-def _segments(tokens: int, names: list[str]) -> list[tuple[int, str]]:
-    """``tokens`` split into equal runs, one adapter each (fewer runs when T is small)."""
-    count = min(len(names), tokens)
-    sizes = [tokens // count + (1 if i < tokens % count else 0) for i in range(count)]
-    return [(n, names[i]) for i, n in enumerate(sizes)]
+def _adapter_sets(pool: list[str], clients: int) -> list[list[str]]:
+    """PER_REQUEST adapters per client, rotating through ``pool``."""
+    return [
+        [pool[(c * PER_REQUEST + j) % len(pool)] for j in range(PER_REQUEST)]
+        for c in range(clients)
+    ]
 
 
-def _kernel_fn(
-    runtime: ExecutorRuntime, layer: int, hidden: torch.Tensor, segments: list[tuple[int, str]]
-) -> Callable[[], object]:
-    """The kernel call the executor makes for this request, without the service around it."""
-    adapters = runtime.adapters
-    slots_of = {s.adapter.label: s.slot for s in adapters.slots.status()}
-    token_slots = torch.repeat_interleave(
-        torch.tensor([slots_of[name] for _, name in segments], dtype=torch.int32),
-        torch.tensor([n for n, _ in segments]),
-    ).to(runtime.placement.device)
-    lora = LoRAContext(adapters.slots.buffers.layer(layer), token_slots)
-    x = hidden.to(device=runtime.placement.device, dtype=runtime.placement.dtype)
-    weights = runtime.model.layers[layer]
-    backend = runtime.placement.kernel_backend
-    return lambda: moe_forward(x, weights, lora, backend=backend)
+def _print(rows: list[Row], title: str) -> None:
+    print(f"\n{title}\n")
+    print(
+        "| mode | T | clients | p50 ms | p99 ms | server p50 ms | kernel ms | floor ms | "
+        "overhead ms | tokens/s | mean batch |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        kernel = "—" if r.kernel_ms is None else f"{r.kernel_ms:.3f}"
+        overhead = "—" if r.kernel_ms is None else f"{r.p50_ms - r.kernel_ms - r.floor_ms:.3f}"
+        clients = f"{r.clients}{' (churn)' if r.churn else ''}"
+        print(
+            f"| {r.mode} | {r.tokens} | {clients} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | "
+            f"{r.server_ms:.3f} | {kernel} | {r.floor_ms:.3f} | {overhead} | "
+            f"{r.tokens_per_s:,.0f} | {r.batch:.2f} |"
+        )
+    print("\nExecutor time per stage, mean ms per request (queue) or per launch (the others)\n")
+    print("| mode | T | clients | " + " | ".join(STAGES) + " |")
+    print("|---|---:|---:|" + "---:|" * len(STAGES))
+    for r in rows:
+        stages = " | ".join(f"{r.stages_ms.get(s, 0.0):.3f}" for s in STAGES)
+        print(f"| {r.mode} | {r.tokens} | {r.clients} | {stages} |")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tokens", default="1,64,512", help="comma list of T")
-    parser.add_argument("--adapters", type=int, default=4, help="distinct adapters per batch")
+    parser.add_argument("--tokens", default="1,8,64,512", help="T of the one-client rows")
+    parser.add_argument("--clients", default="8,32", help="client counts of the T=64 rows")
+    parser.add_argument("--modes", default="unary,stream")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--wire-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--slots", type=int, default=8, help="the executor's --num-slots")
+    parser.add_argument("--iters", type=int, default=200, help="timed calls per client and row")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--batch-window-us", type=int, default=0)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    wire = getattr(torch, args.wire_dtype)
-    folders = [f"bench-{i}" for i in range(args.adapters)]
-    names = [f"{folder}:1" for folder in folders]
+    client_counts = [int(c) for c in args.clients.split(",") if c]
+    # The last multi-client row draws from more adapters than there are slots.
+    churn_pool = 2 * args.slots
+    names = [f"bench-{i}:1" for i in range(churn_pool)]
+    pinned = names[:PER_REQUEST]
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-forward-") as tmp:
         root = Path(tmp)
+        _progress(f"writing the {args.shape} checkpoint and {churn_pool} adapters")
         spec = write_base_checkpoint(root / "base", SHAPES[args.shape], dtype=dtype)
-        for seed, folder in enumerate(folders):
-            adapter = SyntheticAdapter(rank=args.rank)
-            write_adapter(root / "adapters" / folder, spec, adapter, seed=seed)
-        settings = ExecutorSettings.model_validate(
-            {
-                "listen": "127.0.0.1:0",
-                "base_model_path": root / "base",
-                "adapter_dir": root / "adapters",
-                "device": args.device,
-                "num_slots": max(2, args.adapters + 1),
-                "max_rank": args.rank,
-                "max_tokens_per_request": max(int(t) for t in args.tokens.split(",")),
-                "metrics_listen": "",
-                "drain_seconds": 1.0,
-                "log_level": "warning",
-            }
-        )
-        app = ExecutorApp(settings, ExecutorMetrics(CollectorRegistry()))
-        app.start()
-        with ExecutorClient(app.address, timeout=600) as client:
-            client.wait_until_serving(timeout=600)
-            runtime = app.runtime
-            assert runtime is not None
-            for name in names:
-                client.pin_adapter(name)
+        for seed in range(churn_pool):
+            write_adapter(
+                root / "adapters" / f"bench-{seed}",
+                spec,
+                SyntheticAdapter(rank=args.rank),
+                seed=seed,
+            )
+        kernel_ms = _kernel_timer(root / "base", device, args.rank, args.slots)
+        _progress("starting the executor and the echo server")
+        port, metrics_port = _free_port(), _free_port()
+        address = f"127.0.0.1:{port}"
+        executor = [
+            sys.executable,
+            "-m",
+            "executor_service.main",
+            f"--listen={address}",
+            f"--metrics-listen=127.0.0.1:{metrics_port}",
+            f"--base-model-path={root / 'base'}",
+            f"--adapter-dir={root / 'adapters'}",
+            f"--device={args.device}",
+            f"--num-slots={args.slots}",
+            f"--max-rank={args.rank}",
+            f"--cuda-graphs={args.cuda_graphs}",
+            f"--batch-window-us={args.batch_window_us}",
+            "--log-level=info",
+        ]
+        echo = [
+            sys.executable,
+            "-m",
+            "executor_service.echo_server",
+            "--listen=127.0.0.1:0",
+            "--workers=64",  # as many handler threads as the executor: one per open stream
+        ]
+        env = {**os.environ, "MOELORA_REGISTRY_ADDRESS": ""}
+        with _process(executor, env) as _, _process(echo) as echo_proc:
+            assert echo_proc.stdout is not None
+            echo_address = f"127.0.0.1:{echo_proc.stdout.readline().strip()}"
+            with ExecutorClient(address, timeout=600) as client:
+                client.wait_until_serving(timeout=600)
+                _progress("executor serving")
+                for name in pinned:
+                    client.pin_adapter(name)
+                info = client.get_executor_info()
             layer = spec.moe_layers[0]
-            rows = []
-            for tokens in (int(t) for t in args.tokens.split(",")):
-                hidden = torch.randn(tokens, spec.hidden_size, dtype=wire)
-                segments = _segments(tokens, names)
-                for _ in range(3):
-                    client.forward(layer, hidden, segments)
-                grpc_s, server_s = [], []
-                for _ in range(args.iters):
-                    begin = time.perf_counter()
-                    result = client.forward(layer, hidden, segments)
-                    grpc_s.append(time.perf_counter() - begin)
-                    server_s.append(result.server_time_us / 1e6)
-                kernel = _kernel_fn(runtime, layer, hidden, segments)
-                kernel()
-                kernel_s = _time_kernel(kernel, args.iters, device)
-                rows.append((tokens, _median_ms(grpc_s), _median_ms(server_s), kernel_s * 1e3))
-        app.drain()
-    device_name = runtime.placement.device_name
-    print(
-        f"\nForward latency, {args.shape} layer, {device_name}, compute {dtype}, wire "
-        f"{args.wire_dtype}, rank {args.rank}, {args.adapters} adapters per batch, medians\n"
+            plan = [(int(t), 1, False) for t in args.tokens.split(",") if t]
+            plan += [(64, n, i == len(client_counts) - 1) for i, n in enumerate(client_counts)]
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            for mode in args.modes.split(","):
+                for tokens, clients, churn in plan:
+                    sets = _adapter_sets(names if churn else pinned, clients)
+                    before = _metrics(metrics_url)
+                    latency, server, rate = _run_clients(
+                        address,
+                        layer,
+                        "executor",
+                        mode,
+                        tokens,
+                        spec.hidden_size,
+                        sets,
+                        args.iters,
+                        args.warmup,
+                    )
+                    after = _metrics(metrics_url)
+                    floor, _, _ = _run_clients(
+                        echo_address,
+                        layer,
+                        "echo",
+                        mode,
+                        tokens,
+                        spec.hidden_size,
+                        sets,
+                        args.iters,
+                        args.warmup,
+                    )
+                    stages = {
+                        s: 1e3
+                        * _delta_mean(
+                            after, before, "moelora_executor_stage_seconds", f'{{stage="{s}"}}'
+                        )
+                        for s in STAGES
+                    }
+                    rows.append(
+                        Row(
+                            mode=mode,
+                            tokens=tokens,
+                            clients=clients,
+                            p50_ms=1e3 * statistics.median(latency),
+                            p99_ms=1e3 * _percentile(latency, 0.99),
+                            server_ms=statistics.median(server) / 1e3,
+                            kernel_ms=kernel_ms(tokens) if clients == 1 else None,
+                            floor_ms=1e3 * statistics.median(floor),
+                            tokens_per_s=rate,
+                            batch=_delta_mean(after, before, "moelora_executor_batch_requests"),
+                            stages_ms=stages,
+                            churn=churn,
+                        )
+                    )
+                    _progress(f"row done: {rows[-1]}")
+    _print(
+        rows,
+        f"Forward, {args.shape} layer on {info.device} ({info.backend}), compute "
+        f"{str(dtype).removeprefix('torch.')}, bf16 on the wire, rank {args.rank}, "
+        f"{PER_REQUEST} adapters per request ({len(pinned)} pinned; churn row: {churn_pool} "
+        f"adapters over {args.slots} slots), {args.iters} calls per client and row",
     )
-    print("| T | gRPC round trip (ms) | server time (ms) | kernel only (ms) | gRPC − kernel (ms) |")
-    print("|---:|---:|---:|---:|---:|")
-    for tokens, grpc_ms, server_ms, kernel_ms in rows:
-        print(
-            f"| {tokens} | {grpc_ms:.3f} | {server_ms:.3f} | {kernel_ms:.3f} | "
-            f"{grpc_ms - kernel_ms:.3f} |"
-        )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 call, retries only where they are safe, errors as ``shared.errors`` classes.
 
 Retries: a call is retried only on UNAVAILABLE (the server drains, is still loading, or the
-connection failed), with exponential backoff inside the call's deadline, and only when running
+connection failed) and on ``Overloaded`` (RESOURCE_EXHAUSTED with a retry hint: too many
+requests queued; waiting at least the hint), with exponential backoff inside the call's
+deadline, and only when running
 it twice does no harm. Forward is a pure function of its request, and Load/Pin/Unpin leave the
 same state however often they run, so those retry. UnloadAdapter does not (a retry after a
 first attempt that did run would answer NOT_FOUND), nor does ForwardStream (its requests may
@@ -26,8 +28,9 @@ import grpc
 import torch
 
 from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared import codec
-from shared.errors import MoeLoraError, error_for_code, from_rpc_error
+from shared import torch_codec
+from shared.auth import open_channel
+from shared.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
 from shared.grpc_server import wait_until_serving
 
 T = TypeVar("T")
@@ -72,6 +75,25 @@ class RetryPolicy:
     max_backoff: float = 1.0
 
 
+def retry_pause(error: MoeLoraError, backoff: float) -> float | None:
+    """Seconds to wait before retrying after ``error`` (jittered ``backoff``, at least an
+    ``Overloaded`` error's hint); None when the error is not worth a retry."""
+    pause = random.uniform(backoff / 2, backoff)
+    if isinstance(error, Overloaded):
+        return max(pause, error.retry_after_ms / 1000)
+    if error.code is grpc.StatusCode.UNAVAILABLE:
+        return pause
+    return None
+
+
+def stream_error(error: executor_pb2.RequestError) -> MoeLoraError:
+    """A ForwardStream request's error as the domain error."""
+    code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after_ms > 0:
+        return Overloaded(error.message, error.retry_after_ms)
+    return error_for_code(code, error.message)
+
+
 def forward_request(
     layer: int,
     hidden: torch.Tensor,
@@ -81,15 +103,15 @@ def forward_request(
     """The ForwardRequest message for torch inputs."""
     request = executor_pb2.ForwardRequest(
         layer=layer,
-        hidden_states=codec.from_torch(hidden),
+        hidden_states=torch_codec.from_torch(hidden),
         segments=[
             executor_pb2.Segment(num_tokens=n, adapter=ref or "") for n, ref in segments or ()
         ],
     )
     if routing is not None:
         ids, weights = routing
-        request.routing.topk_ids.CopyFrom(codec.from_torch(ids))
-        request.routing.topk_weights.CopyFrom(codec.from_torch(weights))
+        request.routing.topk_ids.CopyFrom(torch_codec.from_torch(ids))
+        request.routing.topk_weights.CopyFrom(torch_codec.from_torch(weights))
     return request
 
 
@@ -102,7 +124,7 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def forward_result(response: executor_pb2.ForwardResponse) -> ForwardResult:
-    output = codec.to_torch(response.output, "output").clone()  # writable, owns its memory
+    output = torch_codec.to_torch(response.output, "output").clone()  # writable, owns its memory
     return ForwardResult(
         output=output,
         resolved_adapters=list(response.resolved_adapters),
@@ -123,13 +145,18 @@ class ExecutorClient:
         root_certificates: bytes | None = None,
         max_message_bytes: int = 512 * 1024 * 1024,
         retry: RetryPolicy | None = None,
+        token: str | None = None,
     ) -> None:
-        options = channel_options(max_message_bytes)
-        if tls:
-            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self._channel = grpc.secure_channel(address, credentials, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
+        """``token``: the bearer token every call carries (an executor with auth on wants
+        read for Forward and the listings, admin for Load/Unload/Pin/Unpin); ``tls`` with the
+        system roots, or ``root_certificates`` (PEM) when given."""
+        self._channel = open_channel(
+            address,
+            token=token,
+            tls=tls,
+            root_certificates=root_certificates,
+            options=channel_options(max_message_bytes),
+        )
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self.address = address
         self.timeout = timeout
@@ -182,8 +209,7 @@ class ExecutorClient:
         try:
             for answer in self._stub.ForwardStream(requests(), timeout=timeout or self.timeout):
                 if answer.HasField("error"):
-                    code = _CODES.get(answer.error.code, grpc.StatusCode.UNKNOWN)
-                    yield error_for_code(code, answer.error.message)
+                    yield stream_error(answer.error)
                 else:
                     yield forward_result(answer.forward)
         except grpc.RpcError as exc:
@@ -262,13 +288,8 @@ class ExecutorClient:
                 return method(request, timeout=max(remaining, 0.001))
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc)
-                pause = random.uniform(backoff / 2, backoff)
-                retry = (
-                    error.code is grpc.StatusCode.UNAVAILABLE
-                    and attempt < attempts
-                    and time.monotonic() + pause < deadline
-                )
-                if not retry:
+                pause = retry_pause(error, backoff)
+                if pause is None or attempt >= attempts or time.monotonic() + pause >= deadline:
                     raise error from None
             time.sleep(pause)
             attempt += 1

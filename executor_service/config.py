@@ -37,8 +37,23 @@ class ExecutorSettings(ServerSettings):
     registry_address: str | None = Field(
         "127.0.0.1:50051", description="registry host:port adapters are pulled from; empty: none"
     )
-    registry_token: str | None = Field(None, description="bearer token for the registry")
+    registry_token: str | None = Field(
+        None,
+        description="bearer token the executor presents to the registry (role read); "
+        "not one it accepts: those are in auth_tokens_file",
+    )
     registry_tls: bool = Field(False, description="talk TLS to the registry")
+    registry_tls_ca_file: Path | None = Field(
+        None, description="PEM roots that sign the registry's certificate; default: the system's"
+    )
+    auth: Literal["auto", "on", "off"] = Field(
+        "auto", description="bearer-token auth on this server: auto = on unless on loopback"
+    )
+    auth_tokens_file: Path | None = Field(
+        None,
+        description="JSON file of hashed tokens with roles, the registry's format: Forward "
+        "and the listings need read, Load/Unload/Pin/Unpin need admin",
+    )
     registry_timeout_seconds: float = Field(
         30.0, gt=0, description="deadline of each registry call (downloads excepted)"
     )
@@ -63,8 +78,61 @@ class ExecutorSettings(ServerSettings):
     max_tokens_per_request: int = Field(
         16384, ge=1, description="largest T a Forward request may carry"
     )
+    grpc_workers: int = Field(
+        64,
+        ge=1,
+        description="gRPC handler threads: the most Forward calls in flight at once (an open "
+        "ForwardStream holds one for its lifetime)",
+    )
+    max_forward_streams: int | None = Field(
+        None,
+        ge=1,
+        description="ForwardStream streams open at once, each holding a handler thread; more "
+        "are refused with RESOURCE_EXHAUSTED and a retry hint; default: 3/4 of grpc_workers",
+    )
+    gil_switch_interval_us: int = Field(
+        200,
+        ge=1,
+        description="Python's thread switch interval in microseconds (sys.setswitchinterval); "
+        "the launching thread waits up to this long for the GIL after each GPU call while "
+        "handler threads decode (Python's default: 5000)",
+    )
+    max_batch_tokens: int = Field(
+        512,
+        ge=1,
+        description="requests for the same layer waiting together are merged into one launch "
+        "of up to this many tokens (a longer request runs alone)",
+    )
+    batch_window_us: int = Field(
+        0,
+        ge=0,
+        description="how long an idle GPU waits for more requests to merge, in microseconds "
+        "(0 = never wait)",
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=1,
+        description="Forward requests waiting for the GPU beyond which new ones are refused "
+        "with RESOURCE_EXHAUSTED and a retry hint",
+    )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="replay the layer forward from CUDA graphs per token bucket; auto = on a GPU",
+    )
     max_message_bytes: int = Field(
         512 * 1024 * 1024, ge=4 * 1024 * 1024, description="largest gRPC message in bytes"
+    )
+    kernel_autotune_seconds: float = Field(
+        300.0,
+        ge=0,
+        description="start-up budget for autotuning the MoE kernels when this GPU has no tuned "
+        "table for the model's shape and rank (before SERVING; cached on disk); 0 = heuristic "
+        "configurations only",
+    )
+    kernel_cache_dir: Path = Field(
+        Path("~/.moelora/kernel-configs"),
+        description="on-disk cache of autotuned kernel configurations (per GPU, Triton "
+        "version, shape and rank)",
     )
     metrics_listen: str = Field(
         "127.0.0.1:9402", description="host:port of the Prometheus /metrics endpoint; empty: off"

@@ -5,12 +5,16 @@ name, number and digest, for ListLoadedAdapters), keyed by digest so that it is 
 entry is written under a temporary name and renamed into place complete, so a crash never
 leaves a half entry that looks whole. A byte budget bounds the cache; the least recently used
 versions go first. Entries survive restarts: a restarted executor serves what it had
-downloaded even while the registry is unreachable. Every read is checked against the digest,
-so a damaged entry is dropped and fetched again rather than served.
+downloaded even while the registry is unreachable. An entry is checked against its digest
+once per process (at commit, since the download hashed the bytes as they arrived; after a
+restart, at its first read), and then served while its files keep the size and mtime seen
+then: a replaced or truncated file is hashed again, and a damaged entry is dropped and fetched
+again rather than served. Reads hand out the folder, for the packer to memory-map.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -21,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from executor_service.sources import ResolvedAdapter
-from shared.adapter_files import ADAPTER_FILES, digest_of_files
+from shared.adapter_files import ADAPTER_FILES, files_digest
 from shared.logs import log_event
 from shared.refs import validate_digest
 
@@ -47,6 +51,8 @@ class DiskCache:
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, DiskEntry] = OrderedDict()  # by digest, LRU first
+        #: (size, mtime_ns) of each file when the entry was last checked against its digest.
+        self._verified: dict[str, tuple[tuple[int, int], ...]] = {}
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -60,22 +66,25 @@ class DiskCache:
         with self._lock:
             return list(self._entries.values())
 
-    def get(self, digest: str) -> dict[str, bytes] | None:
-        """The files of ``digest``, or None when not cached (or the entry fails its check)."""
+    def get(self, digest: str) -> Path | None:
+        """The folder holding the files of ``digest``, or None when not cached (or the entry
+        fails its check)."""
         with self._lock:
             if digest not in self._entries:
                 return None
             self._entries.move_to_end(digest)
+            verified = self._verified.get(digest)
         folder = self._folder(digest)
-        try:
-            files = {name: (folder / name).read_bytes() for name in ADAPTER_FILES}
-        except FileNotFoundError:
-            files = None
-        if files is None or digest_of_files(files) != digest:
+        stamps = _stamps(folder)
+        if stamps is not None and stamps == verified:
+            return folder
+        if stamps is None or _digest_of_folder(folder) != digest:
             log_event(log, "disk_cache_entry_damaged", logging.WARNING, digest=digest)
             self.remove(digest)
             return None
-        return files
+        with self._lock:
+            self._verified[digest] = stamps
+        return folder
 
     def reserve(self) -> Path:
         """A new empty folder inside the cache for a download to write into; ``commit``
@@ -100,6 +109,9 @@ class DiskCache:
             if keep:
                 partial.rename(self._folder(digest))
                 self._entries[digest] = DiskEntry(adapter, size)
+                stamps = _stamps(self._folder(digest))
+                if stamps is not None:
+                    self._verified[digest] = stamps
                 evicted = self._evict_locked(keep=digest)
             else:
                 evicted = []
@@ -117,8 +129,24 @@ class DiskCache:
         """Drops ``digest``; True if it was cached."""
         with self._lock:
             known = self._entries.pop(digest, None) is not None
+            self._verified.pop(digest, None)
         shutil.rmtree(self._folder(digest), ignore_errors=True)
         return known
+
+    def shed(self) -> list[str]:
+        """The volume is full (ENOSPC) below the byte budget: evicts the least recently used
+        half of the entries (at least one); returns their digests, [] when empty."""
+        with self._lock:
+            count = (len(self._entries) + 1) // 2
+            evicted = list(self._entries)[:count]
+            for digest in evicted:
+                del self._entries[digest]
+                self._verified.pop(digest, None)
+        for gone in evicted:
+            shutil.rmtree(self._folder(gone), ignore_errors=True)
+        if evicted:
+            log_event(log, "disk_cache_shed", logging.WARNING, digests=evicted)
+        return evicted
 
     def _evict_locked(self, keep: str) -> list[str]:
         evicted = []
@@ -129,6 +157,7 @@ class DiskCache:
             if digest == keep:
                 continue
             total -= self._entries.pop(digest).nbytes
+            self._verified.pop(digest, None)
             evicted.append(digest)
         return evicted
 
@@ -171,3 +200,24 @@ def _read_entry(folder: Path) -> DiskEntry | None:
     if folder.name != adapter.digest.removeprefix("sha256:"):
         return None
     return DiskEntry(adapter, nbytes)
+
+
+def _stamps(folder: Path) -> tuple[tuple[int, int], ...] | None:
+    """(size, mtime_ns) of each file, or None when one is missing."""
+    try:
+        stats = [(folder / name).stat() for name in ADAPTER_FILES]
+    except OSError:
+        return None
+    return tuple((st.st_size, st.st_mtime_ns) for st in stats)
+
+
+def _digest_of_folder(folder: Path) -> str | None:
+    """The version digest of the files in ``folder``; None when one cannot be read."""
+    hashes = {}
+    try:
+        for name in ADAPTER_FILES:
+            with (folder / name).open("rb") as handle:
+                hashes[name] = hashlib.file_digest(handle, "sha256").hexdigest()
+    except OSError:
+        return None
+    return files_digest(hashes)

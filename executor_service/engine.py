@@ -1,43 +1,42 @@
-"""Where Forward is computed: validate, resolve segments to slots, run the MoE kernel.
+"""Where Forward is computed: validate and resolve a request, then run merged launches.
 
-``ForwardEngine.forward`` takes decoded tensors (the gRPC layer decodes and encodes) and
-raises the domain errors that the servicer maps to status codes. Every check on the request
-happens here, before anything touches the device, so that a bad request never reaches the
-kernel and leaves nothing behind.
+``ForwardEngine.prepare`` takes a decoded request (the gRPC layer decodes), checks it, resolves
+its adapters and brings their data to the host, raising the domain errors that the servicer
+maps to status codes: a bad request, or one whose adapter fails to load, fails alone, before
+it meets other requests or the device. ``ForwardEngine.run`` computes a batch of prepared
+requests for one layer as one launch (the scheduler decides which) and encodes each answer.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from executor_service.adapters import AdapterManager
+from executor_service.batch import (
+    Prepared,
+    Segment,
+    merged_routing,
+    merged_wanted,
+    row_ranges,
+    slot_wait,
+    token_slots,
+)
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel
-from kernels import LoRAContext, MoELayerWeights, Routing
+from executor_service.runner import Launch, Runner
+from kernels import MoELayerWeights, Routing
+from moelora.v1 import tensor_pb2
+from shared import torch_codec
 from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from shared.layer_set import format_layers
 from shared.refs import AdapterRef
 
-#: ``kernels.moe_forward`` with the backend bound; tests inject a wrapper (for example one that
-#: slows the kernel down) through ``ForwardEngine(kernel=...)``.
-KernelFn = Callable[
-    [torch.Tensor, MoELayerWeights, LoRAContext | None, Routing | None], torch.Tensor
-]
-
 WIRE_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ROUTING_ID_DTYPES = (torch.int32, torch.int64)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """``num_tokens`` consecutive tokens using ``adapter`` ("" = the base model)."""
-
-    num_tokens: int
-    adapter: str
 
 
 @dataclass(frozen=True)
@@ -53,20 +52,19 @@ class ForwardInput:
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    """(T, H) on the CPU in the input's dtype, and ``name:VERSION`` per segment ("" = base)."""
+    """(T, H) in the input's dtype, encoded for the wire, and ``name:VERSION`` per segment
+    ("" = base)."""
 
-    output: torch.Tensor
+    output: tensor_pb2.Tensor
     resolved_adapters: list[str]
-    #: Adapters this request loaded into GPU slots (0: all were resident, or none used).
+    #: Adapters of this request that its batch loaded into GPU slots (0: all were resident).
     adapters_loaded: int = 0
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """Where the engine computes, in what, and the largest T it takes."""
+    """The largest T a request may carry."""
 
-    device: torch.device
-    dtype: torch.dtype
     max_tokens_per_request: int
 
 
@@ -78,19 +76,18 @@ class ForwardEngine:
         model: BaseModel,
         adapters: AdapterManager,
         settings: EngineSettings,
-        kernel: KernelFn,
+        runner: Runner,
         metrics: ExecutorMetrics,
     ) -> None:
         self.model = model
         self.adapters = adapters
         self.settings = settings
-        self._kernel = kernel
+        self._runner = runner
         self._metrics = metrics
 
-    def forward(self, request: ForwardInput, slot_wait: float) -> ForwardOutput:
-        """Runs one request, waiting up to ``slot_wait`` seconds for GPU slots that requests
-        in flight hold."""
-        start = time.perf_counter()
+    def prepare(self, request: ForwardInput, slot_wait: float) -> Prepared:
+        """Checks the request, resolves its adapters and brings their data to the host; it
+        may wait up to ``slot_wait`` seconds for GPU slots that requests in flight hold."""
         layer = self._layer(request.layer)
         hidden = request.hidden
         tokens = self._check_hidden(hidden)
@@ -103,40 +100,62 @@ class ForwardEngine:
         }
         resolved = {text: self.adapters.resolve(ref) for text, ref in refs.items()}
         distinct = list({a.digest: a for a in resolved.values()}.values())
-        device, dtype = self.settings.device, self.settings.dtype
-        buffers = self.adapters.slots.buffers
-        lease = self.adapters.acquire(distinct, slot_wait) if distinct else None
-        try:
-            with buffers.sync.on_device():
-                x = hidden.to(device=device, dtype=dtype)
-                lora = None
-                if lease is not None:
-                    per_segment = [
-                        lease.slots[resolved[s.adapter].digest] if s.adapter else -1
-                        for s in segments
-                    ]
-                    token_slots = torch.repeat_interleave(
-                        torch.tensor(per_segment, dtype=torch.int32),
-                        torch.tensor([s.num_tokens for s in segments]),
-                    ).to(device)
-                    buffers.sync.wait(lease.ready)
-                    lora = LoRAContext(buffers.layer(request.layer), token_slots)
-                out = self._kernel(x, layer, lora, routing)
-        finally:
-            # Released once the kernel is enqueued: on CUDA the recorded event, not the host,
-            # keeps a rewrite of these slots behind the kernel.
-            if lease is not None:
-                self.adapters.release(lease, buffers.sync.record())
-        output = out.to(device="cpu", dtype=hidden.dtype)
-        lora_tokens = sum(s.num_tokens for s in segments if s.adapter)
-        self._metrics.forward_tokens.labels("lora").inc(lora_tokens)
-        self._metrics.forward_tokens.labels("base").inc(tokens - lora_tokens)
-        self._metrics.forward_seconds.observe(time.perf_counter() - start)
-        return ForwardOutput(
-            output=output,
-            resolved_adapters=[resolved[s.adapter].label if s.adapter else "" for s in segments],
-            adapters_loaded=0 if lease is None else len(lease.loaded),
+        wanted = self.adapters.prepare(distinct) if distinct else []
+        return Prepared(
+            layer=request.layer,
+            hidden=hidden,
+            segments=tuple(segments),
+            adapters=tuple(resolved[s.adapter] if s.adapter else None for s in segments),
+            wanted=tuple(wanted),
+            routing=routing,
+            slot_deadline=time.monotonic() + slot_wait,
         )
+
+    def run(self, requests: Sequence[Prepared]) -> list[ForwardOutput]:
+        """Computes ``requests`` (same layer, see ``batch.batch_key``) as one launch."""
+        start = time.perf_counter()
+        index = requests[0].layer
+        layer = self.model.layers[index]
+        wanted = merged_wanted(requests)
+        with self.adapters.lease(wanted, slot_wait(requests)) as lease:
+            slots = None
+            if any(a is not None for r in requests for a in r.adapters):
+                slots = token_slots(requests, lease.slots)
+            launch = Launch(
+                layer_index=index,
+                layer=layer,
+                parts=[r.hidden for r in requests],
+                token_slots=slots,
+                lora_slots=self.adapters.lora_slots(index),
+                routing=merged_routing(requests),
+            )
+            out = self._runner.run(launch)
+        encoding = time.perf_counter()
+        loaded = {adapter.digest for adapter in lease.loaded}
+        outputs = [
+            ForwardOutput(
+                output=torch_codec.from_torch(out[a:b].to(r.hidden.dtype)),
+                resolved_adapters=r.labels,
+                adapters_loaded=len({x.digest for x in r.adapters if x is not None} & loaded),
+            )
+            for r, (a, b) in zip(requests, row_ranges(requests), strict=True)
+        ]
+        end = time.perf_counter()
+        metrics = self._metrics
+        metrics.stage["encode"].observe(end - encoding)
+        tokens = sum(r.tokens for r in requests)
+        lora_tokens = sum(
+            s.num_tokens
+            for r in requests
+            for s, a in zip(r.segments, r.adapters, strict=True)
+            if a is not None
+        )
+        metrics.lora_tokens.inc(lora_tokens)
+        metrics.base_tokens.inc(tokens - lora_tokens)
+        metrics.forward_seconds.observe(end - start)
+        metrics.batch_requests.observe(len(requests))
+        metrics.batch_tokens.observe(tokens)
+        return outputs
 
     def _layer(self, index: int) -> MoELayerWeights:
         layer = self.model.layers.get(index)
@@ -220,10 +239,9 @@ class ForwardEngine:
             raise InvalidArgument(
                 "routing.topk_weights: weights must be finite", "routing.topk_weights"
             )
-        device = self.settings.device
         return Routing(
-            topk_ids=ids.to(device=device, dtype=torch.int32),
-            topk_weights=weights.to(device=device).contiguous(),
+            topk_ids=ids.to(dtype=torch.int32).contiguous(),
+            topk_weights=weights.contiguous(),
         )
 
 

@@ -46,7 +46,9 @@ def pin_packed(packed: PackedAdapter) -> PackedAdapter:
     """A copy of ``packed`` in page-locked memory (for asynchronous copies to the GPU)."""
 
     def pin(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.pin_memory()
+        if tensor is None or tensor.is_pinned():
+            return tensor  # the packer wrote it pinned already
+        return tensor.pin_memory()
 
     layers = {
         index: PackedLayer(a13=pin(lay.a13), b13=pin(lay.b13), a2=pin(lay.a2), b2=pin(lay.b2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from executor_service.app import ExecutorApp
@@ -15,6 +16,9 @@ from shared.metrics import start_metrics_server
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(ExecutorSettings, argv)
     configure_logging(settings.log_level, settings.log_format)
+    # The launching thread gives up the GIL in every torch call and must win it back from
+    # handler threads decoding requests: a short switch interval bounds that wait.
+    sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
     app = ExecutorApp(settings, ExecutorMetrics())
     start_metrics_server(settings.metrics_listen)
     app.serve_forever()

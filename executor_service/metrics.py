@@ -33,6 +33,25 @@ _LATENCY_BUCKETS = (
 )
 
 
+#: Finer buckets for the stages of one Forward (tens of microseconds upwards).
+_STAGE_BUCKETS = (
+    0.00002,
+    0.00005,
+    0.0001,
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.5,
+    2,
+)
+
+
 class ExecutorMetrics:
     """Every metric the executor exports."""
 
@@ -97,6 +116,59 @@ class ExecutorMetrics:
             ["state"],
             registry=registry,
         )
+
+        self.batch_requests = Histogram(
+            "moelora_executor_batch_requests",
+            "Requests merged into one launch",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+            registry=registry,
+        )
+        self.batch_tokens = Histogram(
+            "moelora_executor_batch_tokens",
+            "Tokens of one launch (before padding to its CUDA-graph bucket)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384),
+            registry=registry,
+        )
+        self.queue_wait_seconds = Histogram(
+            "moelora_executor_queue_wait_seconds",
+            "Time a Forward request waited for its batch to start",
+            buckets=_STAGE_BUCKETS,
+            registry=registry,
+        )
+        self.queued_requests = Gauge(
+            "moelora_executor_queued_requests",
+            "Forward requests waiting for the GPU",
+            registry=registry,
+        )
+        self.overloaded = Counter(
+            "moelora_executor_overloaded_total",
+            "Forward requests refused because --max-queued-requests were waiting",
+            registry=registry,
+        )
+        self.runs = Counter(
+            "moelora_executor_forward_runs_total",
+            "Launches by mode: graph (CUDA-graph replay) or eager",
+            ["mode"],
+            registry=registry,
+        )
+        self.stage_seconds = Histogram(
+            "moelora_executor_stage_seconds",
+            "Time per stage: decode, queue, stage (into the pinned input), h2d, kernel, d2h "
+            "(device times on a GPU), encode",
+            ["stage"],
+            buckets=_STAGE_BUCKETS,
+            registry=registry,
+        )
+
+        # Label children resolved once: ``labels()`` costs microseconds on every Forward.
+        self.stage = {
+            name: self.stage_seconds.labels(name)
+            for name in ("decode", "queue", "stage", "h2d", "kernel", "d2h", "encode")
+        }
+        self.graph_runs = self.runs.labels("graph")
+        self.eager_runs = self.runs.labels("eager")
+        self.lora_tokens = self.forward_tokens.labels("lora")
+        self.base_tokens = self.forward_tokens.labels("base")
 
     def set_resident(self, adapter: str, tier: str, resident: bool) -> None:
         """Adds or removes one adapter's series (absent, rather than 0, once it left)."""

@@ -104,19 +104,15 @@ def served_layers(spec: ModelSpec, only: Sequence[int] | None) -> tuple[int, ...
 
 
 def router_spec(spec: ModelSpec) -> RouterSpec:
-    """The kernels' router settings for a model."""
-    if spec.model_type == "gpt_oss":
-        return RouterSpec(RouterKind.TOPK_SOFTMAX, spec.top_k, renormalize=True)
-    if spec.model_type == "deepseek_v3":
-        return RouterSpec(
-            RouterKind.SIGMOID_GROUPED_TOPK,
-            spec.top_k,
-            renormalize=spec.norm_topk_prob,
-            n_group=spec.n_group,
-            topk_group=spec.topk_group,
-            routed_scaling_factor=spec.routed_scaling_factor,
-        )
-    return RouterSpec(RouterKind.SOFTMAX_TOPK, spec.top_k, renormalize=spec.norm_topk_prob)
+    """The kernels' router settings for a model (RouterKind shares RouterStyle's names)."""
+    return RouterSpec(
+        RouterKind[spec.type.router.name],
+        spec.top_k,
+        renormalize=spec.norm_topk_prob,
+        n_group=spec.n_group,
+        topk_group=spec.topk_group,
+        routed_scaling_factor=spec.routed_scaling_factor,
+    )
 
 
 class _Reader:
@@ -166,20 +162,21 @@ def _layer(
 ) -> MoELayerWeights:
     get = reader.get
     if layout is ExpertLayout.FUSED_TRANSPOSED:
-        gate_up = get(names.gate_up).transpose(1, 2)  # (E, 2I, H), rows interleaved
-        w13 = torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1).contiguous()
-        bias = get(names.gate_up_bias)
-        b13 = torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1).contiguous()
+        w13 = get(names.gate_up).transpose(1, 2)  # (E, 2I, H)
+        b13 = get(names.gate_up_bias)
+        if spec.type.gate_up_interleaved:  # gate = even rows, up = odd rows
+            w13 = torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1)
+            b13 = torch.cat((b13[:, 0::2], b13[:, 1::2]), dim=1)
         w2 = get(names.down).transpose(1, 2).contiguous()
         return MoELayerWeights(
             router=router_spec(spec),
             router_weight=get(names.router_weight),
             router_bias=get(names.router_bias),
-            w13=w13,
+            w13=w13.contiguous(),
             w2=w2,
-            b13=b13,
+            b13=b13.contiguous(),
             b2=get(names.down_bias),
-            activation=Activation.GPT_OSS,
+            activation=Activation[spec.type.activation.name],
             swiglu_alpha=spec.swiglu_alpha,
             swiglu_limit=spec.swiglu_limit,
         )
@@ -203,6 +200,7 @@ def _layer(
         w13=w13,
         w2=w2,
         shared=shared,
+        activation=Activation[spec.type.activation.name],
     )
 
 

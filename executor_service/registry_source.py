@@ -18,6 +18,7 @@ the registry's change stream so that cached answers stay true.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -25,15 +26,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from executor_service.disk_cache import DiskCache
-from executor_service.sources import AdapterFiles, ResolvedAdapter, checked_files
+from executor_service.sources import AdapterFiles, ResolvedAdapter, check_digest, parse_config
 from moelora.v1 import registry_pb2
-from shared.adapter_files import ADAPTER_FILES
+from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE, files_digest
 from shared.errors import (
+    DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
     MoeLoraError,
     NotFound,
     OutOfRange,
+    ResourceExhausted,
     Unavailable,
 )
 from shared.logs import log_event
@@ -100,25 +103,51 @@ class RegistrySource:
         return adapter
 
     def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles:
-        files = self._disk.get(adapter.digest)
-        if files is not None:
-            return checked_files(adapter, files, where=f"the disk cache {self._disk.root}")
+        folder = self._disk.get(adapter.digest)
+        if folder is not None:
+            return _files_in(adapter, folder, where=f"the disk cache {self._disk.root}")
+        while True:
+            try:
+                return self._download_to_disk(adapter)
+            except OSError as exc:
+                # A full volume (below the byte budget: shared, or the budget is too big):
+                # make room from the least recently used entries and try again.
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                if not self._disk.shed():
+                    raise ResourceExhausted(
+                        f"adapter {adapter.label}: the disk cache volume {self._disk.root} is "
+                        f"full ({exc.strerror}) and holds nothing to evict; free space or "
+                        "lower --disk-cache-bytes"
+                    ) from None
+
+    def _download_to_disk(self, adapter: ResolvedAdapter) -> AdapterFiles:
         partial = self._disk.reserve()
         try:
             start = time.perf_counter()
-            self._download(adapter, partial)
-            data = {name: (partial / name).read_bytes() for name in ADAPTER_FILES}
-            files_checked = checked_files(adapter, data, where=f"the registry at {self.address}")
+            # The client hashed every file as its bytes arrived and checked them against
+            # these sha256s: the version digest follows without reading the files again.
+            version = self._download(adapter, partial)
+            where = f"the registry at {self.address}"
+            check_digest(adapter, files_digest({f.path: f.sha256 for f in version.files}), where)
+            config = parse_config(adapter, (partial / CONFIG_FILE).read_bytes(), where)
             log_event(
                 log,
                 "adapter_downloaded",
                 adapter=adapter.label,
                 digest=adapter.digest,
-                bytes=sum(len(v) for v in data.values()),
+                bytes=sum(f.size_bytes for f in version.files),
                 ms=round((time.perf_counter() - start) * 1000, 1),
             )
+            weights = partial / WEIGHTS_FILE
+            if weights.stat().st_size > self._disk.budget_bytes:
+                # Larger than the whole disk budget, so not kept: pack it from memory.
+                return AdapterFiles(config, weights.read_bytes())
             self._disk.commit(adapter, partial)
-            return files_checked
+            folder = self._disk.get(adapter.digest)
+            if folder is None:
+                raise DataLoss(f"adapter {adapter.label}: its disk cache entry vanished")
+            return AdapterFiles(config, folder / WEIGHTS_FILE)
         except _UNREACHABLE as exc:
             raise Unavailable(
                 f"adapter {adapter.label}: the registry at {self.address} cannot be reached "
@@ -156,16 +185,22 @@ class RegistrySource:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _download(self, adapter: ResolvedAdapter, folder: Path) -> None:
+    def _download(self, adapter: ResolvedAdapter, folder: Path) -> registry_pb2.AdapterVersion:
         ref = f"{adapter.name}@{adapter.digest}"
         if self._presign is not False:
             try:
-                self.client.download_presigned(ref, folder)
+                version = self.client.download_presigned(ref, folder)
                 self._presign = True
-                return
+                return version
             except FailedPrecondition:
                 self._presign = False  # the local-directory store: use the stream from now on
-        self.client.download(ref, folder)
+        return self.client.download(ref, folder)
+
+
+def _files_in(adapter: ResolvedAdapter, folder: Path, where: str) -> AdapterFiles:
+    """A checked disk-cache entry as the packer takes it: the weights stay on disk."""
+    config = parse_config(adapter, (folder / CONFIG_FILE).read_bytes(), where)
+    return AdapterFiles(config, folder / WEIGHTS_FILE)
 
 
 def _made_stale(

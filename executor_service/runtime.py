@@ -12,16 +12,22 @@ import torch
 
 import kernels
 from executor_service.adapters import AdapterManager, PackSettings
+from executor_service.batch import KernelFn
 from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
-from executor_service.engine import EngineSettings, ForwardEngine, KernelFn
+from executor_service.engine import EngineSettings, ForwardEngine
+from executor_service.graphs import GraphCache
 from executor_service.host_cache import HostCache
+from executor_service.kernel_configs import KernelConfigReport, prepare_kernel_configs
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.registry_source import RegistrySource, RegistryWatcher
+from executor_service.runner import Runner
+from executor_service.scheduler import Scheduler, SchedulerSettings
 from executor_service.slot_buffers import DeviceSync, SlotBuffers
-from executor_service.slots import SlotManager
+from executor_service.slots import LRUPolicy, SlotManager
 from executor_service.sources import AdapterSource, LocalFolderSource
+from executor_service.staging import Staging
 from kernels.forward import Backend
 from shared.errors import InvalidArgument, MoeLoraError
 from shared.layer_set import format_layers
@@ -84,6 +90,11 @@ class ExecutorRuntime:
     model: BaseModel
     adapters: AdapterManager
     engine: ForwardEngine
+    #: Where Forward requests wait to be merged into launches.
+    scheduler: Scheduler
+    metrics: ExecutorMetrics
+    #: Where the kernels' launch configurations come from (GetExecutorInfo).
+    kernel_configs: tuple[KernelConfigReport, ...] = ()
     #: Follows the registry's changes when adapters come from the registry.
     watcher: RegistryWatcher | None = None
 
@@ -108,11 +119,40 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
             settings.registry_address,
             token=settings.registry_token,
             tls=settings.registry_tls,
+            root_certificates=(
+                settings.registry_tls_ca_file.expanduser().read_bytes()
+                if settings.registry_tls_ca_file is not None
+                else None
+            ),
             timeout=settings.registry_timeout_seconds,
         )
         disk = DiskCache(settings.disk_cache_dir, settings.disk_cache_bytes)
         return RegistrySource(client, settings.registry_address, disk)
     return None
+
+
+def _runner(
+    settings: ExecutorSettings,
+    where: Placement,
+    model: BaseModel,
+    adapters: AdapterManager,
+    kernel: KernelFn,
+    sync: DeviceSync,
+    metrics: ExecutorMetrics,
+) -> Runner:
+    """Eager on the CPU; on a GPU pinned staging and, unless ``--cuda-graphs off``, graphs."""
+    if where.device.type != "cuda":
+        if settings.cuda_graphs == "on":
+            raise InvalidArgument("--cuda-graphs on needs a CUDA device")
+        return Runner(kernel, sync, where.dtype, metrics)
+    with sync.on_device():
+        staging = Staging(model.spec.hidden_size, where.dtype, settings.max_batch_tokens)
+        graphs = None
+        if settings.cuda_graphs != "off":
+            graphs = GraphCache(
+                kernel, model.layers, adapters.lora_slots, where.device, where.dtype
+            )
+    return Runner(kernel, sync, where.dtype, metrics, graphs, staging)
 
 
 def build_runtime(
@@ -130,6 +170,8 @@ def build_runtime(
     model = load_base_model(
         folder, where.device, where.dtype, settings.base_model_name, settings.layer_set
     )
+    # Tuned (or autotuned, within its budget) before any graph is captured or request served.
+    configs = prepare_kernel_configs(settings, where.device, model)
     sync = DeviceSync(where.device)
     buffers = SlotBuffers(model.layers, settings.num_slots, settings.max_rank, where.dtype, sync)
     manager = AdapterManager(
@@ -142,19 +184,32 @@ def build_runtime(
             layers=frozenset(model.layers),
         ),
         host=HostCache(settings.host_cache_bytes, pin_memory=where.device.type == "cuda"),
-        slots=SlotManager(buffers),
+        slots=SlotManager(buffers, LRUPolicy()),
         metrics=metrics,
+    )
+    # The loader validated every layer once (kernels.validate_layer): not again per call.
+    kernel = kernel or functools.partial(
+        kernels.moe_forward,
+        backend=where.kernel_backend,
+        configs=configs.selector,
+        check_layer=False,
     )
     engine = ForwardEngine(
         model=model,
         adapters=manager,
-        settings=EngineSettings(
-            device=where.device,
-            dtype=where.dtype,
-            max_tokens_per_request=settings.max_tokens_per_request,
-        ),
-        kernel=kernel or functools.partial(kernels.moe_forward, backend=where.kernel_backend),
+        settings=EngineSettings(max_tokens_per_request=settings.max_tokens_per_request),
+        runner=_runner(settings, where, model, manager, kernel, sync, metrics),
         metrics=metrics,
+    )
+    scheduler = Scheduler(
+        engine.run,
+        manager.can_lease,
+        SchedulerSettings(
+            max_batch_tokens=settings.max_batch_tokens,
+            batch_window_us=settings.batch_window_us,
+            max_queued_requests=settings.max_queued_requests,
+        ),
+        metrics,
     )
     watcher = None
     if isinstance(manager.source, RegistrySource):
@@ -166,6 +221,9 @@ def build_runtime(
         model=model,
         adapters=manager,
         engine=engine,
+        scheduler=scheduler,
+        metrics=metrics,
+        kernel_configs=configs.reports,
         watcher=watcher,
     )
     for text in settings.preload_adapters:

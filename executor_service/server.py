@@ -9,8 +9,8 @@ them into per-request ``RequestError`` answers so that one bad request does not 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -18,12 +18,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from typing_extensions import override
 
 from executor_service.adapters import AdapterStatus, Location
-from executor_service.engine import ForwardInput, Segment
+from executor_service.batch import Segment
+from executor_service.engine import ForwardInput
 from executor_service.runtime import ExecutorRuntime, replica_name
 from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared import codec
-from shared.errors import MoeLoraError, Unavailable
-from shared.logs import log_event
+from shared import codec, torch_codec
+from shared.errors import MoeLoraError, Overloaded, Unavailable
+from shared.grpc_server import internal_error_message
 from shared.refs import AdapterRef
 from shared.version import package_version
 
@@ -44,11 +45,13 @@ def decode_forward(request: executor_pb2.ForwardRequest) -> ForwardInput:
     has_weights = routing is not None and routing.HasField("topk_weights")
     return ForwardInput(
         layer=request.layer,
-        hidden=codec.to_torch(request.hidden_states, "hidden_states"),
+        hidden=torch_codec.to_torch(request.hidden_states, "hidden_states"),
         segments=[Segment(s.num_tokens, s.adapter) for s in request.segments],
-        topk_ids=codec.to_torch(request.routing.topk_ids, "routing.topk_ids") if has_ids else None,
+        topk_ids=torch_codec.to_torch(request.routing.topk_ids, "routing.topk_ids")
+        if has_ids
+        else None,
         topk_weights=(
-            codec.to_torch(request.routing.topk_weights, "routing.topk_weights")
+            torch_codec.to_torch(request.routing.topk_weights, "routing.topk_weights")
             if has_weights
             else None
         ),
@@ -77,8 +80,12 @@ def loaded_adapter(status: AdapterStatus) -> executor_pb2.LoadedAdapter:
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     """Answers UNAVAILABLE until ``attach`` hands it the loaded runtime."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_streams: int = 48) -> None:
         self._runtime: ExecutorRuntime | None = None
+        # Each open ForwardStream holds a handler thread: past this many, refuse new ones
+        # rather than let idle or slow streams take every thread from unary calls.
+        self._max_streams = max_streams
+        self._streams = threading.BoundedSemaphore(max_streams)
 
     def attach(self, runtime: ExecutorRuntime) -> None:
         self._runtime = runtime
@@ -94,9 +101,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> executor_pb2.ForwardResponse:
         runtime = self._ready()
         start = time.perf_counter()
-        result = runtime.engine.forward(decode_forward(request), _slot_wait(runtime, context))
+        decoded = decode_forward(request)
+        runtime.metrics.stage["decode"].observe(time.perf_counter() - start)
+        prepared = runtime.engine.prepare(decoded, _slot_wait(runtime, context))
+        result = runtime.scheduler.submit(prepared)
         response = executor_pb2.ForwardResponse(
-            output=codec.from_torch(result.output),
+            output=result.output,
             resolved_adapters=result.resolved_adapters,
             adapters_resident=result.adapters_loaded == 0,
             adapters_loaded=result.adapters_loaded,
@@ -116,24 +126,41 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         request_iterator: Iterator[executor_pb2.ForwardStreamRequest],
         context: grpc.ServicerContext,
     ) -> Iterator[executor_pb2.ForwardStreamResponse]:
+        if not self._streams.acquire(blocking=False):
+            raise Overloaded(
+                f"{self._max_streams} ForwardStream streams are open, the most this executor "
+                "serves at once (--max-forward-streams); retry later or use another replica",
+                retry_after_ms=1000,
+            )
+        try:
+            yield from self._answer_stream(request_iterator, context)
+        except grpc.RpcError:
+            if context.is_active():
+                raise
+            # The client closed or cancelled the stream: nothing is left to answer.
+        finally:
+            self._streams.release()
+
+    def _answer_stream(
+        self,
+        request_iterator: Iterator[executor_pb2.ForwardStreamRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[executor_pb2.ForwardStreamResponse]:
         for item in request_iterator:
             try:
                 answer = self._forward(item.forward, context)
             except MoeLoraError as exc:
-                error = executor_pb2.RequestError(code=exc.code.value[0], message=exc.message)
+                error = executor_pb2.RequestError(
+                    code=exc.code.value[0],
+                    message=exc.message,
+                    retry_after_ms=exc.retry_after_ms if isinstance(exc, Overloaded) else 0,
+                )
             except Exception:
-                error_id = uuid.uuid4().hex[:12]
-                log_event(
-                    log,
-                    "forward_stream_internal_error",
-                    logging.ERROR,
-                    exc_info=True,
-                    request_id=item.request_id,
-                    error_id=error_id,
+                message = internal_error_message(
+                    "forward_stream_internal_error", request_id=item.request_id
                 )
                 error = executor_pb2.RequestError(
-                    code=grpc.StatusCode.INTERNAL.value[0],
-                    message=f"internal error (id {error_id}); see the server log",
+                    code=grpc.StatusCode.INTERNAL.value[0], message=message
                 )
             else:
                 yield executor_pb2.ForwardStreamResponse(request_id=item.request_id, forward=answer)
@@ -182,11 +209,12 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self, request: executor_pb2.ListLoadedAdaptersRequest, context: grpc.ServicerContext
     ) -> executor_pb2.ListLoadedAdaptersResponse:
         adapters = self._ready().adapters
+        stats = adapters.stats()
         return executor_pb2.ListLoadedAdaptersResponse(
             adapters=[loaded_adapter(s) for s in adapters.list_loaded()],
-            num_slots=adapters.slots.num_slots,
-            free_slots=adapters.slots.free_slots(),
-            host_cache_used_bytes=adapters.host.used_bytes,
+            num_slots=stats.num_slots,
+            free_slots=stats.free_slots,
+            host_cache_used_bytes=stats.host_cache_used_bytes,
         )
 
     @override
@@ -202,14 +230,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             max_rank=settings.max_rank,
             device=where.device_name,
             backend=where.backend_name,
-            slot_memory_bytes=runtime.adapters.slots.buffers.nbytes,
+            slot_memory_bytes=runtime.adapters.stats().slot_memory_bytes,
             host_cache_bytes=settings.host_cache_bytes,
             max_tokens_per_request=settings.max_tokens_per_request,
             max_message_bytes=settings.max_message_bytes,
             server_version=package_version(),
             served_layers=sorted(runtime.model.layers),
             replica_name=replica_name(settings),
-        )
+            kernel_configs=[
+                executor_pb2.KernelConfigInfo(
+                    rank=c.rank, source=c.source, shape=c.shape,
+                    autotune_seconds=c.autotune_seconds,
+                )
+                for c in runtime.kernel_configs
+            ],
+        )  # fmt: skip
 
 
 def _slot_wait(runtime: ExecutorRuntime, context: grpc.ServicerContext) -> float:

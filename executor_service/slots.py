@@ -6,9 +6,10 @@ above zero it is never chosen for eviction, and a rewrite of the slot on the dev
 the events recorded after the kernels that read it, so an in-flight Forward never sees its
 adapter overwritten.
 
-Eviction takes the least recently used slot that is free of references and not pinned (empty
-slots first). Acquisition is all or nothing, so two batches never hold part of what they need
-while waiting for each other:
+Eviction takes an empty slot if there is one, else the slot that the ``EvictionPolicy`` puts
+first among those free of references and not pinned (``LRUPolicy``: the least recently used;
+``runtime.py`` chooses the policy). Acquisition is all or nothing, so two batches never hold
+part of what they need while waiting for each other:
 
 * a batch needing more distinct adapters than there are slots not pinned by *other* adapters can
   never run: RESOURCE_EXHAUSTED at once (the caller should split it);
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from executor_service.packer import PackedAdapter
 from executor_service.slot_buffers import DeviceEvent, SlotBuffers
@@ -31,13 +33,46 @@ from executor_service.sources import ResolvedAdapter
 from shared.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
 
 
-class SlotDataMissing(Exception):
-    """``acquire`` must load adapters whose packed data the caller did not pass (they were
-    evicted from the slots after the caller checked): fetch these and call again."""
+class SlotsBusy(ResourceExhausted):
+    """The slots a batch needs are held by requests in flight for longer than it may wait."""
 
-    def __init__(self, adapters: Sequence[ResolvedAdapter]) -> None:
-        super().__init__(", ".join(a.label for a in adapters))
-        self.adapters = tuple(adapters)
+
+@dataclass(frozen=True)
+class Wanted:
+    """An adapter a batch needs, with its packed data when the caller has it (None when it
+    was in a slot as the caller looked: ``acquire`` fetches it if it has left since)."""
+
+    adapter: ResolvedAdapter
+    packed: PackedAdapter | None = None
+
+
+#: Brings an adapter's packed data (host cache or source); called without the slot lock.
+Fetch = Callable[[ResolvedAdapter], PackedAdapter]
+
+
+class EvictionPolicy(Protocol):
+    """Which occupied, evictable slot goes first. Called with the slot table's lock held."""
+
+    def used(self, slot: int) -> None:
+        """``slot`` was assigned or read by a batch."""
+
+    def order(self, slots: Sequence[int]) -> list[int]:
+        """``slots`` (occupied, evictable) in eviction order, first victim first."""
+
+
+class LRUPolicy:
+    """The least recently used slot goes first."""
+
+    def __init__(self) -> None:
+        self._tick = 0
+        self._last: dict[int, int] = {}
+
+    def used(self, slot: int) -> None:
+        self._tick += 1
+        self._last[slot] = self._tick
+
+    def order(self, slots: Sequence[int]) -> list[int]:
+        return sorted(slots, key=lambda s: self._last.get(s, 0))
 
 
 @dataclass
@@ -48,7 +83,6 @@ class _Slot:
     nbytes: int = 0
     refcount: int = 0
     pinned: bool = False
-    lru_tick: int = 0
     last_used: float | None = None
     # Set once the write is issued (CPU: done); readers wait for it before using the slot.
     written: threading.Event = field(default_factory=threading.Event)
@@ -89,19 +123,24 @@ class SlotLease:
 class SlotManager:
     """The slot table of one ``SlotBuffers``."""
 
-    def __init__(self, buffers: SlotBuffers) -> None:
+    def __init__(self, buffers: SlotBuffers, policy: EvictionPolicy) -> None:
         self.buffers = buffers
         self.num_slots = buffers.geometry.num_slots
+        self._policy = policy
         self._slots = [_Slot(index=i) for i in range(self.num_slots)]
         self._by_digest: dict[str, _Slot] = {}
         self._cond = threading.Condition()
-        self._tick = 0
 
     # -- queries -------------------------------------------------------------------------
 
     def holds(self, digest: str) -> bool:
         with self._cond:
             return digest in self._by_digest
+
+    def adapters(self) -> list[ResolvedAdapter]:
+        """The adapters in slots (cheaper than ``status``)."""
+        with self._cond:
+            return [s.adapter for s in self._by_digest.values() if s.adapter is not None]
 
     def status(self) -> list[SlotStatus]:
         """Occupied slots by index."""
@@ -116,39 +155,53 @@ class SlotManager:
         with self._cond:
             return sum(1 for s in self._slots if s.pinned)
 
+    def check_capacity(self, adapters: Sequence[ResolvedAdapter]) -> None:
+        """ResourceExhausted ("split the request") if ``adapters`` can never hold slots at
+        the same time."""
+        with self._cond:
+            self._check_capacity({a.digest: a for a in adapters})
+
+    def fits(self, digests: Iterable[str]) -> bool:
+        """Whether adapters with these digests could ever hold slots at the same time."""
+        wanted = set(digests)
+        with self._cond:
+            return len(wanted) <= self._usable(wanted)
+
     # -- acquire / release ---------------------------------------------------------------
 
-    def acquire(
-        self,
-        adapters: Sequence[ResolvedAdapter],
-        data: Mapping[str, PackedAdapter],
-        timeout: float,
-    ) -> SlotLease:
-        """Holds a slot for each of ``adapters`` (distinct digests), loading into evicted
-        slots those not resident from ``data`` (digest -> packed). Raises ResourceExhausted
-        as the module docstring says, SlotDataMissing when ``data`` lacks an adapter that
-        must be loaded."""
-        wanted = {a.digest: a for a in adapters}
+    def acquire(self, wanted: Sequence[Wanted], fetch: Fetch, timeout: float) -> SlotLease:
+        """Holds a slot for each of ``wanted`` (distinct digests), loading those not resident
+        into evicted slots (fetching with ``fetch`` the data ``wanted`` lacks). Raises
+        ResourceExhausted as the module docstring says (``SlotsBusy`` after waiting)."""
+        by_digest = {w.adapter.digest: w.adapter for w in wanted}
+        data = {w.adapter.digest: w.packed for w in wanted if w.packed is not None}
         deadline = time.monotonic() + timeout
-        with self._cond:
+        self._cond.acquire()
+        try:
             while True:
-                self._check_capacity(wanted)
-                missing = [a for d, a in wanted.items() if d not in self._by_digest]
+                self._check_capacity(by_digest)
+                missing = [a for d, a in by_digest.items() if d not in self._by_digest]
                 lacking = [a for a in missing if a.digest not in data]
                 if lacking:
-                    raise SlotDataMissing(lacking)
-                victims = self._victims(len(missing), wanted)
+                    # Evicted since the caller looked: fetch without the lock, look again.
+                    self._cond.release()
+                    try:
+                        data.update((a.digest, fetch(a)) for a in lacking)
+                    finally:
+                        self._cond.acquire()
+                    continue
+                victims = self._victims(len(missing), by_digest)
                 if victims is not None:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise ResourceExhausted(
+                    raise SlotsBusy(
                         f"all {self.num_slots} GPU adapter slots are pinned or in use by "
                         f"requests in flight (waited {timeout:.1f}s); retry, or use fewer "
                         "distinct adapters per request"
                     )
                 self._cond.wait(remaining)
-            hits = [self._by_digest[d] for d in wanted if d in self._by_digest]
+            hits = [self._by_digest[d] for d in by_digest if d in self._by_digest]
             evicted = tuple(v.adapter for v in victims if v.adapter is not None)
             writes = []
             for victim, adapter in zip(victims, missing, strict=True):
@@ -157,7 +210,9 @@ class SlotManager:
             held = hits + victims
             for slot in held:
                 slot.refcount += 1
-            slots = {digest: self._by_digest[digest].index for digest in wanted}
+            slots = {digest: self._by_digest[digest].index for digest in by_digest}
+        finally:
+            self._cond.release()
         seconds: list[float] = []
         try:
             for victim, packed, reads in writes:
@@ -192,8 +247,7 @@ class SlotManager:
         with self._cond:
             for slot in held:
                 slot.refcount -= 1
-                self._tick += 1
-                slot.lru_tick = self._tick
+                self._policy.used(slot.index)
                 slot.last_used = now
                 if done is not None:
                     slot.reads = [*self.buffers.sync.pending(slot.reads), done]
@@ -259,11 +313,16 @@ class SlotManager:
 
     # -- internals (call with the lock held) ---------------------------------------------
 
-    def _check_capacity(self, wanted: Mapping[str, ResolvedAdapter]) -> None:
-        pinned_elsewhere = sum(
-            1 for s in self._slots if s.pinned and s.adapter and s.adapter.digest not in wanted
+    def _usable(self, wanted: Iterable[str]) -> int:
+        """Slots not pinned by adapters other than ``wanted``."""
+        keep = set(wanted)
+        return self.num_slots - sum(
+            1 for s in self._slots if s.pinned and s.adapter and s.adapter.digest not in keep
         )
-        usable = self.num_slots - pinned_elsewhere
+
+    def _check_capacity(self, wanted: Mapping[str, ResolvedAdapter]) -> None:
+        usable = self._usable(wanted)
+        pinned_elsewhere = self.num_slots - usable
         if len(wanted) > usable:
             raise ResourceExhausted(
                 f"the request uses {len(wanted)} distinct adapters but at most {usable} fit in "
@@ -272,7 +331,7 @@ class SlotManager:
             )
 
     def _victims(self, count: int, wanted: Mapping[str, ResolvedAdapter]) -> list[_Slot] | None:
-        """``count`` evictable slots, empty ones first, then least recently used; None if
+        """``count`` evictable slots, empty ones first, then in the policy's order; None if
         fewer are evictable right now."""
         candidates = [
             s
@@ -283,15 +342,15 @@ class SlotManager:
         ]
         if len(candidates) < count:
             return None
-        candidates.sort(key=lambda s: (s.adapter is not None, s.lru_tick))
-        return candidates[:count]
+        empty = [s for s in candidates if s.adapter is None]
+        order = self._policy.order([s.index for s in candidates if s.adapter is not None])
+        return (empty + [self._slots[i] for i in order])[:count]
 
     def _assign(self, slot: _Slot, adapter: ResolvedAdapter, packed: PackedAdapter) -> None:
         if slot.adapter is not None:
             del self._by_digest[slot.adapter.digest]
         slot.adapter = adapter
-        self._tick += 1
-        slot.lru_tick = self._tick
+        self._policy.used(slot.index)
         slot.last_used = None
         slot.rank = packed.rank
         slot.nbytes = packed.nbytes

@@ -52,10 +52,11 @@ class ResolvedAdapter:
 
 @dataclass(frozen=True)
 class AdapterFiles:
-    """The files of one adapter version, as the packer takes them."""
+    """The files of one adapter version, as the packer takes them: the weights in memory,
+    or a checked file on disk that the packer memory-maps."""
 
     config: Mapping[str, Any]
-    weights: bytes
+    weights: bytes | Path
 
 
 class AdapterSource(Protocol):
@@ -79,14 +80,26 @@ class AdapterSource(Protocol):
 def checked_files(adapter: ResolvedAdapter, data: Mapping[str, bytes], where: str) -> AdapterFiles:
     """The fetched bytes of ``adapter`` as the packer takes them, after checking them against
     its digest (DataLoss) and that the config is a JSON object (FailedPrecondition)."""
-    digest = digest_of_files(data)
+    check_digest(adapter, digest_of_files(data), where)
+    return AdapterFiles(
+        config=parse_config(adapter, data[CONFIG_FILE], where), weights=data[WEIGHTS_FILE]
+    )
+
+
+def check_digest(adapter: ResolvedAdapter, digest: str, where: str) -> None:
+    """DataLoss unless the files from ``where`` (whose version digest is ``digest``) are
+    ``adapter``'s."""
     if digest != adapter.digest:
         raise DataLoss(
             f"adapter {adapter.label}: the files from {where} have digest {digest}, "
             f"expected {adapter.digest}"
         )
+
+
+def parse_config(adapter: ResolvedAdapter, raw: bytes, where: str) -> Mapping[str, Any]:
+    """The adapter's config, which must be a JSON object (FailedPrecondition)."""
     try:
-        config = json.loads(data[CONFIG_FILE])
+        config = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FailedPrecondition(
             f"adapter {adapter.label}: {CONFIG_FILE} from {where} is not valid JSON: {exc}"
@@ -95,7 +108,7 @@ def checked_files(adapter: ResolvedAdapter, data: Mapping[str, bytes], where: st
         raise FailedPrecondition(
             f"adapter {adapter.label}: {CONFIG_FILE} from {where} must hold a JSON object"
         )
-    return AdapterFiles(config=config, weights=data[WEIGHTS_FILE])
+    return config
 
 
 @dataclass(frozen=True)
@@ -161,7 +174,10 @@ class LocalFolderSource:
         versions = {
             int(child.name): child
             for child in folder.iterdir()
-            if child.name.isdigit() and int(child.name) >= 1 and child.is_dir()
+            if child.name.isascii()
+            and child.name.isdigit()
+            and int(child.name) >= 1
+            and child.is_dir()
         }
         if not versions:
             raise NotFound(

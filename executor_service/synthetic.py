@@ -41,24 +41,8 @@ from shared.model_spec import (
     read_model_spec,
     spec_from_config,
 )
+from shared.model_types import MODEL_TYPES, ModelType, MoELayerRule
 
-_ARCHITECTURES = {
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
-#: The expert-count key transformers 5.23 writes for each type.
-_EXPERTS_KEY = {
-    "qwen3_moe": "num_local_experts",
-    "qwen2_moe": "num_experts",
-    "olmoe": "num_experts",
-    "mixtral": "num_local_experts",
-    "gpt_oss": "num_local_experts",
-    "deepseek_v3": "n_routed_experts",
-}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -85,12 +69,12 @@ class SyntheticBase:
 
     def config(self, dtype: torch.dtype) -> dict[str, Any]:
         """config.json as transformers 5.23 writes it (the fields that matter here)."""
-        kind = self.model_type
-        if kind not in _ARCHITECTURES:
-            raise ValueError(f"unknown model type {kind!r}")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"unknown model type {self.model_type!r}")
+        kind = MODEL_TYPES[self.model_type]
         config: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[kind]],
-            "model_type": kind,
+            "architectures": [kind.architecture],
+            "model_type": kind.name,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": 2,
@@ -102,56 +86,46 @@ class SyntheticBase:
             "tie_word_embeddings": False,
             "dtype": _DTYPE_NAMES[dtype],
             "transformers_version": "5.23.0",
-            _EXPERTS_KEY[kind]: self.num_experts,
+            kind.experts_key: self.num_experts,
             "num_experts_per_tok": self.top_k,
+            kind.intermediate_key: self.moe_intermediate_size,
+            **kind.extra_config,
         }
-        dense_width = 2 * self.moe_intermediate_size
-        if kind in ("qwen3_moe", "qwen2_moe"):
-            config |= {
-                "moe_intermediate_size": self.moe_intermediate_size,
-                "intermediate_size": dense_width,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": list(self.dense_layers),
-                "norm_topk_prob": self.norm_topk_prob,
-            }
-            if kind == "qwen2_moe":
-                config["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
-        elif kind == "deepseek_v3":
+        if kind.intermediate_key != "intermediate_size":  # the dense layers' width
+            config["intermediate_size"] = 2 * self.moe_intermediate_size
+        if kind.moe_layers is MoELayerRule.SPARSE_STEP:
+            config |= {"decoder_sparse_step": 1, "mlp_only_layers": list(self.dense_layers)}
+        elif kind.moe_layers is MoELayerRule.FIRST_K_DENSE:
             if self.dense_layers != tuple(range(len(self.dense_layers))):
-                raise ValueError("deepseek_v3's dense layers must be a prefix 0..k-1")
-            shared, rest = divmod(self.shared_expert_intermediate_size, self.moe_intermediate_size)
-            if rest:
-                raise ValueError("deepseek_v3's shared width must be a multiple of the expert's")
+                raise ValueError(f"{kind.name}'s dense layers must be a prefix 0..k-1")
+            config["first_k_dense_replace"] = len(self.dense_layers)
+        elif self.dense_layers:
+            raise ValueError(f"{kind.name} has no dense layers")
+        config |= self._shared_expert_config(kind)
+        if kind.grouped_routing:
             config |= {
-                "moe_intermediate_size": self.moe_intermediate_size,
-                "intermediate_size": dense_width,
-                "first_k_dense_replace": len(self.dense_layers),
-                "n_shared_experts": shared,
                 "n_group": self.n_group,
                 "topk_group": self.topk_group,
                 "routed_scaling_factor": self.routed_scaling_factor,
-                "norm_topk_prob": self.norm_topk_prob,
-                "q_lora_rank": 16,
-                "kv_lora_rank": 16,
-                "qk_rope_head_dim": 8,
-                "qk_nope_head_dim": 8,
-                "v_head_dim": 16,
             }
-        else:
-            config["intermediate_size"] = self.moe_intermediate_size
-            if kind == "olmoe":
-                config["norm_topk_prob"] = self.norm_topk_prob
-            if kind == "gpt_oss":
-                config |= {
-                    "swiglu_limit": 7.0,
-                    "layer_types": ["full_attention"] * self.num_layers,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
-                }
-        if kind not in ("qwen3_moe", "qwen2_moe", "deepseek_v3") and self.dense_layers:
-            raise ValueError(f"{kind} has no dense layers")
-        if kind not in ("qwen2_moe", "deepseek_v3") and self.shared_expert_intermediate_size:
-            raise ValueError(f"{kind} has no shared expert")
+        if not kind.always_renormalize:
+            config["norm_topk_prob"] = self.norm_topk_prob
+        if kind.layer_types:
+            config["layer_types"] = ["full_attention"] * self.num_layers
         return config
+
+    def _shared_expert_config(self, kind: ModelType) -> dict[str, Any]:
+        shared = kind.shared_expert
+        if shared is None:
+            if self.shared_expert_intermediate_size:
+                raise ValueError(f"{kind.name} has no shared expert")
+            return {}
+        if not shared.width_is_count:
+            return {shared.width_key: self.shared_expert_intermediate_size}
+        count, rest = divmod(self.shared_expert_intermediate_size, self.moe_intermediate_size)
+        if rest:
+            raise ValueError(f"{kind.name}'s shared width must be a multiple of the expert's")
+        return {shared.width_key: count}
 
 
 @dataclass(frozen=True)
@@ -191,8 +165,7 @@ def write_base_checkpoint(
         config, config_json="", checkpoint_dtype=_DTYPE_NAMES[dtype], fingerprint=""
     )
     if layout is None:
-        gpt_oss = base.model_type == "gpt_oss"
-        layout = ExpertLayout.FUSED_TRANSPOSED if gpt_oss else ExpertLayout.PER_EXPERT
+        layout = draft.type.saved_layout
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in draft.moe_layers:
@@ -228,8 +201,7 @@ def write_adapter(
             f"targets must be a non-empty subset of gate_up_proj, down_proj: {targets}"
         )
     layers = spec.moe_layers if adapter.layers is None else adapter.layers
-    mixtral = spec.model_type == "mixtral"
-    names_2d = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    names_2d = spec.type.projections
     packed_into = ("gate_up_proj", "gate_up_proj", "down_proj")
     modules = [m for m, t in zip(names_2d, packed_into, strict=True) if t in targets]
     config = _adapter_config(adapter, sorted(targets), modules)
@@ -256,11 +228,13 @@ def write_adapter(
             if "down_proj" in targets:
                 add_pair(experts, f"{experts}.down_proj", e, i, h)
         else:
-            path = "block_sparse_moe" if mixtral else "mlp"
+            if not spec.type.peft_2d_modules:
+                raise ValueError(f"PEFT has no 2D adapter format for {spec.model_type}")
+            path = spec.type.peft_2d_modules[0]
             for expert in range(e):
                 for module in modules:
                     stem = f"model.layers.{layer}.{path}.experts.{expert}.{module}"
-                    fan_in, fan_out = (i, h) if module in ("down_proj", "w2") else (h, i)
+                    fan_in, fan_out = (i, h) if module == names_2d[2] else (h, i)
                     add_pair(stem, stem, 1, fan_in, fan_out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,8 +1,9 @@
 """Launch configurations of the fused MoE kernels, in one place.
 
-A configuration is looked up in the tuned table of the current GPU
-(``kernels/configs/<GPU name>.json``, written by ``python -m kernels.tune``) for the layer's
-shape, at the nearest tuned token count; without a table entry a heuristic picks one.
+A configuration is chosen by ``kernels.config_select``: the tuned table of the current GPU
+(``kernels/configs/<GPU name>.json``, written by ``python -m kernels.tune``), else configurations
+autotuned on this machine (``kernels.config_cache``), else the nearest tuned rank, else
+``kernels.heuristic``.
 
 Table format::
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -153,61 +153,3 @@ def fit_stages(config: MoEConfig, elem_size: int, lora_rank: int = 16) -> MoECon
     return dataclasses.replace(
         config, w13=fit(config.w13, 2 * config.w13.block_n), w2=fit(config.w2, config.w2.block_n)
     )
-
-
-def heuristic_config(
-    num_tokens: int,
-    num_experts: int,
-    hidden: int,
-    inter: int,
-    top_k: int,
-    elem_size: int = 2,
-) -> MoEConfig:
-    """A reasonable configuration for shapes nobody tuned."""
-    rows_per_expert = num_tokens * top_k / num_experts
-    if rows_per_expert <= 24:
-        # Weight streaming: narrow tiles, one per program, so every SM keeps loading. With
-        # about one row per expert the separate w2 shrink launch is a few serial K loops:
-        # fused into w2's main loop it costs less (measured on an H100; for w13 only with
-        # very many small experts, which the tuned tables record).
-        streaming = GemmConfig(
-            block_n=32, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4
-        )  # fmt: skip
-        config = MoEConfig(
-            block_m=16 if rows_per_expert <= 12 else 32,
-            lora_segments=4,
-            w13=streaming,
-            w2=dataclasses.replace(streaming, block_n=64, fused_shrink=rows_per_expert <= 1),
-        )
-    else:
-        # Tensor-core bound: large tiles; programs sweep several N tiles.
-        config = MoEConfig(
-            block_m=64 if rows_per_expert <= 128 else 128,
-            lora_segments=4,
-            w13=GemmConfig(block_n=64, block_k=64, tiles_per_program=4, num_warps=8, num_stages=3),
-            w2=GemmConfig(block_n=128, block_k=64, tiles_per_program=4, num_warps=8, num_stages=3),
-        )
-    # Scalar fp32 atomics cost more than the (T*k, H) round trip once there are millions.
-    atomic_sum = num_tokens * top_k * hidden <= (1 << 22)
-    return fit_stages(dataclasses.replace(config, atomic_sum=atomic_sum), elem_size)
-
-
-def get_config(
-    num_tokens: int,
-    num_experts: int,
-    hidden: int,
-    inter: int,
-    top_k: int,
-    rank: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> MoEConfig:
-    """The tuned configuration nearest to ``num_tokens`` for this shape and GPU, else the
-    heuristic's. ``rank`` is the LoRA slots' rank, 0 without LoRA."""
-    elem_size = torch.finfo(dtype).bits // 8
-    table = load_table(device_name(device)).get(shape_key(num_experts, hidden, inter, top_k, rank))
-    if not table:
-        config = heuristic_config(num_tokens, num_experts, hidden, inter, top_k, elem_size)
-        return fit_stages(config, elem_size, rank)
-    nearest = min(table, key=lambda m: (abs(math.log(m / num_tokens)), m))
-    return fit_stages(table[nearest], elem_size, rank)

@@ -8,10 +8,13 @@ from typing import Literal
 import torch
 
 from kernels.align import align_pairs
-from kernels.configs import MoEConfig, get_config
+from kernels.config_select import ConfigSelector, selector_for
+from kernels.configs import MoEConfig
 from kernels.fused_moe import LoRABuffers, fused_experts
-from kernels.reference import moe_forward_reference, shared_expert_forward
+from kernels.model_shape import LayerShape
+from kernels.reference import moe_forward_reference
 from kernels.routing import route
+from kernels.shared_expert import shared_expert_forward
 from kernels.types import LoRAContext, MoELayerWeights, Routing, validate_forward_inputs
 
 Backend = Literal["triton", "torch"]
@@ -71,6 +74,8 @@ def moe_forward(
     routing: Routing | None = None,
     *,
     backend: Backend = "triton",
+    configs: ConfigSelector | None = None,
+    check_layer: bool = True,
 ) -> torch.Tensor:
     """One MoE layer: hidden (T, H) → (T, H) in hidden's dtype.
 
@@ -78,10 +83,13 @@ def moe_forward(
     lora: per-token adapter slots, else no LoRA.
     backend: "triton" (CUDA tensors, or any under TRITON_INTERPRET=1) or "torch" (the float32
     reference, for CPUs).
+    configs: where launch configurations come from (the executor's, with its autotuned ones);
+    default: this GPU's tuned table, else the heuristic.
+    check_layer: False for a layer validated once at load (``kernels.validate_layer``).
 
     Raises ValueError for inconsistent inputs (see ``kernels.types.validate_forward_inputs``).
     """
-    validate_forward_inputs(hidden, layer, lora, routing)
+    validate_forward_inputs(hidden, layer, lora, routing, check_layer=check_layer)
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     if routing is None:
@@ -96,14 +104,12 @@ def moe_forward(
     if hidden.shape[0] == 0:
         return torch.empty_like(hidden)
     rank = 0 if lora is None else lora.slots.max_rank
-    config = get_config(
-        hidden.shape[0],
-        layer.num_experts,
-        layer.hidden_size,
-        layer.intermediate_size,
-        layer.router.top_k,
-        rank,
-        hidden.dtype,
-        hidden.device,
-    )
+    selector = configs if configs is not None else selector_for(hidden.device)
+    config = selector.select(hidden.shape[0], layer_shape(layer), rank, hidden.dtype).config
     return fused_moe(hidden, layer, lora, routing, config)
+
+
+def layer_shape(layer: MoELayerWeights) -> LayerShape:
+    return LayerShape(
+        layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.router.top_k
+    )

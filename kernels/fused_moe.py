@@ -288,6 +288,80 @@ def _fused_tile(
 
 
 @triton.jit
+def _gemm_tile(
+    acc,
+    xa,
+    is_first_tile,
+    x_row_ptrs,
+    x_row_mask,
+    w_cols,
+    out_cols,
+    col_mask,
+    a_ptr,
+    xa_ptr,
+    b_ptr,
+    bias_ptr,
+    row_slots_ptr,
+    row0,
+    expert,
+    slot,
+    seg,
+    n_seg,
+    K,
+    R,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    FUSED_SHRINK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NSEG: tl.constexpr,
+    RP: tl.constexpr,
+    S_P2: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One output tile of either GEMM: acc + x·Wᵀ (+ LoRA) (+ bias) in fp32, for the weight
+    rows ``out_cols`` (W13's interleaved gate/up rows, or W2's columns). With the shrink fused
+    the first tile of the program computes ``xa`` (passed on to later tiles); else the rows'
+    xa comes from the separate shrink launch. Returns the tile and ``xa``."""
+    b_rows = out_cols * stride_bn
+    if FUSED_SHRINK:
+        acc, xa = _fused_tile(
+            acc, xa, is_first_tile, x_row_ptrs, x_row_mask, w_cols, col_mask,
+            a_ptr, b_ptr, b_rows, expert, slot, seg, n_seg, K, R,
+            stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_br,
+            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, EVEN_K, PRECISION,
+        )  # fmt: skip
+    else:
+        acc, _ = _main_loop(
+            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_cols, col_mask, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
+        )  # fmt: skip
+        if HAS_LORA:
+            # Loaded after the main loop, so they take no registers while it runs.
+            rows = row0 + tl.arange(0, BLOCK_M)
+            slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+            xa_rows = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
+            acc = _lora_expand(
+                acc, xa_rows, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
+                stride_bs, stride_be, stride_br, RP, PRECISION,
+            )  # fmt: skip
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_bias + out_cols, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    return acc, xa
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # GATHER: (T, K) hidden states, row of token; else (max_rows, K) aligned rows
     a_ptr,  # (S, E, R, K) LoRA A
@@ -398,9 +472,11 @@ def _w13_kernel(
     x_row_mask = pair >= 0
     x_row_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
     if FUSED_SHRINK:
-        # The rows' adapter segments; x·A13ᵀ comes from the first tile's main loop.
+        # The rows' adapter segments; x·Aᵀ comes from the first tile's main loop.
         slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-        xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
+    else:
+        slot, seg, n_seg = pair, pair, 0  # unused: the tile reads them after its main loop
+    xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
 
     # Tile columns interleave gate and up: column c is gate (c even) or up (c odd) of
     # intermediate index n0 + c // 2, i.e. row (n0 + c // 2) + (c % 2) * I of W13.
@@ -412,30 +488,14 @@ def _w13_kernel(
         w13_rows = inter_idx + (cols % 2) * inter
         col_mask = inter_idx < inter
         w_cols = w_ptr + expert * stride_we + w13_rows.to(tl.int64) * stride_wn
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        if FUSED_SHRINK:
-            acc, xa = _fused_tile(
-                acc, xa, tile == first, x_row_ptrs, x_row_mask, w_cols, col_mask,
-                a_ptr, b_ptr, w13_rows * stride_bn, expert, slot, seg, n_seg, H, R,
-                stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_br,
-                BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, EVEN_K, PRECISION,
-            )  # fmt: skip
-        else:
-            acc, _ = _main_loop(
-                acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_cols, col_mask, H,
-                BLOCK_M, 2 * BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
-            )  # fmt: skip
-            if HAS_LORA:
-                # Loaded after the main loop, so they take no registers while it runs.
-                slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-                xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
-                acc = _lora_expand(
-                    acc, xa, slot, seg, n_seg, b_ptr, expert, w13_rows * stride_bn, col_mask, R,
-                    stride_bs, stride_be, stride_br, RP, PRECISION,
-                )  # fmt: skip
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + expert * stride_bias + w13_rows, mask=col_mask, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
+        acc, xa = _gemm_tile(
+            tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), xa, tile == first,
+            x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask,
+            a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, row0, expert, slot, seg, n_seg, H, R,
+            stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
+            stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK,
+            BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, S_P2, EVEN_K, PRECISION,
+        )  # fmt: skip
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         if ACTIVATION == 0:
             act = gate * tl.sigmoid(gate) * up
@@ -511,39 +571,25 @@ def _w2_kernel(
     else:
         out_rows = out_ptr + pair.to(tl.int64) * stride_out
     if FUSED_SHRINK:
-        # As in _w13_kernel: a·A2ᵀ comes from the first tile's main loop.
+        # The rows' adapter segments; x·Aᵀ comes from the first tile's main loop.
         slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-        xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
+    else:
+        slot, seg, n_seg = pair, pair, 0  # unused: the tile reads them after its main loop
+    xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
 
     first = pid_n * TILES_PER_PROGRAM
     for tile in range(first, tl.minimum(first + TILES_PER_PROGRAM, num_tiles)):
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < H
         w_cols = w_ptr + expert * stride_we + cols.to(tl.int64) * stride_wn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if FUSED_SHRINK:
-            acc, xa = _fused_tile(
-                acc, xa, tile == first, x_row_ptrs, x_row_mask, w_cols, col_mask,
-                a_ptr, b_ptr, cols * stride_bn, expert, slot, seg, n_seg, inter, R,
-                stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_br,
-                BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, EVEN_K, PRECISION,
-            )  # fmt: skip
-        else:
-            acc, _ = _main_loop(
-                acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_cols, col_mask, inter,
-                BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
-            )  # fmt: skip
-            if HAS_LORA:
-                # Loaded after the main loop, so they take no registers while it runs.
-                slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-                xa = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
-                acc = _lora_expand(
-                    acc, xa, slot, seg, n_seg, b_ptr, expert, cols * stride_bn, col_mask, R,
-                    stride_bs, stride_be, stride_br, RP, PRECISION,
-                )  # fmt: skip
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + expert * stride_bias + cols, mask=col_mask, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
+        acc, xa = _gemm_tile(
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), xa, tile == first,
+            x_row_ptrs, x_row_mask, w_cols, cols, col_mask,
+            a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, row0, expert, slot, seg, n_seg,
+            inter, R, stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
+            stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK,
+            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, S_P2, EVEN_K, PRECISION,
+        )  # fmt: skip
         acc *= routed_weight[:, None]
         out_ptrs = out_rows[:, None] + cols[None, :]
         out_mask = valid[:, None] & col_mask[None, :]

@@ -11,7 +11,9 @@ For a token x routed to experts e_1..e_k with weights w_1..w_k, whose adapter si
 Everything is computed in ``compute_dtype`` (float32, or float64 for checking the checkers) and
 the result is returned in the hidden states' dtype. The loops run over experts and, inside, over
 the adapter slots present; token rows are gathered with index ops, so the cost is that of a
-per-expert GEMM loop and it is usable on the CPU at serving sizes.
+per-expert GEMM loop and it is usable on the CPU at serving sizes. The GEMMs go through
+``kernels.row_blocks`` so that a token's result never depends on the other tokens of the batch
+(the executor merges requests and must answer each as if it ran alone).
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.routing import route
+from kernels.row_blocks import linear
+from kernels.shared_expert import shared_expert_forward
 from kernels.types import (
     Activation,
     LoRAContext,
     MoELayerWeights,
     Routing,
-    SharedExpertWeights,
     validate_forward_inputs,
 )
 
@@ -64,20 +67,8 @@ def _add_lora(
         if slot < 0:
             continue
         rows = row_slots == slot
-        shrunk = inputs[rows] @ lora_a[slot].to(inputs.dtype).T
-        out[rows] += shrunk @ lora_b[slot].to(inputs.dtype).T
-
-
-def shared_expert_forward(
-    hidden: torch.Tensor, shared: SharedExpertWeights, compute_dtype: torch.dtype
-) -> torch.Tensor:
-    """The always-on expert: silu(gate)·up MLP, optionally scaled by sigmoid(x·gateᵀ)."""
-    x = hidden.to(compute_dtype)
-    a = activate(x @ shared.w13.to(compute_dtype).T, Activation.SILU, 0.0, 0.0)
-    y = a @ shared.w2.to(compute_dtype).T
-    if shared.gate is not None:
-        y = y * torch.sigmoid(x @ shared.gate.to(compute_dtype).T)
-    return y
+        shrunk = linear(inputs[rows], lora_a[slot].to(inputs.dtype))
+        out[rows] += linear(shrunk, lora_b[slot].to(inputs.dtype))
 
 
 def moe_forward_reference(
@@ -101,14 +92,14 @@ def moe_forward_reference(
     for expert in torch.unique(routing.topk_ids).tolist():
         tokens, position = torch.nonzero(routing.topk_ids == expert, as_tuple=True)
         xe = x[tokens]
-        gate_up = xe @ layer.w13[expert].to(compute_dtype).T
+        gate_up = linear(xe, layer.w13[expert].to(compute_dtype))
         if layer.b13 is not None:
             gate_up += layer.b13[expert].to(compute_dtype)
         row_slots = None if token_slots is None else token_slots[tokens]
         if slots is not None and row_slots is not None:
             _add_lora(gate_up, xe, row_slots, slots.a13[:, expert], slots.b13[:, expert])
         a = activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
-        y = a @ layer.w2[expert].to(compute_dtype).T
+        y = linear(a, layer.w2[expert].to(compute_dtype))
         if layer.b2 is not None:
             y += layer.b2[expert].to(compute_dtype)
         if slots is not None and row_slots is not None:

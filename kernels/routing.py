@@ -21,8 +21,8 @@ logits are computed in the same dtype by the same torch ops.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kernels.row_blocks import linear
 from kernels.types import MoELayerWeights, RouterKind, Routing
 
 
@@ -48,20 +48,20 @@ def route(hidden: torch.Tensor, layer: MoELayerWeights) -> Routing:
     spec = layer.router
     weight = layer.router_weight
     if spec.kind is RouterKind.SOFTMAX_TOPK:
-        logits = F.linear(hidden, weight.to(hidden.dtype))
+        logits = linear(hidden, weight.to(hidden.dtype))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(spec.top_k, dim=-1)
         if spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
     elif spec.kind is RouterKind.TOPK_SOFTMAX:
         bias = None if layer.router_bias is None else layer.router_bias.to(hidden.dtype)
-        logits = F.linear(hidden, weight.to(hidden.dtype), bias)
+        logits = linear(hidden, weight.to(hidden.dtype), bias)
         top_logits, ids = logits.topk(spec.top_k, dim=-1)
         weights = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
     else:
         if layer.e_score_correction_bias is None:
             raise ValueError("the sigmoid grouped router needs e_score_correction_bias")
-        scores = F.linear(hidden.float(), weight.float()).sigmoid()
+        scores = linear(hidden.float(), weight.float()).sigmoid()
         ids = _grouped_topk(
             scores, layer.e_score_correction_bias, spec.n_group, spec.topk_group, spec.top_k
         )

@@ -249,9 +249,16 @@ def validate_forward_inputs(
     layer: MoELayerWeights,
     lora: LoRAContext | None = None,
     routing: Routing | None = None,
+    *,
+    check_layer: bool = True,
 ) -> None:
-    """Check everything ``moe_forward`` takes; raise ValueError naming the offending tensor."""
-    validate_layer(layer)
+    """Check everything ``moe_forward`` takes; raise ValueError naming the offending tensor.
+
+    ``check_layer=False`` skips ``validate_layer`` for a layer its owner validated once at
+    load (the executor); the checks of the inputs against the layer still run.
+    """
+    if check_layer:
+        validate_layer(layer)
     if hidden.dim() != 2:
         raise ValueError(f"hidden states must be (T, H), got shape {tuple(hidden.shape)}")
     _check_dtype("hidden states", hidden, FLOAT_DTYPES)

@@ -6,16 +6,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from registry_service.auth import Authorizer, TokenFile, auth_required
 from registry_service.blobs import BlobStore, open_blob_store
 from registry_service.config import RegistrySettings
 from registry_service.db import migrate
 from registry_service.db.engine import Database, sqlite_url
 from registry_service.events import EventFeed
-from registry_service.gc import GarbageCollector
+from registry_service.gc import GarbageCollector, PeriodicGc
 from registry_service.service import Registry, RegistryLimits
 from registry_service.store import Store
 from shared.logs import log_event
+from shared.tokens import TokenChecker, open_token_checker
 
 log = logging.getLogger(__name__)
 
@@ -32,35 +32,42 @@ def open_blobs(settings: RegistrySettings) -> BlobStore:
         s3_region=settings.s3_region,
         s3_path_style=settings.s3_path_style,
         s3_part_bytes=settings.s3_part_bytes,
+        s3_max_attempts=settings.s3_max_attempts,
+        s3_timeout_seconds=settings.s3_timeout_seconds,
     )
 
 
-def open_authorizer(settings: RegistrySettings) -> Authorizer:
-    """Auth as the settings ask; refuses auth without a token file."""
-    if not auth_required(settings.auth, settings.listen, settings.embedded_storage):
-        return Authorizer(None)
-    if settings.auth_tokens_file is None:
-        why = "auth=on" if settings.auth == "on" else "auth=auto outside the embedded mode"
-        raise ValueError(
-            f"{why} needs --auth-tokens-file / MOELORA_AUTH_TOKENS_FILE "
-            "(make entries with `moelora-registry hash-token NAME ROLE`), or --auth off"
-        )
-    return Authorizer(TokenFile(settings.auth_tokens_file.expanduser()))
+def open_authorizer(settings: RegistrySettings) -> TokenChecker:
+    """Auth as the settings ask: ``auto`` is off only in the embedded mode (loopback, SQLite
+    and blobs in data_dir); refuses auth without a token file."""
+    return open_token_checker(
+        settings.auth,
+        settings.listen,
+        settings.auth_tokens_file,
+        local=settings.embedded_storage,
+        hint="adapterctl --token or MOELORA_REGISTRY_TOKEN",
+        auto_on_when="outside the embedded mode",
+    )
 
 
 @dataclass
 class RegistryApp:
     registry: Registry
-    authorizer: Authorizer
+    authorizer: TokenChecker
     db: Database
     feed: EventFeed
+    periodic_gc: PeriodicGc | None = None
 
     def close(self) -> None:
+        if self.periodic_gc is not None:
+            self.periodic_gc.stop()
         self.feed.stop()
         self.db.dispose()
 
 
-def open_registry(settings: RegistrySettings, *, start_feed: bool = True) -> RegistryApp:
+def open_registry(settings: RegistrySettings, *, background: bool = True) -> RegistryApp:
+    """The registry's parts; ``background``: start the event feed and the periodic gc (a
+    server does, a one-off command does not)."""
     authorizer = open_authorizer(settings)
     db = open_database(settings)
     if settings.migrate_on_start:
@@ -78,8 +85,12 @@ def open_registry(settings: RegistrySettings, *, start_feed: bool = True) -> Reg
         gc_grace_seconds=settings.gc_grace_seconds,
     )
     registry = Registry(store, blobs, feed, collector, spool_dir, limits)
-    if start_feed:
+    periodic_gc = None
+    if background:
         feed.start()
+        if settings.gc_interval_seconds > 0:
+            periodic_gc = PeriodicGc(lambda: registry.gc(None, False), settings.gc_interval_seconds)
+            periodic_gc.start()
     log_event(
         log,
         "registry_opened",
@@ -88,4 +99,4 @@ def open_registry(settings: RegistrySettings, *, start_feed: bool = True) -> Reg
         auth="on" if authorizer.enabled else "off",
         max_rank=settings.max_rank,
     )
-    return RegistryApp(registry, authorizer, db, feed)
+    return RegistryApp(registry, authorizer, db, feed, periodic_gc)

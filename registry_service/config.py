@@ -45,6 +45,19 @@ class RegistrySettings(ServerSettings):
         description="S3 multipart upload / ranged download part size; smaller objects "
         "move in one request",
     )
+    s3_max_attempts: int = Field(
+        8,
+        ge=1,
+        le=20,
+        description="attempts of each S3 request (backoff between them) before the RPC "
+        "answers UNAVAILABLE",
+    )
+    s3_timeout_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="how long one S3 request may wait for the server (a stalled store fails "
+        "the attempt rather than the RPC hanging)",
+    )
     auth: Literal["auto", "on", "off"] = Field(
         "auto",
         description="bearer-token auth: auto = on unless listening on loopback in embedded mode",
@@ -54,6 +67,12 @@ class RegistrySettings(ServerSettings):
     )
     max_upload_bytes: int = Field(
         8 * 1024**3, ge=1, description="largest file one upload may carry, in bytes"
+    )
+    gc_interval_seconds: float = Field(
+        3600.0,
+        ge=0,
+        description="run gc (with gc_grace_seconds) this often in the server, so that what "
+        "crashes leave behind goes without an operator; 0: only on request",
     )
     gc_grace_seconds: int = Field(
         3600, ge=0, description="unreferenced blobs younger than this survive gc"

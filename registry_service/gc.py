@@ -22,6 +22,7 @@ A dry run does step 1 and rolls it back.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -169,3 +170,38 @@ class GarbageCollector:
                 else:
                     entry.unlink(missing_ok=True)
         return removed
+
+
+class PeriodicGc:
+    """Runs ``collect`` every ``interval_seconds`` in a daemon thread, so what crashes leave
+    behind (abandoned uploads, temporaries, unreferenced blobs) goes without an operator.
+    Replicas may each run it: a run's removals are safe against each other (see above)."""
+
+    def __init__(self, collect: Callable[[], GcReport], interval_seconds: float) -> None:
+        self._collect = collect
+        self._interval = interval_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="periodic-gc", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                report = self._collect()
+            except Exception as exc:  # the next run tries again
+                log_event(log, "periodic_gc_failed", logging.ERROR, error=str(exc))
+                continue
+            log_event(
+                log,
+                "periodic_gc_done",
+                removed_blobs=len(report.removed_blobs),
+                removed_bytes=report.removed_bytes,
+                purged_versions=report.purged_versions,
+            )

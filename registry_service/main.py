@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from sqlalchemy.exc import SQLAlchemyError
 
 from registry_service.app import open_database, open_registry
-from registry_service.auth import Role, new_token_entry
 from registry_service.config import RegistrySettings
 from registry_service.db import migrate
 from registry_service.server import create_server
@@ -27,6 +26,7 @@ from shared.config import parse_settings
 from shared.errors import MoeLoraError
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
+from shared.tokens import Role, new_token_entry
 
 COMMANDS = ("serve", "migrate", "gc", "hash-token")
 
@@ -49,7 +49,7 @@ def run_migrate(settings: RegistrySettings) -> None:
 
 
 def run_gc(settings: RegistrySettings, grace_seconds: int | None, dry_run: bool) -> None:
-    app = open_registry(settings, start_feed=False)
+    app = open_registry(settings, background=False)
     try:
         report = app.registry.gc(grace_seconds, dry_run)
     finally:

@@ -14,14 +14,14 @@ import grpc
 from moelora.v1 import registry_pb2, registry_pb2_grpc
 from registry_service import messages, metrics
 from registry_service.app import RegistryApp
-from registry_service.auth import Authorizer, Principal, Role
 from registry_service.config import RegistrySettings
 from registry_service.domain import Chunk
 from registry_service.service import Registry
 from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
 from shared.grpc_server import GrpcServer
 from shared.model_spec import ModelSpec
-from shared.registry_client import WATCH_START_METADATA
+from shared.rpc_metadata import WATCH_START_METADATA
+from shared.tokens import Principal, Role, TokenChecker
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name
 
@@ -30,7 +30,7 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     def __init__(
         self,
         registry: Registry,
-        authorizer: Authorizer,
+        authorizer: TokenChecker,
         draining: Callable[[], bool],
         max_watch_streams: int,
     ) -> None:

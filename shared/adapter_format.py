@@ -76,17 +76,6 @@ class Projection(enum.Enum):
         return "w2" if self is Projection.DOWN else "w13"
 
 
-#: 2D projection names per model type, as the base model's modules were called.
-_PROJECTIONS_2D = {
-    "mixtral": {"w1": Projection.GATE, "w3": Projection.UP, "w2": Projection.DOWN},
-    "default": {
-        "gate_proj": Projection.GATE,
-        "up_proj": Projection.UP,
-        "down_proj": Projection.DOWN,
-    },
-}
-
-
 @dataclass(frozen=True)
 class LoRAPair:
     """One lora_A / lora_B pair and how it is applied."""
@@ -437,12 +426,13 @@ def _describe(target_modules: re.Pattern[str] | tuple[str, ...]) -> str:
 
 
 def _names_2d(spec: ModelSpec) -> tuple[dict[str, Projection], tuple[str, ...]]:
-    """The 2D projection names and module paths of a model type (gpt_oss has no 2D format)."""
-    if spec.model_type == "gpt_oss":
+    """The 2D projection names and module paths of a model type (none: no 2D format)."""
+    kind = spec.type
+    if not kind.peft_2d_modules:
         return {}, ()
-    if spec.model_type == "mixtral":
-        return _PROJECTIONS_2D["mixtral"], ("block_sparse_moe", "mlp")
-    return _PROJECTIONS_2D["default"], ("mlp",)
+    gate, up, down = kind.projections
+    names = {gate: Projection.GATE, up: Projection.UP, down: Projection.DOWN}
+    return names, kind.peft_2d_modules
 
 
 def _classify_keys(

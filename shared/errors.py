@@ -8,6 +8,25 @@ back into the same classes with ``from_rpc_error``.
 from __future__ import annotations
 
 import grpc
+import grpc.aio
+
+#: The longest message an error carries: it travels in the grpc-message trailer, whose size is
+#: limited, and a request can make it quote anything (a megabyte-long name).
+MAX_MESSAGE_CHARS = 1024
+
+
+def quoted(text: str, limit: int = 80) -> str:
+    """``repr(text)``, shortened to about ``limit`` characters: for quoting client input."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
+
+
+def capped(message: str) -> str:
+    """``message`` cut to MAX_MESSAGE_CHARS, saying so."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[: MAX_MESSAGE_CHARS - 16] + " …(truncated)"
 
 
 class MoeLoraError(Exception):
@@ -16,6 +35,7 @@ class MoeLoraError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
     def __init__(self, message: str, field: str | None = None) -> None:
+        message = capped(message)
         super().__init__(message)
         self.message = message
         self.field = field
@@ -53,6 +73,32 @@ class ResourceExhausted(MoeLoraError):
     """Out of slots, over a size limit."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Overloaded(ResourceExhausted):
+    """Too many requests are queued: retry after ``retry_after_ms`` (sent to the client as
+    the trailing metadata key ``RETRY_AFTER_METADATA``)."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+#: Trailing metadata key carrying an ``Overloaded`` error's retry hint in milliseconds.
+RETRY_AFTER_METADATA = "moelora-retry-after-ms"
+
+
+def retry_after_ms(error: grpc.RpcError) -> int | None:
+    """The server's retry hint of a failed call, if it sent one."""
+    if not isinstance(error, grpc.Call | grpc.aio.AioRpcError):
+        return None
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_AFTER_METADATA:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 class Unavailable(MoeLoraError):
@@ -128,6 +174,11 @@ def error_for_code(code: grpc.StatusCode, message: str) -> MoeLoraError:
 
 def from_rpc_error(error: grpc.RpcError) -> MoeLoraError:
     """Turns a failed call's ``grpc.RpcError`` back into the domain error."""
-    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    # A failed grpc.aio call is an AioRpcError, which is not a grpc.Call but answers the same.
+    call = isinstance(error, grpc.Call | grpc.aio.AioRpcError)
+    code = error.code() if call else grpc.StatusCode.UNKNOWN
+    details = error.details() if call else str(error)
+    hint = retry_after_ms(error) if code is grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    if hint is not None:
+        return Overloaded(details or code.name, hint)
     return error_for_code(code, details or code.name)

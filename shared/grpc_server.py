@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram
 
-from shared.errors import MoeLoraError
+from shared.errors import RETRY_AFTER_METADATA, MoeLoraError, Overloaded
 from shared.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,11 @@ RPC_SECONDS = Histogram(
 )
 
 _ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+#: Called before each RPC (health and reflection excepted) with the full method name
+#: ("/moelora.v1.Executor/Forward") and the call's metadata; refuses it by raising a
+#: MoeLoraError (Unauthenticated, PermissionDenied).
+Authorizer = Callable[[str, Sequence[tuple[str, str | bytes]]], None]
 
 
 @dataclass(frozen=True)
@@ -81,115 +86,108 @@ class _State:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
 
-class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Maps MoeLoraError to its status code, hides unexpected exceptions behind an
-    INTERNAL error with an id that is in the log, refuses new RPCs while draining,
-    and counts every RPC."""
+def internal_error_message(event: str, **fields: object) -> str:
+    """Logs the exception being handled under a fresh error id (with its traceback) and
+    returns the message a caller gets: the id, never the internals."""
+    error_id = uuid.uuid4().hex[:12]
+    log_event(log, event, logging.ERROR, exc_info=True, error_id=error_id, **fields)
+    return f"internal error (id {error_id}); see the server log"
 
-    def __init__(self, state: _State) -> None:
+
+class _Call:
+    """Around one RPC: refuses it while draining, authorizes it, counts it in flight, maps
+    its errors to status codes and records its metrics."""
+
+    def __init__(
+        self, method: str, state: _State, authorize: Authorizer | None, counted: bool
+    ) -> None:
+        self.method = method
         self._state = state
+        self._authorize = authorize
+        self._counted = counted
+
+    @contextlib.contextmanager
+    def handled(self, context: grpc.ServicerContext) -> Iterator[None]:
+        if self._counted and self._state.draining.is_set():
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
+            )
+        start = time.perf_counter()
+        if self._counted:
+            self._state.enter()
+        try:
+            if self._authorize is not None and self._counted:
+                self._authorize(self.method, tuple(context.invocation_metadata()))
+            yield
+        except Exception as exc:
+            if _is_abort(exc, context):
+                self._done(start, context)
+                raise
+            self._fail(context, exc)
+            raise
+        finally:
+            if self._counted:
+                self._state.leave()
+        self._done(start, context)
+
+    def unary(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            with self.handled(context):
+                return behavior(request, context)
+
+        return run
+
+    def stream(self, behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+        def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            with self.handled(context):
+                yield from behavior(request, context)
+
+        return run
+
+    def _fail(self, context: grpc.ServicerContext, exc: BaseException) -> None:
+        if isinstance(exc, MoeLoraError):
+            RPC_HANDLED.labels(self.method, exc.code.name).inc()
+            if isinstance(exc, Overloaded):
+                context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(exc.retry_after_ms)),))
+            context.abort(exc.code, exc.message)
+        if isinstance(exc, NotImplementedError):
+            RPC_HANDLED.labels(self.method, "UNIMPLEMENTED").inc()
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, f"{self.method} is not implemented in this build"
+            )
+        message = internal_error_message("rpc_internal_error", method=self.method)
+        RPC_HANDLED.labels(self.method, "INTERNAL").inc()
+        context.abort(grpc.StatusCode.INTERNAL, message)
+
+    def _done(self, start: float, context: grpc.ServicerContext) -> None:
+        RPC_SECONDS.labels(self.method).observe(time.perf_counter() - start)
+        code = context.code()
+        RPC_HANDLED.labels(self.method, (code or grpc.StatusCode.OK).name).inc()
+
+
+class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Wraps every handler in a ``_Call`` (see there)."""
+
+    def __init__(self, state: _State, authorize: Authorizer | None) -> None:
+        self._state = state
+        self._authorize = authorize
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
         if handler is None:
             return None
         method: str = details.method
-        state = self._state
         # Health and reflection are answered during a drain and don't hold it up.
         counted = not method.startswith(_ALWAYS_ALLOWED)
-
-        def guard(context: grpc.ServicerContext) -> None:
-            if state.draining.is_set() and counted:
-                context.abort(
-                    grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
-                )
-
-        def fail(context: grpc.ServicerContext, exc: BaseException) -> None:
-            if isinstance(exc, MoeLoraError):
-                RPC_HANDLED.labels(method, exc.code.name).inc()
-                context.abort(exc.code, exc.message)
-            if isinstance(exc, NotImplementedError):
-                RPC_HANDLED.labels(method, "UNIMPLEMENTED").inc()
-                context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented in this build"
-                )
-            error_id = uuid.uuid4().hex[:12]
-            log_event(
-                log,
-                "rpc_internal_error",
-                logging.ERROR,
-                exc_info=True,
-                method=method,
-                error_id=error_id,
-            )
-            RPC_HANDLED.labels(method, "INTERNAL").inc()
-            context.abort(
-                grpc.StatusCode.INTERNAL, f"internal error (id {error_id}); see the server log"
-            )
-
-        def done(start: float, context: grpc.ServicerContext) -> None:
-            RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
-            code = context.code()
-            RPC_HANDLED.labels(method, (code or grpc.StatusCode.OK).name).inc()
-
-        @contextlib.contextmanager
-        def handled(context: grpc.ServicerContext) -> Iterator[None]:
-            """Around one RPC: refuse it while draining, count it in flight, map its errors,
-            record its metrics."""
-            guard(context)
-            start = time.perf_counter()
-            if counted:
-                state.enter()
-            try:
-                yield
-            except Exception as exc:
-                if _is_abort(exc, context):
-                    done(start, context)
-                    raise
-                fail(context, exc)
-                raise
-            finally:
-                if counted:
-                    state.leave()
-            done(start, context)
-
-        def wrap_unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
-            def run(request: Any, context: grpc.ServicerContext) -> Any:
-                with handled(context):
-                    return behavior(request, context)
-
-            return run
-
-        def wrap_stream(behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-            def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                with handled(context):
-                    yield from behavior(request, context)
-
-            return run
-
+        call = _Call(method, self._state, self._authorize, counted)
+        des, ser = handler.request_deserializer, handler.response_serializer
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
+            return grpc.unary_unary_rpc_method_handler(call.unary(handler.unary_unary), des, ser)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
+            return grpc.unary_stream_rpc_method_handler(call.stream(handler.unary_stream), des, ser)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary),
-                handler.request_deserializer,
-                handler.response_serializer,
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            wrap_stream(handler.stream_stream),
-            handler.request_deserializer,
-            handler.response_serializer,
-        )
+            return grpc.stream_unary_rpc_method_handler(call.unary(handler.stream_unary), des, ser)
+        return grpc.stream_stream_rpc_method_handler(call.stream(handler.stream_stream), des, ser)
 
 
 def _is_abort(exc: Exception, context: grpc.ServicerContext) -> bool:
@@ -205,7 +203,9 @@ class GrpcServer:
         options: ServerOptions,
         service_names: Sequence[str],
         register: Callable[[grpc.Server], None],
+        authorize: Authorizer | None = None,
     ) -> None:
+        """``authorize`` is called before every RPC but health and reflection."""
         self.options = options
         self._state = _State()
         self._stopped = threading.Event()
@@ -213,7 +213,7 @@ class GrpcServer:
         limit = options.max_message_bytes
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="grpc"),
-            interceptors=[_ErrorAndMetricsInterceptor(self._state)],
+            interceptors=[_ErrorAndMetricsInterceptor(self._state, authorize)],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -335,8 +335,10 @@ def wait_until_serving(
 
 
 __all__ = [
+    "Authorizer",
     "GrpcServer",
     "ServerOptions",
     "health_check",
+    "internal_error_message",
     "wait_until_serving",
 ]

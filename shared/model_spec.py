@@ -35,7 +35,6 @@ order), not the model.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 from collections.abc import Mapping
@@ -47,9 +46,10 @@ from moelora.v1 import model_pb2
 from shared.codec import dtype_from_name, dtype_name
 from shared.errors import InvalidArgument
 from shared.json_fields import JsonFields, parse_json_object
+from shared.model_types import MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelType, MoELayerRule
+from shared.model_types import ExpertLayout as ExpertLayout  # re-exported: part of this API
 from shared.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3")
 #: The largest config.json accepted (the BaseModel message carries it verbatim).
 MAX_CONFIG_BYTES = 1024 * 1024
 FINGERPRINT_VERSION = 1
@@ -58,18 +58,6 @@ INDEX_FILE = "model.safetensors.index.json"
 
 #: safetensors dtype → the codec's name, for the dtypes expert weights may have.
 _FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
-class ExpertLayout(enum.Enum):
-    """How a checkpoint stores the routed experts."""
-
-    #: One 2-D tensor per expert and projection.
-    PER_EXPERT = "per_expert"
-    #: transformers 5's in-memory layout: gate_up_proj (E, 2I, H) rows [gate; up],
-    #: down_proj (E, H, I).
-    FUSED = "fused"
-    #: gpt_oss: gate_up_proj (E, H, 2I) gate/up interleaved, down_proj (E, I, H), with biases.
-    FUSED_TRANSPOSED = "fused_transposed"
 
 
 @dataclass(frozen=True)
@@ -105,9 +93,15 @@ class ModelSpec:
         return parsed
 
     @property
+    def type(self) -> ModelType:
+        """The model type's facts (spec_from_config admits only types in the table)."""
+        return MODEL_TYPES[self.model_type]
+
+    @property
     def has_shared_expert_gate(self) -> bool:
         """qwen2_moe scales its shared expert by sigmoid(x · gateᵀ)."""
-        return self.model_type == "qwen2_moe"
+        shared = self.type.shared_expert
+        return shared is not None and shared.gated
 
     def to_proto(self, name: str) -> model_pb2.BaseModel:
         return model_pb2.BaseModel(
@@ -261,57 +255,44 @@ def spec_from_config(
 ) -> ModelSpec:
     """The ModelSpec a config.json describes (tensor-level facts passed in)."""
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise InvalidArgument(
             f"config.json model_type {model_type!r} is not supported; supported: "
             + ", ".join(SUPPORTED_MODEL_TYPES)
         )
+    kind = MODEL_TYPES[model_type]
     get = JsonFields(config, f"config.json ({model_type})")
     num_layers = get.integer("num_hidden_layers")
-    num_experts = _num_experts(get, model_type)
-    intermediate_key = (
-        "moe_intermediate_size"
-        if model_type in ("qwen2_moe", "qwen3_moe", "deepseek_v3")
-        else "intermediate_size"
-    )
-    moe_intermediate_size = get.integer(intermediate_key)
+    num_experts = _num_experts(get, kind)
+    moe_intermediate_size = get.integer(kind.intermediate_key)
     top_k = get.integer("num_experts_per_tok")
     if not 1 <= top_k <= num_experts:
         raise InvalidArgument(
             f"config.json num_experts_per_tok={top_k} must lie in [1, {num_experts}]"
         )
-    if model_type != "gpt_oss" and config.get("hidden_act", "silu") != "silu":
+    if kind.checks_hidden_act and config.get("hidden_act", "silu") != "silu":
         raise InvalidArgument(
             f"config.json hidden_act {config.get('hidden_act')!r} is not supported (only silu)"
         )
     n_group, topk_group, scaling = 1, 1, 1.0
-    shared = 0
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        skip = set(get.integer_list("mlp_only_layers", default=[]))
-        step = get.integer("decoder_sparse_step", default=1)
-        moe_layers = tuple(n for n in range(num_layers) if n not in skip and (n + 1) % step == 0)
-    elif model_type == "deepseek_v3":
-        first_dense = get.integer("first_k_dense_replace", default=0)
-        # transformers ignores moe_layer_freq; DeepSeek's code honours it (1 in practice).
-        freq = get.integer("moe_layer_freq", default=1)
-        moe_layers = tuple(n for n in range(num_layers) if n >= first_dense and n % freq == 0)
+    if kind.grouped_routing:
         n_group = get.integer("n_group", default=1)
         topk_group = get.integer("topk_group", default=1)
         scaling = get.number("routed_scaling_factor", default=1.0)
-        shared = moe_intermediate_size * get.integer("n_shared_experts", default=0)
         if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
             raise InvalidArgument(
                 f"config.json n_group={n_group} must divide n_routed_experts={num_experts} "
                 f"and topk_group={topk_group} must lie in [1, n_group]"
             )
-    else:
-        moe_layers = tuple(range(num_layers))
-    if model_type == "qwen2_moe":
-        shared = get.integer("shared_expert_intermediate_size", default=0)
+    moe_layers = _moe_layers(get, kind.moe_layers, num_layers)
+    shared = 0
+    if kind.shared_expert is not None:
+        width = get.integer(kind.shared_expert.width_key, default=0)
+        shared = width * moe_intermediate_size if kind.shared_expert.width_is_count else width
     if not moe_layers:
         raise InvalidArgument("config.json describes no MoE layer")
     return ModelSpec(
-        model_type=model_type,
+        model_type=kind.name,
         hidden_size=get.integer("hidden_size"),
         moe_intermediate_size=moe_intermediate_size,
         num_experts=num_experts,
@@ -319,7 +300,8 @@ def spec_from_config(
         num_layers=num_layers,
         moe_layers=moe_layers,
         shared_expert_intermediate_size=shared,
-        norm_topk_prob=_renormalize(get, model_type),
+        norm_topk_prob=kind.always_renormalize
+        or get.flag("norm_topk_prob", default=kind.norm_topk_default),
         n_group=n_group,
         topk_group=topk_group,
         routed_scaling_factor=scaling,
@@ -333,49 +315,47 @@ def spec_from_config(
 
 def layer_tensors(spec: ModelSpec, layer: int, layout: ExpertLayout) -> LayerTensors:
     """The checkpoint tensor names of MoE layer ``layer``."""
+    kind = spec.type
     base = f"model.layers.{layer}"
     experts = range(spec.num_experts)
-    if spec.model_type == "gpt_oss":
-        mlp = f"{base}.mlp"
-        return LayerTensors(
-            router_weight=f"{mlp}.router.weight",
-            router_bias=f"{mlp}.router.bias",
-            gate_up=f"{mlp}.experts.gate_up_proj",
-            down=f"{mlp}.experts.down_proj",
-            gate_up_bias=f"{mlp}.experts.gate_up_proj_bias",
-            down_bias=f"{mlp}.experts.down_proj_bias",
-        )
-    mixtral_per_expert = spec.model_type == "mixtral" and layout is ExpertLayout.PER_EXPERT
-    mlp = f"{base}.block_sparse_moe" if mixtral_per_expert else f"{base}.mlp"
-    gate, up, down = (
-        ("w1", "w3", "w2") if mixtral_per_expert else ("gate_proj", "up_proj", "down_proj")
+    per_expert = layout is ExpertLayout.PER_EXPERT
+    mlp = f"{base}.{kind.per_expert_module}" if per_expert else f"{base}.mlp"
+    router = f"{mlp}.{kind.router_module}"
+    names = LayerTensors(
+        router_weight=f"{router}.weight",
+        router_bias=f"{router}.bias" if kind.router_bias else None,
+        score_correction_bias=(
+            f"{router}.e_score_correction_bias" if kind.score_correction_bias else None
+        ),
     )
-    names = LayerTensors(router_weight=f"{mlp}.gate.weight")
-    if layout is ExpertLayout.FUSED:
-        names = replace(
-            names, gate_up=f"{mlp}.experts.gate_up_proj", down=f"{mlp}.experts.down_proj"
-        )
-    else:
+    if per_expert:
+        gate, up, down = kind.projections
         names = replace(
             names,
             expert_gate=tuple(f"{mlp}.experts.{e}.{gate}.weight" for e in experts),
             expert_up=tuple(f"{mlp}.experts.{e}.{up}.weight" for e in experts),
             expert_down=tuple(f"{mlp}.experts.{e}.{down}.weight" for e in experts),
         )
-    if spec.model_type == "deepseek_v3":
-        names = replace(names, score_correction_bias=f"{mlp}.gate.e_score_correction_bias")
-    if spec.shared_expert_intermediate_size:
-        shared = (
-            f"{mlp}.shared_experts" if spec.model_type == "deepseek_v3" else f"{mlp}.shared_expert"
+    else:
+        names = replace(
+            names, gate_up=f"{mlp}.experts.gate_up_proj", down=f"{mlp}.experts.down_proj"
         )
+        if kind.expert_biases:
+            names = replace(
+                names,
+                gate_up_bias=f"{mlp}.experts.gate_up_proj_bias",
+                down_bias=f"{mlp}.experts.down_proj_bias",
+            )
+    if kind.shared_expert is not None and spec.shared_expert_intermediate_size:
+        shared = f"{mlp}.{kind.shared_expert.module}"
         names = replace(
             names,
             shared_gate=f"{shared}.gate_proj.weight",
             shared_up=f"{shared}.up_proj.weight",
             shared_down=f"{shared}.down_proj.weight",
         )
-    if spec.has_shared_expert_gate and spec.shared_expert_intermediate_size:
-        names = replace(names, shared_expert_gate=f"{mlp}.shared_expert_gate.weight")
+        if kind.shared_expert.gated:
+            names = replace(names, shared_expert_gate=f"{mlp}.shared_expert_gate.weight")
     return names
 
 
@@ -383,7 +363,7 @@ def expected_shapes(spec: ModelSpec, names: LayerTensors) -> dict[str, tuple[int
     """Every tensor of one layer with the shape the checkpoint must store it in."""
     h, i, e = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     i_shared = spec.shared_expert_intermediate_size
-    transposed = spec.model_type == "gpt_oss"
+    transposed = spec.type.saved_layout is ExpertLayout.FUSED_TRANSPOSED
     candidates: dict[str | None, tuple[int, ...]] = {
         names.router_weight: (e, h),
         names.router_bias: (e,),
@@ -403,13 +383,11 @@ def expected_shapes(spec: ModelSpec, names: LayerTensors) -> dict[str, tuple[int
     return shapes
 
 
-def _num_experts(get: JsonFields, model_type: str) -> int:
-    keys = ("num_experts", "num_local_experts") + (
-        ("n_routed_experts",) if model_type == "deepseek_v3" else ()
-    )
+def _num_experts(get: JsonFields, kind: ModelType) -> int:
+    keys = kind.experts_keys
     values = {key: get.integer(key) for key in keys if get.has(key)}
     if not values:
-        raise InvalidArgument(f"config.json ({model_type}) lacks " + " or ".join(keys))
+        raise InvalidArgument(f"config.json ({kind.name}) lacks " + " or ".join(keys))
     if len(set(values.values())) > 1:
         raise InvalidArgument(f"config.json disagrees on the number of experts: {values}")
     count = next(iter(values.values()))
@@ -418,10 +396,17 @@ def _num_experts(get: JsonFields, model_type: str) -> int:
     return count
 
 
-def _renormalize(get: JsonFields, model_type: str) -> bool:
-    if model_type in ("mixtral", "gpt_oss"):
-        return True
-    return get.flag("norm_topk_prob", default=model_type == "deepseek_v3")
+def _moe_layers(get: JsonFields, rule: MoELayerRule, num_layers: int) -> tuple[int, ...]:
+    if rule is MoELayerRule.SPARSE_STEP:
+        skip = set(get.integer_list("mlp_only_layers", default=[]))
+        step = get.integer("decoder_sparse_step", default=1)
+        return tuple(n for n in range(num_layers) if n not in skip and (n + 1) % step == 0)
+    if rule is MoELayerRule.FIRST_K_DENSE:
+        first_dense = get.integer("first_k_dense_replace", default=0)
+        # transformers ignores moe_layer_freq; DeepSeek's code honours it (1 in practice).
+        freq = get.integer("moe_layer_freq", default=1)
+        return tuple(n for n in range(num_layers) if n >= first_dense and n % freq == 0)
+    return tuple(range(num_layers))
 
 
 def _tensor_index(folder: Path) -> dict[str, StoredTensor]:
@@ -457,15 +442,14 @@ def _tensor_index(folder: Path) -> dict[str, StoredTensor]:
 
 
 def _detect_layout(spec: ModelSpec, available: Mapping[str, Any]) -> ExpertLayout:
-    if spec.model_type == "gpt_oss":
-        first = f"model.layers.{spec.moe_layers[0]}.mlp.experts.gate_up_proj"
-        if f"{first}_blocks" in available:
+    fused = f"model.layers.{spec.moe_layers[0]}.mlp.experts.gate_up_proj"
+    if spec.type.saved_layout is ExpertLayout.FUSED_TRANSPOSED:
+        if f"{fused}_blocks" in available:
             raise InvalidArgument(
-                f"checkpoint tensor {first} is MXFP4-quantized ({first}_blocks); "
+                f"checkpoint tensor {fused} is MXFP4-quantized ({fused}_blocks); "
                 "dequantize the checkpoint to bf16 first"
             )
         return ExpertLayout.FUSED_TRANSPOSED
-    fused = f"model.layers.{spec.moe_layers[0]}.mlp.experts.gate_up_proj"
     return ExpertLayout.FUSED if fused in available else ExpertLayout.PER_EXPERT
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from shared.errors import InvalidArgument
+from shared.errors import InvalidArgument, quoted
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ALIAS = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")
@@ -25,8 +25,8 @@ def validate_name(name: str, field: str = "name") -> str:
         raise InvalidArgument(f"{field}: must not be empty", field)
     if not _NAME.fullmatch(name) or ".." in name:
         raise InvalidArgument(
-            f"{field}: {name!r} is not a valid name: use 1-128 characters of A-Z a-z 0-9 . _ -, "
-            "starting with a letter or digit, without '..'",
+            f"{field}: {quoted(name)} is not a valid name: use 1-128 characters of "
+            "A-Z a-z 0-9 . _ -, starting with a letter or digit, without '..'",
             field,
         )
     return name
@@ -37,8 +37,8 @@ def validate_alias(alias: str, field: str = "alias") -> str:
     look like a version number."""
     if not _ALIAS.fullmatch(alias) or ".." in alias or alias.startswith("sha256"):
         raise InvalidArgument(
-            f"{field}: {alias!r} is not a valid alias: use 1-64 characters of A-Z a-z 0-9 . _ -, "
-            "starting with a letter, not 'sha256'",
+            f"{field}: {quoted(alias)} is not a valid alias: use 1-64 characters of "
+            "A-Z a-z 0-9 . _ -, starting with a letter, not 'sha256'",
             field,
         )
     return alias
@@ -46,7 +46,9 @@ def validate_alias(alias: str, field: str = "alias") -> str:
 
 def validate_digest(digest: str, field: str = "digest") -> str:
     if not _DIGEST.fullmatch(digest):
-        raise InvalidArgument(f"{field}: {digest!r} is not 'sha256:' + 64 lower-case hex", field)
+        raise InvalidArgument(
+            f"{field}: {quoted(digest)} is not 'sha256:' + 64 lower-case hex", field
+        )
     return digest
 
 
@@ -71,9 +73,11 @@ class AdapterRef:
         if ":" in text:
             name, _, version = text.partition(":")
             validate_name(name, field)
-            if not version.isdigit() or int(version) < 1 or len(version) > 9:
+            # ASCII only: str.isdigit() also accepts "²" and "٣", which int() refuses or reads.
+            valid = version.isascii() and version.isdigit() and len(version) <= 9
+            if not valid or int(version) < 1:
                 raise InvalidArgument(
-                    f"{field}: version in {text!r} must be a positive integer", field
+                    f"{field}: version in {quoted(text)} must be a positive integer", field
                 )
             return cls(name, version=int(version))
         return cls(validate_name(text, field))

@@ -22,10 +22,7 @@ from shared.adapter_files import ADAPTER_FILES
 from shared.auth import open_channel
 from shared.background_writer import BackgroundWriter
 from shared.errors import DataLoss, InvalidArgument, from_rpc_error
-
-#: Initial metadata of a WatchAdapters stream: the sequence it starts after. Once a client
-#: has received it, every later event reaches the stream.
-WATCH_START_METADATA = "moelora-watch-after-sequence"
+from shared.rpc_metadata import WATCH_START_METADATA
 
 CHUNK_BYTES = 1024 * 1024
 #: gRPC messages up to this size; chunks are 1 MiB, versions a few KiB.

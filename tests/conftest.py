@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,11 +28,101 @@ REPO = Path(__file__).resolve().parent.parent
 POSTGRES_ENV = "MOELORA_TEST_POSTGRES_URL"
 
 
+# -- process hygiene: a test stops what it starts -------------------------------------------
+
+_PR_SET_CHILD_SUBREAPER = 36
+#: Children that outlive tests by design: Python's multiprocessing helpers.
+_LONG_LIVED_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="run the fuzz, chaos and soak suites at full size (make fuzz / chaos / soak)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="full-size run: pass --long (make fuzz / chaos / soak)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Become the subreaper of everything the tests start, so that a grandchild orphaned by a
+    killed child is re-parented here (and found at the end) rather than to init."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _children() -> dict[int, str]:
+    """pid -> command line of this process's live (non-zombie) children."""
+    found: dict[int, str] = {}
+    me = str(os.getpid())
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (OSError, ValueError):
+            continue
+        if ppid == me and state != "Z" and not any(n in cmdline for n in _LONG_LIVED_CHILDREN):
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fails the run when a process a test started is still running; stops it."""
+    if sys.platform != "linux":
+        return
+    # Two empty scans in a row: a child that exits re-parents its own children to us, and
+    # a scan may see neither while that happens.
+    deadline = time.monotonic() + 5.0
+    empty_scans, left = 0, _children()
+    while empty_scans < 2 and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        left = _children()
+        empty_scans = 0 if left else empty_scans + 1
+        time.sleep(0.1)
+    if not left:
+        return
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    listing = "\n".join(f"  pid {pid}: {cmd[:200]}" for pid, cmd in left.items())
+    print(f"\nprocess hygiene: {len(left)} process(es) outlived the tests:\n{listing}")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A token file (either service's format) with one token per role, each named after its
+    role; and role name -> plaintext token."""
+    from shared.tokens import Role, new_token_entry
+
+    secrets, entries = {}, []
+    for role in Role:
+        token, entry = new_token_entry(role.name.lower(), role)
+        secrets[role.name.lower()] = token
+        entries.append(entry)
+    path = tmp_path / "tokens.json"
+    path.write_text(json.dumps({"tokens": entries}))
+    return path, secrets
 
 
 @pytest.fixture

@@ -182,13 +182,17 @@ class Router:
     def _rank(
         self, group: tuple[int, ...], members: list[Replica], key: str | None
     ) -> list[Replica]:
-        by_address = {r.address: r for r in members}
         if key is None:
             return sorted(members, key=lambda r: (r.in_flight, r.address))
+        # Hash on replica names (StatefulSet pod names outlive their IPs) when they are
+        # unique in the group, else on addresses.
+        by_name = {r.name: r for r in members}
+        if len(by_name) < len(members):
+            by_name = {r.address: r for r in members}
         table = self._tables.get(group)
         if table is None:
             table = self._tables[group] = AffinityTable(self.settings.balance)
-        return [by_address[a] for a in table.rank(key, sorted(by_address))]
+        return [by_name[n] for n in table.rank(key, sorted(by_name))]
 
     def _no_replica(self, layer: int) -> str:
         if not self._replicas:

@@ -18,6 +18,8 @@ def open_blob_store(
     s3_region: str | None = None,
     s3_path_style: bool = False,
     s3_part_bytes: int = DEFAULT_PART_BYTES,
+    s3_max_attempts: int = 8,
+    s3_timeout_seconds: float = 120.0,
 ) -> BlobStore:
     """``None`` -> ``data_dir/blobs``; ``file:///PATH`` or a plain path -> a local
     directory; ``s3://BUCKET[/PREFIX]`` -> S3 (the bucket must exist)."""
@@ -39,6 +41,8 @@ def open_blob_store(
             region=s3_region,
             path_style=s3_path_style,
             part_bytes=s3_part_bytes,
+            max_attempts=s3_max_attempts,
+            timeout_seconds=s3_timeout_seconds,
         )
         store.check_bucket()
         return store

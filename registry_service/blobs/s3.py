@@ -4,8 +4,10 @@ S3 makes an object visible only when its PUT (or CompleteMultipartUpload)
 succeeds, so objects are written straight to their final key; a crash leaves
 at most an unfinished multipart upload, which gc aborts. Big files go up and
 down as parallel parts (TransferConfig); every request retries with
-exponential backoff (botocore's "standard" retry mode). Credentials come from
-the standard AWS chain (environment, profile, instance role).
+exponential backoff (botocore's "standard" retry mode, ``max_attempts`` in all).
+A store that stays unreachable, slow or failing past those attempts raises
+``Unavailable`` (a status clients retry), never a bare botocore error. Credentials
+come from the standard AWS chain (environment, profile, instance role).
 """
 
 from __future__ import annotations
@@ -18,15 +20,26 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from boto3.exceptions import Boto3Error
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from registry_service.blobs.base import KEY_PREFIX, BlobStat, is_blob_key
+from shared.errors import Unavailable
 
 _MIB = 1024 * 1024
 #: Files above this go up and down in parts of this size, 8 at a time.
 DEFAULT_PART_BYTES = 64 * _MIB
+
+
+@contextmanager
+def _unavailable_on_failure(location: str) -> Iterator[None]:
+    """S3 failures past botocore's retries as Unavailable: the store, not the request, is wrong."""
+    try:
+        yield
+    except (BotoCoreError, ClientError, Boto3Error) as exc:
+        raise Unavailable(f"blob store {location} failed: {exc}; retry later") from exc
 
 
 class S3BlobStore:
@@ -40,6 +53,7 @@ class S3BlobStore:
         region: str | None = None,
         path_style: bool = False,
         max_attempts: int = 8,
+        timeout_seconds: float = 120.0,
         part_bytes: int = DEFAULT_PART_BYTES,
     ) -> None:
         self.bucket = bucket
@@ -57,8 +71,8 @@ class S3BlobStore:
             signature_version="s3v4",
             retries={"mode": "standard", "max_attempts": max_attempts},
             s3={"addressing_style": "path" if path_style else "auto"},
-            connect_timeout=10,
-            read_timeout=120,
+            connect_timeout=min(10.0, timeout_seconds),
+            read_timeout=timeout_seconds,
             max_pool_connections=32,
         )
         self._client: Any = boto3.session.Session().client(
@@ -83,18 +97,22 @@ class S3BlobStore:
         return self.prefix + key
 
     def _size(self, key: str) -> int | None:
-        try:
-            head = self._client.head_object(Bucket=self.bucket, Key=self._object(key))
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise
+        with _unavailable_on_failure(self.location):
+            try:
+                head = self._client.head_object(Bucket=self.bucket, Key=self._object(key))
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    return None
+                raise
         return int(head["ContentLength"])
 
     def put_file(self, key: str, source: Path) -> None:
         if self._size(key) == source.stat().st_size:
             return
-        self._client.upload_file(str(source), self.bucket, self._object(key), Config=self._transfer)
+        with _unavailable_on_failure(self.location):
+            self._client.upload_file(
+                str(source), self.bucket, self._object(key), Config=self._transfer
+            )
 
     def exists(self, key: str) -> bool:
         return self._size(key) is not None
@@ -106,15 +124,21 @@ class S3BlobStore:
         self.scratch_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=self.scratch_dir, prefix="download-") as tmp:
             path = Path(tmp.name)
-            self._client.download_file(
-                self.bucket, self._object(key), str(path), Config=self._transfer
-            )
+            with _unavailable_on_failure(self.location):
+                self._client.download_file(
+                    self.bucket, self._object(key), str(path), Config=self._transfer
+                )
             yield path
 
     def delete(self, key: str) -> None:
-        self._client.delete_object(Bucket=self.bucket, Key=self._object(key))
+        with _unavailable_on_failure(self.location):
+            self._client.delete_object(Bucket=self.bucket, Key=self._object(key))
 
     def list_blobs(self) -> Iterator[BlobStat]:
+        with _unavailable_on_failure(self.location):
+            yield from self._list_blobs()
+
+    def _list_blobs(self) -> Iterator[BlobStat]:
         pages = self._client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=self.prefix + KEY_PREFIX
         )
@@ -133,6 +157,10 @@ class S3BlobStore:
         return url
 
     def remove_stale_temporaries(self, older_than: datetime, dry_run: bool) -> int:
+        with _unavailable_on_failure(self.location):
+            return self._abort_stale_uploads(older_than, dry_run)
+
+    def _abort_stale_uploads(self, older_than: datetime, dry_run: bool) -> int:
         removed = 0
         pages = self._client.get_paginator("list_multipart_uploads").paginate(
             Bucket=self.bucket, Prefix=self.prefix + KEY_PREFIX

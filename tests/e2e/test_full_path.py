@@ -106,12 +106,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with grpc.insecure_channel(executor_address) as channel:
         wait_until_serving(channel, "moelora.v1.Executor", timeout=120)
     client = ExecutorClient(executor_address, timeout=30, retry=RetryPolicy(attempts=1))
+    cluster = Cluster(world, registry_address, registry, registry_args, client, executor_log, tmp)
     try:
-        yield Cluster(world, registry_address, registry, registry_args, client, executor_log, tmp)
+        yield cluster
     finally:
         client.close()
-        assert executor.terminate() == 0, executor.log()
+        code = executor.terminate()
+        # A test may have replaced the registry (killed and restarted it): stop both.
         registry.terminate()
+        cluster.registry.terminate()
+        assert code == 0, executor.log()
 
 
 def forward(cluster: Cluster, segments: list[tuple[int, str | None]]) -> ForwardResult:

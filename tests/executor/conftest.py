@@ -4,7 +4,6 @@ transformers models and PEFT adapters built once per session."""
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -15,17 +14,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-# ``triton.jit`` picks interpreter mode when ``kernels`` is first imported, and this folder is
-# collected before tests/kernels, whose conftest sets it: without a GPU, set it here too, so
-# that the kernel tests of the same session still run on the CPU interpreter. (The executor
-# itself serves through the torch reference on the CPU either way.)
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from executor_service.app import ExecutorApp
+from executor_service.batch import KernelFn
 from executor_service.client import ExecutorClient, RetryPolicy
 from executor_service.config import ExecutorSettings
-from executor_service.engine import KernelFn
 from executor_service.metrics import ExecutorMetrics
 from executor_service.sources import AdapterFiles, AdapterSource, ResolvedAdapter
 from executor_service.synthetic import (

@@ -143,6 +143,7 @@ def test_executor_info(qwen_world: World, start_executor: StartExecutor) -> None
     per_layer = 3 * e * 8 * (2 * h + 3 * i) * 4 + 3 * 4  # float32 buffers + int32 enabled
     assert info.slot_memory_bytes == len(qwen_world.moe_layers) * per_layer
     assert info.server_version
+    assert list(info.kernel_configs) == []  # the torch reference launches no kernels
 
 
 def test_forward_metrics(qwen_world: World, start_executor: StartExecutor) -> None:

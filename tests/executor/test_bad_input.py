@@ -12,7 +12,7 @@ import torch
 
 from executor_service.client import forward_request
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
-from shared import codec
+from shared import torch_codec
 from tests.executor.conftest import FOREIGN, Running, assert_close, running_executor
 from tests.executor.worlds import TOKENS, World
 
@@ -22,12 +22,12 @@ Mutation = Callable[[executor_pb2.ForwardRequest, World], object]
 
 
 def _hidden(request: executor_pb2.ForwardRequest, tensor: torch.Tensor) -> None:
-    request.hidden_states.CopyFrom(codec.from_torch(tensor))
+    request.hidden_states.CopyFrom(torch_codec.from_torch(tensor))
 
 
 def _routing(request: executor_pb2.ForwardRequest, ids: Any, weights: Any) -> None:
-    request.routing.topk_ids.CopyFrom(codec.from_torch(torch.as_tensor(ids)))
-    request.routing.topk_weights.CopyFrom(codec.from_torch(torch.as_tensor(weights)))
+    request.routing.topk_ids.CopyFrom(torch_codec.from_torch(torch.as_tensor(ids)))
+    request.routing.topk_weights.CopyFrom(torch_codec.from_torch(torch.as_tensor(weights)))
 
 
 def _good_routing(world: World, tokens: int = TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +139,7 @@ CASES: dict[str, tuple[Mutation, grpc.StatusCode, str]] = {
         "routing.topk_weights.dtype",
     ),
     "routing without weights": (
-        lambda r, w: r.routing.topk_ids.CopyFrom(codec.from_torch(_good_routing(w)[0])),
+        lambda r, w: r.routing.topk_ids.CopyFrom(torch_codec.from_torch(_good_routing(w)[0])),
         grpc.StatusCode.INVALID_ARGUMENT,
         "routing.topk_weights",
     ),

@@ -10,7 +10,7 @@ import torch
 from executor_service.host_cache import HostCache
 from executor_service.packer import PackedAdapter, PackedLayer
 from executor_service.slot_buffers import DeviceSync, SlotBuffers
-from executor_service.slots import SlotDataMissing, SlotManager
+from executor_service.slots import LRUPolicy, SlotLease, SlotManager, Wanted
 from executor_service.sources import ResolvedAdapter
 from kernels import MoELayerWeights, RouterKind, RouterSpec
 from shared.errors import FailedPrecondition, ResourceExhausted
@@ -64,7 +64,26 @@ def _adapter(index: int) -> ResolvedAdapter:
 def _manager(slots: int) -> SlotManager:
     layers = {layer: _layer() for layer in LAYERS}
     sync = DeviceSync(torch.device("cpu"))
-    return SlotManager(SlotBuffers(layers, slots, R, torch.float32, sync))
+    return SlotManager(SlotBuffers(layers, slots, R, torch.float32, sync), LRUPolicy())
+
+
+def _acquire(
+    manager: SlotManager,
+    adapters: list[ResolvedAdapter],
+    data: dict[str, PackedAdapter],
+    timeout: float,
+    fetched: list[ResolvedAdapter] | None = None,
+) -> SlotLease:
+    """Acquires with the packed data of ``data`` in hand for adapters not in a slot; any
+    other the manager fetches from ``data`` (recorded in ``fetched``)."""
+
+    def fetch(adapter: ResolvedAdapter) -> PackedAdapter:
+        if fetched is not None:
+            fetched.append(adapter)
+        return data[adapter.digest]
+
+    wanted = [Wanted(a, None if manager.holds(a.digest) else data.get(a.digest)) for a in adapters]
+    return manager.acquire(wanted, fetch, timeout)
 
 
 def test_write_pads_the_rank_with_zeros_and_sets_enabled() -> None:
@@ -76,10 +95,10 @@ def test_write_pads_the_rank_with_zeros_and_sets_enabled() -> None:
     small = PackedAdapter(
         layers={3: PackedLayer(a13=None, b13=None, a2=part.a2, b2=part.b2)}, rank=2, nbytes=1
     )
-    lease = manager.acquire([old], {old.digest: full}, 1.0)
+    lease = _acquire(manager, [old], {old.digest: full}, 1.0)
     manager.release(lease, None)
-    manager.acquire([_adapter(9)], {_adapter(9).digest: full}, 1.0)  # fills the other slot
-    lease = manager.acquire([new], {new.digest: small}, 1.0)  # evicts ``old`` (LRU)
+    _acquire(manager, [_adapter(9)], {_adapter(9).digest: full}, 1.0)  # fills the other slot
+    lease = _acquire(manager, [new], {new.digest: small}, 1.0)  # evicts ``old`` (LRU)
     slot = lease.slots[new.digest]
     assert lease.evicted == (old,)
     one, three = manager.buffers.layer(1), manager.buffers.layer(3)
@@ -95,12 +114,12 @@ def test_a_slot_in_use_is_never_evicted_and_waiters_get_it_once_released() -> No
     manager = _manager(2)
     a, b, c = _adapter(0), _adapter(1), _adapter(2)
     data = {x.digest: _packed(i) for i, x in enumerate((a, b, c))}
-    held_a = manager.acquire([a], data, 1.0)
-    held_b = manager.acquire([b], data, 1.0)
+    held_a = _acquire(manager, [a], data, 1.0)
+    held_b = _acquire(manager, [b], data, 1.0)
     with pytest.raises(ResourceExhausted, match="in use by requests in flight"):
-        manager.acquire([c], data, 0.1)
+        _acquire(manager, [c], data, 0.1)
     threading.Timer(0.2, manager.release, args=(held_a, None)).start()
-    lease = manager.acquire([c], data, 5.0)
+    lease = _acquire(manager, [c], data, 5.0)
     assert lease.slots[c.digest] == held_a.slots[a.digest]
     assert lease.evicted == (a,)
     slot = lease.slots[c.digest]
@@ -119,21 +138,29 @@ def test_pins_capacity_and_missing_data() -> None:
     adapters = [_adapter(i) for i in range(4)]
     data = {x.digest: _packed(i) for i, x in enumerate(adapters)}
     for adapter in adapters[:2]:
-        manager.release(manager.acquire([adapter], data, 1.0), None)
+        manager.release(_acquire(manager, [adapter], data, 1.0), None)
         manager.pin(adapter.digest)
-    manager.release(manager.acquire([adapters[2]], data, 1.0), None)
+    manager.release(_acquire(manager, [adapters[2]], data, 1.0), None)
     with pytest.raises(ResourceExhausted, match="one must stay unpinned"):
         manager.pin(adapters[2].digest)
     # Two pinned by other adapters leave one slot: a batch of two new adapters can never run.
     with pytest.raises(ResourceExhausted, match="split the request"):
-        manager.acquire(adapters[2:], data, 1.0)
+        _acquire(manager, adapters[2:], data, 1.0)
     # ... but one that includes the pinned ones can.
-    manager.release(manager.acquire([*adapters[:2], adapters[3]], data, 1.0), None)
+    manager.release(_acquire(manager, [*adapters[:2], adapters[3]], data, 1.0), None)
     with pytest.raises(FailedPrecondition, match="pinned"):
         manager.evict(adapters[0].digest, 1.0)
-    with pytest.raises(SlotDataMissing) as missing:
-        manager.acquire([_adapter(7)], {}, 1.0)
-    assert missing.value.adapters == (_adapter(7),)
+    # Data the caller lacks (the adapter left its slot after the caller looked) is fetched.
+    fetched: list[ResolvedAdapter] = []
+    late = _adapter(7)
+    wanted = [Wanted(late, None)]
+
+    def fetch(adapter: ResolvedAdapter) -> PackedAdapter:
+        fetched.append(adapter)
+        return _packed(7)
+
+    manager.release(manager.acquire(wanted, fetch, 1.0), None)
+    assert fetched == [late] and manager.holds(late.digest)
     assert manager.unpin(adapters[0].digest) is not None
     assert manager.evict(adapters[0].digest, 1.0) is not None
     assert not manager.holds(adapters[0].digest)

@@ -12,9 +12,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from shared.model_types import MODEL_TYPES as MODEL_TYPES_TABLE
+from shared.model_types import SUPPORTED_MODEL_TYPES
+
 HIDDEN = 48
 INTERMEDIATE = 16
-MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "gpt_oss", "deepseek_v3")
+MODEL_TYPES = SUPPORTED_MODEL_TYPES
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 32,
@@ -25,40 +28,14 @@ _COMMON: dict[str, Any] = {
     "head_dim": 16,
     "max_position_embeddings": 64,
 }
-_PER_TYPE: dict[str, dict[str, Any]] = {
+#: Beyond the table's defaults: features some types exercise.
+_FEATURES: dict[str, dict[str, Any]] = {
     # layer 1 dense: exercises mlp_only_layers
-    "qwen3_moe": {
-        "moe_intermediate_size": INTERMEDIATE,
-        "intermediate_size": 40,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "mlp_only_layers": [1],
-    },
-    "qwen2_moe": {
-        "moe_intermediate_size": INTERMEDIATE,
-        "intermediate_size": 40,
-        "shared_expert_intermediate_size": 24,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-    },
-    "olmoe": {"intermediate_size": INTERMEDIATE, "num_experts": 6, "num_experts_per_tok": 2},
-    "mixtral": {
-        "intermediate_size": INTERMEDIATE,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-    },
-    "gpt_oss": {
-        "intermediate_size": INTERMEDIATE,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "layer_types": ["full_attention"] * 3,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    },
+    "qwen3_moe": {"norm_topk_prob": True, "mlp_only_layers": [1]},
+    "qwen2_moe": {"shared_expert_intermediate_size": 24},
+    "olmoe": {"num_experts": 6},
     # layer 0 dense (first_k_dense_replace); 8 experts in 4 groups, 2 groups kept
     "deepseek_v3": {
-        "moe_intermediate_size": INTERMEDIATE,
-        "intermediate_size": 40,
         "n_routed_experts": 8,
         "num_experts_per_tok": 3,
         "n_group": 4,
@@ -66,19 +43,30 @@ _PER_TYPE: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "n_shared_experts": 1,
         "routed_scaling_factor": 2.5,
-        "q_lora_rank": 16,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 16,
     },
 }
+
+
+def model_config(model_type: str) -> dict[str, Any]:
+    """The tiny model's config fields: 4 experts, top-2, from the table unless _FEATURES says."""
+    kind = MODEL_TYPES_TABLE[model_type]
+    config = _COMMON | {
+        kind.experts_key: 4,
+        "num_experts_per_tok": 2,
+        kind.intermediate_key: INTERMEDIATE,
+        **kind.extra_config,
+    }
+    if kind.intermediate_key != "intermediate_size":  # the dense layers' width (≠ H, I, 2I)
+        config["intermediate_size"] = 40
+    if kind.layer_types:
+        config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    return config | _FEATURES.get(model_type, {})
 
 
 def build_model(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """A tiny random float32 model of ``model_type`` with every weight non-trivial."""
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**_COMMON, **_PER_TYPE[model_type], **overrides})
+    config = AutoConfig.for_model(model_type, **(model_config(model_type) | overrides))
     model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
         config, dtype=torch.float32
     )

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from shared.model_types import MODEL_TYPES
 from tests.formats.hf_models import build_model
 
 #: Adapter variants the parity tests cover, as LoraConfig arguments.
@@ -44,8 +45,8 @@ def make_peft_adapter(
     """A fresh tiny model with a random LoRA of ``variant`` (B non-zero), saved to ``folder``."""
     model = build_model(model_type)
     kwargs = dict(VARIANTS[variant])
-    if model_type == "mixtral" and "target_modules" in kwargs:
-        kwargs["target_modules"] = ["w1", "w3", "w2"]
+    if "target_modules" in kwargs:  # the per-expert module names of this type
+        kwargs["target_modules"] = list(MODEL_TYPES[model_type].projections)
     kwargs.setdefault("target_modules", [])
     peft_model = get_peft_model(model, LoraConfig(**kwargs))
     generator = torch.Generator().manual_seed(seed)

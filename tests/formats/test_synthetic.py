@@ -27,15 +27,15 @@ from executor_service.synthetic import (
 from kernels import LoRAContext, moe_forward
 from shared.adapter_format import AdapterFormat
 from shared.model_spec import ExpertLayout, read_checkpoint
+from shared.model_types import SUPPORTED_MODEL_TYPES
 from tests.formats.hf_models import moe_block, run_block
 from tests.formats.test_parity import assert_close, slots_for
 
-BASES = {
+#: Every model type of the table, most with the defaults; some exercise dense layers, a shared
+#: expert or grouped routing.
+BASES = {name: SyntheticBase(name) for name in SUPPORTED_MODEL_TYPES} | {
     "qwen3_moe": SyntheticBase("qwen3_moe", num_layers=3, dense_layers=(1,), norm_topk_prob=False),
     "qwen2_moe": SyntheticBase("qwen2_moe", shared_expert_intermediate_size=48),
-    "olmoe": SyntheticBase("olmoe"),
-    "mixtral": SyntheticBase("mixtral"),
-    "gpt_oss": SyntheticBase("gpt_oss"),
     "deepseek_v3": SyntheticBase(
         "deepseek_v3",
         num_layers=3,

@@ -78,6 +78,14 @@ def test_production_settings_mean_what_the_values_say(
     assert executor.preload_adapters == ["support-bot@prod", "sql-writer@prod"]
     assert executor.registry_address == "demo-moe-lora-serve-registry.ml.svc:50051"
     assert executor.registry_token == "executor-token"
+    # The tokens it accepts: the registry's file, mounted from the same Secret.
+    assert (executor.auth, str(executor.auth_tokens_file)) == (
+        "on",
+        "/etc/moelora/auth/tokens.json",
+    )
+    volumes = production.one("StatefulSet")["spec"]["template"]["spec"]["volumes"]
+    tokens = next(v for v in volumes if v["name"] == "auth-tokens")
+    assert tokens["secret"]["secretName"] == "moelora-registry-tokens"
     assert executor.drain_seconds == 60.0
 
 
@@ -86,3 +94,5 @@ def test_metrics_off_reaches_the_services(cpu: Release, monkeypatch: pytest.Monk
     executor = parsed(ExecutorSettings, container_env(cpu, executor_pod, SECRETS), monkeypatch)
     assert executor.metrics_listen == ""
     assert executor.device == "cpu"
+    # auth.enabled false says off outright: on 0.0.0.0, auto would refuse to start.
+    assert (executor.auth, executor.auth_tokens_file) == ("off", None)

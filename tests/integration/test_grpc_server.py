@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,10 +20,12 @@ def _identity(data: bytes) -> bytes:
 
 
 class _Probe:
-    """Methods of a raw-bytes service: echo, fail with a domain error, crash, sleep."""
+    """Methods of a raw-bytes service: echo, fail with a domain error, crash, block."""
 
     def __init__(self) -> None:
         self.started = threading.Event()
+        #: ``slow`` holds its RPC in flight until the test sets this.
+        self.release = threading.Event()
 
     def echo(self, request: bytes, context: Any) -> bytes:
         return request
@@ -40,7 +41,8 @@ class _Probe:
 
     def slow(self, request: bytes, context: Any) -> bytes:
         self.started.set()
-        time.sleep(1.0)
+        if not self.release.wait(10):
+            raise RuntimeError("the test never released the slow RPC")
         return b"done"
 
     def stream_fail(self, request: bytes, context: Any) -> Iterator[bytes]:
@@ -71,6 +73,7 @@ def served() -> Iterator[tuple[GrpcServer, grpc.Channel, _Probe]]:
     server.set_serving(True)
     channel = grpc.insecure_channel(server.address)
     yield server, channel, probe
+    probe.release.set()
     channel.close()
     server.drain()
 
@@ -132,11 +135,13 @@ def test_drain_finishes_rpcs_in_flight_and_refuses_new_ones(
     assert probe.started.wait(5)
     drainer = threading.Thread(target=server.drain)
     drainer.start()
-    time.sleep(0.2)
+    assert server.drain_event.wait(5)
     assert server.draining
     with pytest.raises(grpc.RpcError) as info:
         _call(channel, "echo")
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert worker.is_alive() and not server.wait(0)  # the slow RPC is still in flight
+    probe.release.set()
     worker.join(10)
     drainer.join(10)
     assert result == {"value": b"done"}

@@ -1,20 +1,15 @@
 """Kernel tests: on the CPU through Triton's interpreter, on a GPU when there is one.
 
-TRITON_INTERPRET must be set before ``triton.jit`` decorates the kernels, i.e. before
-``kernels`` is imported; this conftest is loaded before the test modules are.
+tests/conftest.py sets TRITON_INTERPRET without a GPU, before any folder imports ``kernels``.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 #: Where the Triton path runs: the GPU if any, else the CPU interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,9 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import moe_forward
-from kernels.configs import heuristic_config
-from kernels.forward import fused_moe
+from kernels import ConfigSelector, moe_forward
+from kernels.autotune import autotune
+from kernels.bench import SHAPES as BENCH_SHAPES
+from kernels.bench import ZOO
+from kernels.forward import fused_moe, layer_shape
+from kernels.heuristic import heuristic_config
 from kernels.reference import moe_forward_reference
 from kernels.synthetic import (
     lora_context,
@@ -32,12 +35,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-# (E, H, I, k) of the benchmark's layers: Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B-like.
-SHAPES = {
-    "qwen3": (128, 2048, 768, 8),
-    "mixtral": (8, 4096, 14336, 2),
-    "gpt_oss": (32, 2880, 2880, 4),
-}
+# (E, H, I, k) of the benchmark's layers and its zoo (kernels.bench.SHAPES and ZOO).
+SHAPES = {key: (s.experts, s.hidden, s.inter, s.top_k) for key, s in (BENCH_SHAPES | ZOO).items()}
 
 
 def _lora(layer: MoELayerWeights, tokens: int, rank: int = 16) -> LoRAContext:
@@ -109,3 +108,22 @@ def test_cuda_graph_replay_follows_new_inputs() -> None:
     graph.replay()
     expected = moe_forward_reference(hidden, layer, lora, routing)
     assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+def test_autotune_in_budget_gives_correct_configs() -> None:
+    """Start-up autotuning of a small layer: every bucket gets a configuration the selector
+    then reports as autotuned, and the forward with it matches the reference."""
+    layer = random_layer(16, 512, 256, 2, dtype=torch.bfloat16, device="cuda")
+    result = autotune(layer, 16, budget_s=60, buckets=(1, 64, 600), num_slots=8, jobs=2)
+    assert set(result.configs) == {1, 64, 600}
+    assert result.timed >= 3
+    selector = ConfigSelector("test-gpu", use_tables=False)
+    selector.add(layer_shape(layer), 16, result.configs)
+    for tokens in (1, 64, 600):
+        hidden = random_hidden(tokens, 512, dtype=torch.bfloat16, device="cuda")
+        routing = random_routing(tokens, 16, 2, device="cuda")
+        lora = _lora(layer, tokens)
+        assert selector.select(tokens, layer_shape(layer), 16, torch.bfloat16).source == "autotuned"
+        out = moe_forward(hidden, layer, lora, routing, configs=selector)
+        err = relative_error(out, moe_forward_reference(hidden, layer, lora, routing))
+        assert err < TOLERANCE[torch.bfloat16]

@@ -3,6 +3,7 @@ below the RPC's is PERMISSION_DENIED, and the token's name is recorded."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -12,25 +13,12 @@ from typing import Any
 import grpc
 import pytest
 
-from registry_service.auth import Role, new_token_entry
 from shared.auth import bearer_metadata, bearer_token
 from shared.errors import MoeLoraError
+from shared.tokens import Role
 from tests.conftest import free_port, wait_for
 from tests.registry.conftest import BASE, Served, register_base
 from tests.registry.fixtures import write_adapter
-
-
-@pytest.fixture
-def tokens(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """A tokens file with one token per role; name -> token."""
-    secrets, entries = {}, []
-    for role in Role:
-        token, entry = new_token_entry(role.name.lower(), role)
-        secrets[role.name.lower()] = token
-        entries.append(entry)
-    path = tmp_path / "tokens.json"
-    path.write_text(json.dumps({"tokens": entries}))
-    return path, secrets
 
 
 def _code(call: Callable[[], Any]) -> grpc.StatusCode:
@@ -125,3 +113,53 @@ def test_bearer_header_reading_and_writing() -> None:
     assert bearer_token([("authorization", "Basic YWJj")]) is None
     assert bearer_token([("authorization", "Bearer ")]) is None
     assert bearer_token(None) is None
+
+
+#: Every registry RPC that changes state, and the least role it needs.
+_STATE_CHANGING: dict[str, tuple[Role, Callable[[Any, dict[str, Path]], Any]]] = {
+    "RegisterBaseModel": (Role.ADMIN, lambda c, d: register_base(c, d["base"], "other-base")),
+    "UploadAdapter": (Role.WRITE, lambda c, d: c.upload(d["adapter"], "b", BASE)),
+    "SetAlias": (Role.WRITE, lambda c, d: c.set_alias("a", "canary", 1)),
+    "DeleteAlias": (Role.WRITE, lambda c, d: c.delete_alias("a", "prod")),
+    "DeleteAdapterVersion": (Role.WRITE, lambda c, d: c.delete("a:1")),
+    "GarbageCollect": (Role.ADMIN, lambda c, d: c.gc(grace_seconds=0)),
+}
+
+
+@pytest.mark.parametrize("rpc", sorted(_STATE_CHANGING))
+def test_state_changing_rpc_refuses_the_anonymous_and_the_underprivileged(
+    rpc: str,
+    serve: Callable[..., Served],
+    tokens: tuple[Path, dict[str, str]],
+    tmp_path: Path,
+    base_model_dir: Path,
+) -> None:
+    path, secret = tokens
+    served = serve(auth="on", auth_tokens_file=path)
+    role, call = _STATE_CHANGING[rpc]
+    files = {"base": base_model_dir, "adapter": write_adapter(tmp_path / "adapter")}
+    with served.client(token=secret["admin"]) as admin:
+        register_base(admin, base_model_dir)
+        admin.upload(files["adapter"], "a", BASE, alias="prod")
+        before = _registry_state(admin)
+        callers = [(served.client(), grpc.StatusCode.UNAUTHENTICATED)]
+        callers.append((served.client(token="forged-token"), grpc.StatusCode.UNAUTHENTICATED))
+        callers += [
+            (served.client(token=secret[r.name.lower()]), grpc.StatusCode.PERMISSION_DENIED)
+            for r in Role
+            if r < role
+        ]
+        for client, code in callers:
+            with client:
+                assert _code(functools.partial(call, client, files)) == code
+        assert _registry_state(admin) == before  # nothing changed
+        call(admin, files)  # the role it needs is enough
+
+
+def _registry_state(client: Any) -> tuple[object, ...]:
+    versions = sorted(
+        (v.name, v.version, v.digest, tuple(sorted(v.aliases)), v.status)
+        for v in client.list_versions(include_deleted=True)
+    )
+    bases = sorted(b.name for b in client.list_base_models())
+    return tuple(versions), tuple(bases)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from registry_service.auth import Role, new_token_entry
+from shared.tokens import Role, new_token_entry
 from tests.registry.conftest import BASE, BlobSetting, adapterctl, launch_registry
 from tests.registry.fixtures import write_adapter, write_base_model
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moelora.v1 import tensor_pb2
-from shared import codec
+from shared import codec, torch_codec
 from shared.errors import InvalidArgument
 
 DT = tensor_pb2.DataType
@@ -46,10 +46,10 @@ def _bits(tensor: torch.Tensor) -> list[int]:
 def test_torch_round_trip_is_bit_exact(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(hash((str(dtype), shape)) % 2**31)
     original = _random(shape, dtype, gen)
-    message = codec.from_torch(original)
+    message = torch_codec.from_torch(original)
     assert list(message.shape) == list(shape)
     assert len(message.data) == original.numel() * original.element_size()
-    decoded = codec.to_torch(tensor_pb2.Tensor.FromString(message.SerializeToString()))
+    decoded = torch_codec.to_torch(tensor_pb2.Tensor.FromString(message.SerializeToString()))
     assert decoded.dtype == dtype and tuple(decoded.shape) == shape
     # Compare bits, not values: NaN payloads and -0.0 must survive too.
     assert _bits(decoded) == _bits(original)
@@ -57,22 +57,22 @@ def test_torch_round_trip_is_bit_exact(dtype: torch.dtype, shape: tuple[int, ...
 
 def test_bfloat16_special_values_survive() -> None:
     original = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 3.0e38])
-    decoded = codec.to_torch(codec.from_torch(original.bfloat16()))
+    decoded = torch_codec.to_torch(torch_codec.from_torch(original.bfloat16()))
     assert torch.equal(decoded.view(torch.int16), original.bfloat16().view(torch.int16))
 
 
 def test_wire_bytes_are_little_endian_row_major() -> None:
-    message = codec.from_torch(torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float32))
+    message = torch_codec.from_torch(torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float32))
     assert message.data == np.array([1, 2, 3, 4], dtype="<f4").tobytes()
     assert message.dtype == DT.DATA_TYPE_FLOAT32
-    bf16 = codec.from_torch(torch.tensor([1.0], dtype=torch.bfloat16))
+    bf16 = torch_codec.from_torch(torch.tensor([1.0], dtype=torch.bfloat16))
     assert bf16.data == bytes([0x80, 0x3F])  # 0x3F80, the top half of float32 1.0
 
 
 def test_non_contiguous_and_strided_inputs_encode_in_logical_order() -> None:
     base = torch.arange(24, dtype=torch.float16).reshape(4, 6)
     view = base.t()[1:5:2]
-    decoded = codec.to_torch(codec.from_torch(view))
+    decoded = torch_codec.to_torch(torch_codec.from_torch(view))
     assert torch.equal(decoded, view.contiguous())
 
 
@@ -94,7 +94,7 @@ def test_numpy_big_endian_input_is_converted() -> None:
 
 
 def test_decode_views_the_message_bytes() -> None:
-    message = codec.from_torch(torch.arange(8, dtype=torch.float32))
+    message = torch_codec.from_torch(torch.arange(8, dtype=torch.float32))
     array = codec.to_numpy(message)
     assert not array.flags.writeable  # a view of immutable bytes, not a copy
     assert array.base is not None
@@ -102,13 +102,13 @@ def test_decode_views_the_message_bytes() -> None:
 
 @pytest.mark.parametrize("delta", [-1, 1, -4])
 def test_wrong_byte_length_is_rejected_naming_the_field(delta: int) -> None:
-    good = codec.from_torch(torch.zeros(3, 4, dtype=torch.bfloat16))
+    good = torch_codec.from_torch(torch.zeros(3, 4, dtype=torch.bfloat16))
     data = good.data[: len(good.data) + delta] if delta < 0 else good.data + b"\0" * delta
     bad = tensor_pb2.Tensor(dtype=good.dtype, shape=good.shape, data=data)
     with pytest.raises(
         InvalidArgument, match=r"hidden_states\.data: .*shape \[3, 4\] of bfloat16 needs 24"
     ):
-        codec.to_torch(bad, field="hidden_states")
+        torch_codec.to_torch(bad, field="hidden_states")
     with pytest.raises(InvalidArgument, match=r"hidden_states\.data"):
         codec.to_numpy(
             tensor_pb2.Tensor(dtype=DT.DATA_TYPE_FLOAT32, shape=[2], data=b"\0" * 7),
@@ -118,19 +118,19 @@ def test_wrong_byte_length_is_rejected_naming_the_field(delta: int) -> None:
 
 def test_unspecified_dtype_is_rejected() -> None:
     with pytest.raises(InvalidArgument, match=r"x\.dtype: unsupported dtype 0"):
-        codec.to_torch(tensor_pb2.Tensor(shape=[1], data=b"\0" * 4), field="x")
+        torch_codec.to_torch(tensor_pb2.Tensor(shape=[1], data=b"\0" * 4), field="x")
 
 
 def test_bfloat16_to_numpy_says_to_use_torch() -> None:
     with pytest.raises(InvalidArgument, match="to_torch"):
-        codec.to_numpy(codec.from_torch(torch.ones(2, dtype=torch.bfloat16)))
+        codec.to_numpy(torch_codec.from_torch(torch.ones(2, dtype=torch.bfloat16)))
 
 
 def test_to_torch_with_device_copies() -> None:
-    message = codec.from_torch(torch.ones(4))
-    tensor = codec.to_torch(message, device="cpu")
+    message = torch_codec.from_torch(torch.ones(4))
+    tensor = torch_codec.to_torch(message, device="cpu")
     tensor += 1  # a copy is writable
-    assert codec.to_torch(message).tolist() == [1.0] * 4
+    assert torch_codec.to_torch(message).tolist() == [1.0] * 4
 
 
 def test_dtype_names() -> None:

@@ -204,6 +204,14 @@ matchExpressions:
 {{- end }}
 
 {{/* The executor's env entries beyond its ConfigMap: the registry token and extraEnv. */}}
+{{/* The Secret and key of the token file the executors check: executor.auth's, else the registry's. */}}
+{{- define "moelora.executor.tokensSecret" -}}
+{{- .Values.executor.auth.tokensSecret | default .Values.auth.tokensSecret -}}
+{{- end }}
+{{- define "moelora.executor.tokensKey" -}}
+{{- if .Values.executor.auth.tokensSecret }}{{ .Values.executor.auth.tokensSecretKey }}{{ else }}{{ .Values.auth.tokensSecretKey }}{{ end -}}
+{{- end }}
+
 {{- define "moelora.executor.env" -}}
 {{- if .Values.auth.enabled }}
 - name: MOELORA_REGISTRY_TOKEN

@@ -27,15 +27,15 @@ from moelora.v1 import model_pb2 as moelora_dot_v1_dot_model__pb2
 from moelora.v1 import tensor_pb2 as moelora_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19moelora/v1/executor.proto\x12\nmoelora.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16moelora/v1/model.proto\x1a\x17moelora/v1/tensor.proto\".\n\x07Segment\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\"Y\n\x07Routing\x12$\n\x08topk_ids\x18\x01 \x01(\x0b\x32\x12.moelora.v1.Tensor\x12(\n\x0ctopk_weights\x18\x02 \x01(\x0b\x32\x12.moelora.v1.Tensor\"\x97\x01\n\x0e\x46orwardRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12)\n\rhidden_states\x18\x02 \x01(\x0b\x32\x12.moelora.v1.Tensor\x12%\n\x08segments\x18\x03 \x03(\x0b\x32\x13.moelora.v1.Segment\x12$\n\x07routing\x18\x04 \x01(\x0b\x32\x13.moelora.v1.Routing\"\x9c\x01\n\x0f\x46orwardResponse\x12\"\n\x06output\x18\x01 \x01(\x0b\x32\x12.moelora.v1.Tensor\x12\x19\n\x11resolved_adapters\x18\x02 \x03(\t\x12\x16\n\x0eserver_time_us\x18\x03 \x01(\x04\x12\x19\n\x11\x61\x64\x61pters_resident\x18\x04 \x01(\x08\x12\x17\n\x0f\x61\x64\x61pters_loaded\x18\x05 \x01(\r\"W\n\x14\x46orwardStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12+\n\x07\x66orward\x18\x02 \x01(\x0b\x32\x1a.moelora.v1.ForwardRequest\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x90\x01\n\x15\x46orwardStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12.\n\x07\x66orward\x18\x02 \x01(\x0b\x32\x1b.moelora.v1.ForwardResponseH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.moelora.v1.RequestErrorH\x00\x42\x08\n\x06result\"\xf4\x01\n\rLoadedAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12-\n\x08location\x18\x04 \x01(\x0e\x32\x1b.moelora.v1.AdapterLocation\x12\x0c\n\x04slot\x18\x05 \x01(\x05\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12\x12\n\nsize_bytes\x18\x08 \x01(\x04\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x32\n\x0elast_used_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"5\n\x12LoadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06to_gpu\x18\x02 \x01(\x08\"A\n\x13LoadAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.moelora.v1.LoadedAdapter\"\'\n\x14UnloadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"C\n\x15UnloadAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.moelora.v1.LoadedAdapter\"$\n\x11PinAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"@\n\x12PinAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.moelora.v1.LoadedAdapter\"&\n\x13UnpinAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"B\n\x14UnpinAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.moelora.v1.LoadedAdapter\"\x1b\n\x19ListLoadedAdaptersRequest\"\x8f\x01\n\x1aListLoadedAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.moelora.v1.LoadedAdapter\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x12\n\nfree_slots\x18\x03 \x01(\r\x12\x1d\n\x15host_cache_used_bytes\x18\x04 \x01(\x04\"\x18\n\x16GetExecutorInfoRequest\"\xec\x02\n\x17GetExecutorInfoResponse\x12)\n\nbase_model\x18\x01 \x01(\x0b\x32\x15.moelora.v1.BaseModel\x12+\n\rcompute_dtype\x18\x02 \x01(\x0e\x32\x14.moelora.v1.DataType\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x10\n\x08max_rank\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x19\n\x11slot_memory_bytes\x18\x07 \x01(\x04\x12\x18\n\x10host_cache_bytes\x18\x08 \x01(\x04\x12\x1e\n\x16max_tokens_per_request\x18\t \x01(\r\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04\x12\x16\n\x0eserver_version\x18\x0b \x01(\t\x12\x15\n\rserved_layers\x18\r \x03(\r\x12\x14\n\x0creplica_name\x18\x0e \x01(\t*\x83\x01\n\x0f\x41\x64\x61pterLocation\x12 \n\x1c\x41\x44\x41PTER_LOCATION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41\x44\x41PTER_LOCATION_GPU\x10\x01\x12\x19\n\x15\x41\x44\x41PTER_LOCATION_HOST\x10\x02\x12\x19\n\x15\x41\x44\x41PTER_LOCATION_DISK\x10\x03\x32\xaf\x05\n\x08\x45xecutor\x12\x42\n\x07\x46orward\x12\x1a.moelora.v1.ForwardRequest\x1a\x1b.moelora.v1.ForwardResponse\x12X\n\rForwardStream\x12 .moelora.v1.ForwardStreamRequest\x1a!.moelora.v1.ForwardStreamResponse(\x01\x30\x01\x12N\n\x0bLoadAdapter\x12\x1e.moelora.v1.LoadAdapterRequest\x1a\x1f.moelora.v1.LoadAdapterResponse\x12T\n\rUnloadAdapter\x12 .moelora.v1.UnloadAdapterRequest\x1a!.moelora.v1.UnloadAdapterResponse\x12K\n\nPinAdapter\x12\x1d.moelora.v1.PinAdapterRequest\x1a\x1e.moelora.v1.PinAdapterResponse\x12Q\n\x0cUnpinAdapter\x12\x1f.moelora.v1.UnpinAdapterRequest\x1a .moelora.v1.UnpinAdapterResponse\x12\x63\n\x12ListLoadedAdapters\x12%.moelora.v1.ListLoadedAdaptersRequest\x1a&.moelora.v1.ListLoadedAdaptersResponse\x12Z\n\x0fGetExecutorInfo\x12\".moelora.v1.GetExecutorInfoRequest\x1a#.moelora.v1.GetExecutorInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19moelora/v1/executor.proto\x12\nmoelora.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16moelora/v1/model.proto\x1a\x17moelora/v1/tensor.proto\".\n\x07Segment\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\"Y\n\x07Routing\x12$\n\x08topk_ids\x18\x01 \x01(\x0b\x32\x12.moelora.v1.Tensor\x12(\n\x0ctopk_weights\x18\x02 \x01(\x0b\x32\x12.moelora.v1.Tensor\"\x97\x01\n\x0e\x46orwardRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12)\n\rhidden_states\x18\x02 \x01(\x0b\x32\x12.moelora.v1.Tensor\x12%\n\x08segments\x18\x03 \x03(\x0b\x32\x13.moelora.v1.Segment\x12$\n\x07routing\x18\x04 \x01(\x0b\x32\x13.moelora.v1.Routing\"\x9c\x01\n\x0f\x46orwardResponse\x12\"\n\x06output\x18\x01 \x01(\x0b\x32\x12.moelora.v1.Tensor\x12\x19\n\x11resolved_adapters\x18\x02 \x03(\t\x12\x16\n\x0eserver_time_us\x18\x03 \x01(\x04\x12\x19\n\x11\x61\x64\x61pters_resident\x18\x04 \x01(\x08\x12\x17\n\x0f\x61\x64\x61pters_loaded\x18\x05 \x01(\r\"W\n\x14\x46orwardStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12+\n\x07\x66orward\x18\x02 \x01(\x0b\x32\x1a.moelora.v1.ForwardRequest\"E\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\x05\"\x90\x01\n\x15\x46orwardStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12.\n\x07\x66orward\x18\x02 \x01(\x0b\x32\x1b.moelora.v1.ForwardResponseH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.moelora.v1.RequestErrorH\x00\x42\x08\n\x06result\"\xf4\x01\n\rLoadedAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12-\n\x08location\x18\x04 \x01(\x0e\x32\x1b.moelora.v1.AdapterLocation\x12\x0c\n\x04slot\x18\x05 \x01(\x05\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12\x12\n\nsize_bytes\x18\x08 \x01(\x04\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x32\n\x0elast_used_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"5\n\x12LoadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06to_gpu\x18\x02 \x01(\x08\"A\n\x13LoadAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.moelora.v1.LoadedAdapter\"\'\n\x14UnloadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"C\n\x15UnloadAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.moelora.v1.LoadedAdapter\"$\n\x11PinAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"@\n\x12PinAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.moelora.v1.LoadedAdapter\"&\n\x13UnpinAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"B\n\x14UnpinAdapterResponse\x12*\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x19.moelora.v1.LoadedAdapter\"\x1b\n\x19ListLoadedAdaptersRequest\"\x8f\x01\n\x1aListLoadedAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.moelora.v1.LoadedAdapter\x12\x11\n\tnum_slots\x18\x02 \x01(\r\x12\x12\n\nfree_slots\x18\x03 \x01(\r\x12\x1d\n\x15host_cache_used_bytes\x18\x04 \x01(\x04\"\x18\n\x16GetExecutorInfoRequest\"\xa2\x03\n\x17GetExecutorInfoResponse\x12)\n\nbase_model\x18\x01 \x01(\x0b\x32\x15.moelora.v1.BaseModel\x12+\n\rcompute_dtype\x18\x02 \x01(\x0e\x32\x14.moelora.v1.DataType\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x10\n\x08max_rank\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x19\n\x11slot_memory_bytes\x18\x07 \x01(\x04\x12\x18\n\x10host_cache_bytes\x18\x08 \x01(\x04\x12\x1e\n\x16max_tokens_per_request\x18\t \x01(\r\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04\x12\x16\n\x0eserver_version\x18\x0b \x01(\t\x12\x34\n\x0ekernel_configs\x18\x0c \x03(\x0b\x32\x1c.moelora.v1.KernelConfigInfo\x12\x15\n\rserved_layers\x18\r \x03(\r\x12\x14\n\x0creplica_name\x18\x0e \x01(\t\"Y\n\x10KernelConfigInfo\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x01(\t\x12\x18\n\x10\x61utotune_seconds\x18\x04 \x01(\x01*\x83\x01\n\x0f\x41\x64\x61pterLocation\x12 \n\x1c\x41\x44\x41PTER_LOCATION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41\x44\x41PTER_LOCATION_GPU\x10\x01\x12\x19\n\x15\x41\x44\x41PTER_LOCATION_HOST\x10\x02\x12\x19\n\x15\x41\x44\x41PTER_LOCATION_DISK\x10\x03\x32\xaf\x05\n\x08\x45xecutor\x12\x42\n\x07\x46orward\x12\x1a.moelora.v1.ForwardRequest\x1a\x1b.moelora.v1.ForwardResponse\x12X\n\rForwardStream\x12 .moelora.v1.ForwardStreamRequest\x1a!.moelora.v1.ForwardStreamResponse(\x01\x30\x01\x12N\n\x0bLoadAdapter\x12\x1e.moelora.v1.LoadAdapterRequest\x1a\x1f.moelora.v1.LoadAdapterResponse\x12T\n\rUnloadAdapter\x12 .moelora.v1.UnloadAdapterRequest\x1a!.moelora.v1.UnloadAdapterResponse\x12K\n\nPinAdapter\x12\x1d.moelora.v1.PinAdapterRequest\x1a\x1e.moelora.v1.PinAdapterResponse\x12Q\n\x0cUnpinAdapter\x12\x1f.moelora.v1.UnpinAdapterRequest\x1a .moelora.v1.UnpinAdapterResponse\x12\x63\n\x12ListLoadedAdapters\x12%.moelora.v1.ListLoadedAdaptersRequest\x1a&.moelora.v1.ListLoadedAdaptersResponse\x12Z\n\x0fGetExecutorInfo\x12\".moelora.v1.GetExecutorInfoRequest\x1a#.moelora.v1.GetExecutorInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moelora.v1.executor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADAPTERLOCATION']._serialized_start=2118
-  _globals['_ADAPTERLOCATION']._serialized_end=2249
+  _globals['_ADAPTERLOCATION']._serialized_start=2287
+  _globals['_ADAPTERLOCATION']._serialized_end=2418
   _globals['_SEGMENT']._serialized_start=123
   _globals['_SEGMENT']._serialized_end=169
   _globals['_ROUTING']._serialized_start=171
@@ -47,35 +47,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORWARDSTREAMREQUEST']._serialized_start=575
   _globals['_FORWARDSTREAMREQUEST']._serialized_end=662
   _globals['_REQUESTERROR']._serialized_start=664
-  _globals['_REQUESTERROR']._serialized_end=709
-  _globals['_FORWARDSTREAMRESPONSE']._serialized_start=712
-  _globals['_FORWARDSTREAMRESPONSE']._serialized_end=856
-  _globals['_LOADEDADAPTER']._serialized_start=859
-  _globals['_LOADEDADAPTER']._serialized_end=1103
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1105
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1158
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1160
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1225
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1227
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1266
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1268
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1335
-  _globals['_PINADAPTERREQUEST']._serialized_start=1337
-  _globals['_PINADAPTERREQUEST']._serialized_end=1373
-  _globals['_PINADAPTERRESPONSE']._serialized_start=1375
-  _globals['_PINADAPTERRESPONSE']._serialized_end=1439
-  _globals['_UNPINADAPTERREQUEST']._serialized_start=1441
-  _globals['_UNPINADAPTERREQUEST']._serialized_end=1479
-  _globals['_UNPINADAPTERRESPONSE']._serialized_start=1481
-  _globals['_UNPINADAPTERRESPONSE']._serialized_end=1547
-  _globals['_LISTLOADEDADAPTERSREQUEST']._serialized_start=1549
-  _globals['_LISTLOADEDADAPTERSREQUEST']._serialized_end=1576
-  _globals['_LISTLOADEDADAPTERSRESPONSE']._serialized_start=1579
-  _globals['_LISTLOADEDADAPTERSRESPONSE']._serialized_end=1722
-  _globals['_GETEXECUTORINFOREQUEST']._serialized_start=1724
-  _globals['_GETEXECUTORINFOREQUEST']._serialized_end=1748
-  _globals['_GETEXECUTORINFORESPONSE']._serialized_start=1751
-  _globals['_GETEXECUTORINFORESPONSE']._serialized_end=2115
-  _globals['_EXECUTOR']._serialized_start=2252
-  _globals['_EXECUTOR']._serialized_end=2939
+  _globals['_REQUESTERROR']._serialized_end=733
+  _globals['_FORWARDSTREAMRESPONSE']._serialized_start=736
+  _globals['_FORWARDSTREAMRESPONSE']._serialized_end=880
+  _globals['_LOADEDADAPTER']._serialized_start=883
+  _globals['_LOADEDADAPTER']._serialized_end=1127
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1129
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1182
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1184
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1249
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1251
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1290
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1292
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1359
+  _globals['_PINADAPTERREQUEST']._serialized_start=1361
+  _globals['_PINADAPTERREQUEST']._serialized_end=1397
+  _globals['_PINADAPTERRESPONSE']._serialized_start=1399
+  _globals['_PINADAPTERRESPONSE']._serialized_end=1463
+  _globals['_UNPINADAPTERREQUEST']._serialized_start=1465
+  _globals['_UNPINADAPTERREQUEST']._serialized_end=1503
+  _globals['_UNPINADAPTERRESPONSE']._serialized_start=1505
+  _globals['_UNPINADAPTERRESPONSE']._serialized_end=1571
+  _globals['_LISTLOADEDADAPTERSREQUEST']._serialized_start=1573
+  _globals['_LISTLOADEDADAPTERSREQUEST']._serialized_end=1600
+  _globals['_LISTLOADEDADAPTERSRESPONSE']._serialized_start=1603
+  _globals['_LISTLOADEDADAPTERSRESPONSE']._serialized_end=1746
+  _globals['_GETEXECUTORINFOREQUEST']._serialized_start=1748
+  _globals['_GETEXECUTORINFOREQUEST']._serialized_end=1772
+  _globals['_GETEXECUTORINFORESPONSE']._serialized_start=1775
+  _globals['_GETEXECUTORINFORESPONSE']._serialized_end=2193
+  _globals['_KERNELCONFIGINFO']._serialized_start=2195
+  _globals['_KERNELCONFIGINFO']._serialized_end=2284
+  _globals['_EXECUTOR']._serialized_start=2421
+  _globals['_EXECUTOR']._serialized_end=3108
 # @@protoc_insertion_point(module_scope)

@@ -234,19 +234,25 @@ class RequestError(_message.Message):
 
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """gRPC status code number (for example 3 for INVALID_ARGUMENT)."""
     message: _builtins.str
     """What went wrong, naming the field."""
+    retry_after_ms: _builtins.int
+    """For RESOURCE_EXHAUSTED because too many requests are queued: retry after this many
+    milliseconds (unary Forward sends it as trailing metadata `moelora-retry-after-ms`).
+    """
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         message: _builtins.str = ...,
+        retry_after_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -623,6 +629,7 @@ class GetExecutorInfoResponse(_message.Message):
     MAX_TOKENS_PER_REQUEST_FIELD_NUMBER: _builtins.int
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
+    KERNEL_CONFIGS_FIELD_NUMBER: _builtins.int
     SERVED_LAYERS_FIELD_NUMBER: _builtins.int
     REPLICA_NAME_FIELD_NUMBER: _builtins.int
     compute_dtype: _tensor_pb2.DataType.ValueType
@@ -654,6 +661,10 @@ class GetExecutorInfoResponse(_message.Message):
         """The loaded base model (name as configured, shape and fingerprint)."""
 
     @_builtins.property
+    def kernel_configs(self) -> _containers.RepeatedCompositeFieldContainer[Global___KernelConfigInfo]:
+        """Where the MoE kernels' launch configurations come from, per LoRA rank served."""
+
+    @_builtins.property
     def served_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """MoE layers this executor serves, ascending: all of base_model.moe_layers, or the subset
         its --layers names. A cluster client sends each layer to a replica that serves it;
@@ -674,13 +685,50 @@ class GetExecutorInfoResponse(_message.Message):
         max_tokens_per_request: _builtins.int = ...,
         max_message_bytes: _builtins.int = ...,
         server_version: _builtins.str = ...,
+        kernel_configs: _abc.Iterable[Global___KernelConfigInfo] | None = ...,
         served_layers: _abc.Iterable[_builtins.int] | None = ...,
         replica_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "compute_dtype", b"compute_dtype", "device", b"device", "host_cache_bytes", b"host_cache_bytes", "max_message_bytes", b"max_message_bytes", "max_rank", b"max_rank", "max_tokens_per_request", b"max_tokens_per_request", "num_slots", b"num_slots", "replica_name", b"replica_name", "served_layers", b"served_layers", "server_version", b"server_version", "slot_memory_bytes", b"slot_memory_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "compute_dtype", b"compute_dtype", "device", b"device", "host_cache_bytes", b"host_cache_bytes", "kernel_configs", b"kernel_configs", "max_message_bytes", b"max_message_bytes", "max_rank", b"max_rank", "max_tokens_per_request", b"max_tokens_per_request", "num_slots", b"num_slots", "replica_name", b"replica_name", "served_layers", b"served_layers", "server_version", b"server_version", "slot_memory_bytes", b"slot_memory_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetExecutorInfoResponse: _TypeAlias = GetExecutorInfoResponse  # noqa: Y015
+
+@_typing.final
+class KernelConfigInfo(_message.Message):
+    """The launch configurations the executor uses for one LoRA rank of its layer shape."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    AUTOTUNE_SECONDS_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """LoRA rank: the slots' largest rank, or 0 for batches without adapters."""
+    source: _builtins.str
+    """"table" (shipped for this GPU), "autotuned" (tuned on this machine, cached on disk),
+    "heuristic", or one of the first two at the nearest tuned rank, e.g. "table (rank 16)".
+    """
+    shape: _builtins.str
+    """Layer shape the configurations are keyed by, for example "E=128,H=2048,I=768,k=8"."""
+    autotune_seconds: _builtins.float
+    """Seconds that start-up autotuning took for this rank; 0 when it did not run."""
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        source: _builtins.str = ...,
+        shape: _builtins.str = ...,
+        autotune_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autotune_seconds", b"autotune_seconds", "rank", b"rank", "shape", b"shape", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KernelConfigInfo: _TypeAlias = KernelConfigInfo  # noqa: Y015

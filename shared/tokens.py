@@ -1,4 +1,4 @@
-"""Who may call what: bearer tokens with roles, checked per RPC.
+"""Who may call what: bearer tokens with roles, the one format both services accept.
 
 The token file is JSON, tokens stored only as SHA-256 hex::
 
@@ -6,8 +6,8 @@ The token file is JSON, tokens stored only as SHA-256 hex::
 
 ``moelora-registry hash-token NAME ROLE`` makes a random token and its entry.
 Roles are ordered read < write < admin; a call needs at least the role its
-RPC names (registry.proto). The file is re-read when it changes, so a token
-can be added or revoked without a restart (a Kubernetes Secret update).
+RPC names (each service's table). The file is re-read when it changes, so a
+token can be added or revoked without a restart (a Kubernetes Secret update).
 """
 
 from __future__ import annotations
@@ -132,12 +132,14 @@ class TokenFile:
             log_event(log, "auth_tokens_reload_failed", logging.ERROR, error=str(exc))
 
 
-class Authorizer:
+class TokenChecker:
     """Checks a call's metadata against the token file; with no file (auth off)
-    every caller is the ``embedded`` admin."""
+    every caller is the ``embedded`` admin. ``hint`` tells a caller without a
+    token where its client takes one."""
 
-    def __init__(self, tokens: TokenFile | None) -> None:
+    def __init__(self, tokens: TokenFile | None, hint: str) -> None:
         self._tokens = tokens
+        self._hint = hint
 
     @property
     def enabled(self) -> bool:
@@ -149,8 +151,7 @@ class Authorizer:
         token = bearer_token(metadata)
         if token is None:
             raise Unauthenticated(
-                "missing bearer token: send 'authorization: Bearer <token>' "
-                "(adapterctl --token or MOELORA_REGISTRY_TOKEN)"
+                f"missing bearer token: send 'authorization: Bearer <token>' ({self._hint})"
             )
         principal = self._tokens.table().get(hash_token(token))
         if principal is None:
@@ -173,8 +174,31 @@ def is_loopback(listen: str) -> bool:
         return False
 
 
-def auth_required(mode: str, listen: str, embedded_storage: bool) -> bool:
-    """``auto`` is off only for the embedded mode: loopback, SQLite and blobs in data_dir."""
+def auth_required(mode: str, listen: str, local: bool = True) -> bool:
+    """``auto`` is off only on loopback, and only when ``local`` (the registry's embedded
+    storage; always true for the executor)."""
     if mode == "auto":
-        return not (is_loopback(listen) and embedded_storage)
+        return not (is_loopback(listen) and local)
     return mode == "on"
+
+
+def open_token_checker(
+    mode: str,
+    listen: str,
+    tokens_file: Path | None,
+    *,
+    local: bool,
+    hint: str,
+    auto_on_when: str = "off loopback",
+) -> TokenChecker:
+    """Auth as a service's settings ask; refuses auth without a token file.
+    ``auto_on_when`` says, in the refusal, when ``auto`` turns auth on."""
+    if not auth_required(mode, listen, local):
+        return TokenChecker(None, hint)
+    if tokens_file is None:
+        why = "auth=on" if mode == "on" else f"auth=auto {auto_on_when}"
+        raise ValueError(
+            f"{why} needs --auth-tokens-file / MOELORA_AUTH_TOKENS_FILE "
+            "(make entries with `moelora-registry hash-token NAME ROLE`), or --auth off"
+        )
+    return TokenChecker(TokenFile(tokens_file.expanduser()), hint)

@@ -1,0 +1,219 @@
+"""An asyncio client of the Executor (grpc.aio), for backends that keep several Forward calls
+in flight from one event loop (for example two micro-batches ping-ponging between attention
+and the MoE executor).
+
+The same calls, results, errors and retry rules as ``executor_service.client.ExecutorClient``:
+only UNAVAILABLE and ``Overloaded`` (after its hint) are retried, with jittered exponential
+backoff inside the call's deadline, and only for calls that are safe to run twice.
+
+    async with AsyncExecutorClient("127.0.0.1:50052") as client:
+        a = asyncio.create_task(client.forward(3, h0, [(5, "sql:2"), (3, None)]))
+        b = asyncio.create_task(client.forward(3, h1))
+        first, second = await a, await b
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+import torch
+
+from executor_service.client import (
+    ForwardCall,
+    ForwardResult,
+    RetryPolicy,
+    RoutingTensors,
+    Segments,
+    forward_request,
+    forward_result,
+    retry_pause,
+    stream_error,
+)
+from moelora.v1 import executor_pb2, executor_pb2_grpc
+from shared.auth import bearer_metadata
+from shared.errors import MoeLoraError, Unavailable, from_rpc_error
+
+T = TypeVar("T")
+
+
+class AsyncExecutorClient:
+    """Typed asyncio calls to one executor. ``timeout`` is each call's default deadline."""
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 30.0,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        max_message_bytes: int = 512 * 1024 * 1024,
+        retry: RetryPolicy | None = None,
+        token: str | None = None,
+    ) -> None:
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls or root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        self._metadata = bearer_metadata(token) if token else None
+        self.address = address
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+
+    async def __aenter__(self) -> AsyncExecutorClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_until_serving(self, timeout: float = 60.0) -> None:
+        """Waits until GetExecutorInfo answers (the base model is loaded)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await self.get_executor_info(timeout=max(0.5, deadline - time.monotonic()))
+                return
+            except Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    # -- compute -------------------------------------------------------------------------
+
+    async def forward(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        segments: Segments | None = None,
+        routing: RoutingTensors | None = None,
+        timeout: float | None = None,
+    ) -> ForwardResult:
+        """One MoE layer for ``hidden`` (T, H), as ``ExecutorClient.forward``."""
+        request = forward_request(layer, hidden, segments, routing)
+        response: executor_pb2.ForwardResponse = await self._call(
+            self._stub.Forward, request, timeout, idempotent=True
+        )
+        return forward_result(response)
+
+    async def forward_stream(
+        self, calls: Iterable[ForwardCall], timeout: float | None = None
+    ) -> AsyncIterator[ForwardResult | MoeLoraError]:
+        """Pipelines ``calls`` over one stream; yields, in order, each call's result or the
+        error that failed only that call. Not retried (its requests may have run)."""
+        requests = [
+            executor_pb2.ForwardStreamRequest(
+                request_id=i, forward=forward_request(c.layer, c.hidden, c.segments, c.routing)
+            )
+            for i, c in enumerate(calls)
+        ]
+        call = self._stub.ForwardStream(
+            iter(requests), timeout=timeout or self.timeout, metadata=self._metadata
+        )
+        try:
+            async for answer in call:
+                if answer.HasField("error"):
+                    yield stream_error(answer.error)
+                else:
+                    yield forward_result(answer.forward)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    # -- admin ---------------------------------------------------------------------------
+
+    async def load_adapter(
+        self, adapter: str, to_gpu: bool = False, timeout: float | None = None
+    ) -> executor_pb2.LoadedAdapter:
+        request = executor_pb2.LoadAdapterRequest(adapter=adapter, to_gpu=to_gpu)
+        response: executor_pb2.LoadAdapterResponse = await self._call(
+            self._stub.LoadAdapter, request, timeout, idempotent=True
+        )
+        return response.adapter
+
+    async def unload_adapter(
+        self, adapter: str, timeout: float | None = None
+    ) -> executor_pb2.LoadedAdapter:
+        request = executor_pb2.UnloadAdapterRequest(adapter=adapter)
+        response: executor_pb2.UnloadAdapterResponse = await self._call(
+            self._stub.UnloadAdapter, request, timeout, idempotent=False
+        )
+        return response.adapter
+
+    async def pin_adapter(
+        self, adapter: str, timeout: float | None = None
+    ) -> executor_pb2.LoadedAdapter:
+        request = executor_pb2.PinAdapterRequest(adapter=adapter)
+        response: executor_pb2.PinAdapterResponse = await self._call(
+            self._stub.PinAdapter, request, timeout, idempotent=True
+        )
+        return response.adapter
+
+    async def unpin_adapter(
+        self, adapter: str, timeout: float | None = None
+    ) -> executor_pb2.LoadedAdapter:
+        request = executor_pb2.UnpinAdapterRequest(adapter=adapter)
+        response: executor_pb2.UnpinAdapterResponse = await self._call(
+            self._stub.UnpinAdapter, request, timeout, idempotent=True
+        )
+        return response.adapter
+
+    async def list_loaded_adapters(
+        self, timeout: float | None = None
+    ) -> executor_pb2.ListLoadedAdaptersResponse:
+        request = executor_pb2.ListLoadedAdaptersRequest()
+        response: executor_pb2.ListLoadedAdaptersResponse = await self._call(
+            self._stub.ListLoadedAdapters, request, timeout, idempotent=True
+        )
+        return response
+
+    async def get_executor_info(
+        self, timeout: float | None = None
+    ) -> executor_pb2.GetExecutorInfoResponse:
+        request = executor_pb2.GetExecutorInfoRequest()
+        response: executor_pb2.GetExecutorInfoResponse = await self._call(
+            self._stub.GetExecutorInfo, request, timeout, idempotent=True
+        )
+        return response
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        method: Callable[..., Awaitable[Any]],
+        request: object,
+        timeout: float | None,
+        idempotent: bool,
+    ) -> Any:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        attempts = self.retry.attempts if idempotent else 1
+        backoff = self.retry.initial_backoff
+        attempt = 1
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return await method(request, timeout=max(remaining, 0.001), metadata=self._metadata)
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc)
+                pause = retry_pause(error, backoff)
+                if pause is None or attempt >= attempts or time.monotonic() + pause >= deadline:
+                    raise error from None
+            await asyncio.sleep(pause)
+            attempt += 1
+            backoff = min(backoff * 2, self.retry.max_backoff)

@@ -1,0 +1,119 @@
+"""What a merged launch is made of: validated requests, their segments concatenated, and the
+output split back per request.
+
+Requests for the same layer are independent row by row (routing, experts and LoRA act on each
+token alone), so several requests run as one launch whose segments are theirs one after the
+other; each request's rows of the output are exactly its answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from executor_service.slots import Wanted
+from executor_service.sources import ResolvedAdapter
+from kernels import LoRAContext, MoELayerWeights, Routing
+
+#: ``kernels.moe_forward`` with the backend bound; tests inject a wrapper (for example one that
+#: slows the kernel down) through ``ForwardEngine(kernel=...)``.
+KernelFn = Callable[
+    [torch.Tensor, MoELayerWeights, LoRAContext | None, Routing | None], torch.Tensor
+]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``num_tokens`` consecutive tokens using ``adapter`` ("" = the base model)."""
+
+    num_tokens: int
+    adapter: str
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One validated Forward request with its adapters resolved and their data at hand."""
+
+    layer: int
+    #: (T, H) on the CPU in the wire dtype (may view the message's bytes: read only).
+    hidden: torch.Tensor
+    segments: tuple[Segment, ...]
+    #: Per segment: its adapter version, None for the base model.
+    adapters: tuple[ResolvedAdapter | None, ...]
+    #: Distinct adapters (by digest) with what leasing their slots needs.
+    wanted: tuple[Wanted, ...]
+    #: Precomputed routing, on the CPU (checked).
+    routing: Routing | None
+    #: time.monotonic() after which waiting for GPU slots fails the request.
+    slot_deadline: float
+
+    @property
+    def tokens(self) -> int:
+        return int(self.hidden.shape[0])
+
+    @property
+    def digests(self) -> frozenset[str]:
+        return frozenset(w.adapter.digest for w in self.wanted)
+
+    @property
+    def labels(self) -> list[str]:
+        """``name:VERSION`` per segment, "" for base segments."""
+        return [a.label if a is not None else "" for a in self.adapters]
+
+
+def batch_key(request: Prepared) -> tuple[int, bool]:
+    """Requests merge only with others of the same key: one layer, and routing given by the
+    caller for all of them or for none."""
+    return request.layer, request.routing is not None
+
+
+def merged_wanted(requests: Sequence[Prepared]) -> list[Wanted]:
+    """The distinct adapters of all ``requests``, each with data if any request has it."""
+    merged: dict[str, Wanted] = {}
+    for request in requests:
+        for wanted in request.wanted:
+            known = merged.get(wanted.adapter.digest)
+            if known is None or known.packed is None:
+                merged[wanted.adapter.digest] = wanted
+    return list(merged.values())
+
+
+def token_slots(requests: Sequence[Prepared], slots: Mapping[str, int]) -> torch.Tensor:
+    """(ΣT,) int32 on the CPU: each token's slot, -1 for base tokens."""
+    # A Python list: torch.repeat_interleave on small CPU tensors costs ~1 ms per call.
+    per_token: list[int] = []
+    for request in requests:
+        for segment, adapter in zip(request.segments, request.adapters, strict=True):
+            slot = -1 if adapter is None else slots[adapter.digest]
+            per_token.extend([slot] * segment.num_tokens)
+    return torch.tensor(per_token, dtype=torch.int32)
+
+
+def merged_routing(requests: Sequence[Prepared]) -> Routing | None:
+    """The callers' routings concatenated (None when none gave one; see ``batch_key``)."""
+    given = [r.routing for r in requests if r.routing is not None]
+    if not given:
+        return None
+    if len(given) == 1:
+        return given[0]
+    return Routing(
+        topk_ids=torch.cat([g.topk_ids for g in given]),
+        topk_weights=torch.cat([g.topk_weights for g in given]),
+    )
+
+
+def row_ranges(requests: Sequence[Prepared]) -> list[tuple[int, int]]:
+    """Each request's rows [start, end) in the merged launch."""
+    ranges, start = [], 0
+    for request in requests:
+        ranges.append((start, start + request.tokens))
+        start += request.tokens
+    return ranges
+
+
+def slot_wait(requests: Sequence[Prepared]) -> float:
+    """How long the batch may wait for slots: until the earliest request's limit."""
+    return max(0.0, min(r.slot_deadline for r in requests) - time.monotonic())

@@ -1,0 +1,149 @@
+"""One benchmark client process of ``bench_forward`` (not product API).
+
+Builds one Forward request as a backend would (bf16 hidden states on the wire, the tokens split
+evenly over its adapters), sends it ``--warmup`` times, prints ``ready``, waits for ``go`` on
+stdin (so that every client of a row starts together), then times ``--iters`` round trips and
+prints one JSON line: latencies, the executor's ``server_time_us``, wall-clock start and end.
+``--target echo`` sends the same bytes to the echo server instead (the transport floor).
+Plain generated stubs, numpy only: a client process starts fast and shares nothing with the
+executor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+
+from executor_service.echo_server import STREAM, UNARY
+from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
+
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+]
+
+
+def bf16_bytes(rows: int, cols: int, seed: int) -> bytes:
+    """Random normal values rounded (truncated) to bfloat16, little-endian."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32)
+    return (values.view(np.uint32) >> 16).astype("<u2").tobytes()
+
+
+def forward_request(
+    layer: int, tokens: int, hidden: int, adapters: list[str], seed: int
+) -> executor_pb2.ForwardRequest:
+    count = min(len(adapters), tokens) if adapters else 0
+    sizes = [tokens // count + (1 if i < tokens % count else 0) for i in range(count)]
+    return executor_pb2.ForwardRequest(
+        layer=layer,
+        hidden_states=tensor_pb2.Tensor(
+            dtype=tensor_pb2.DATA_TYPE_BFLOAT16,
+            shape=[tokens, hidden],
+            data=bf16_bytes(tokens, hidden, seed),
+        ),
+        segments=[
+            executor_pb2.Segment(num_tokens=n, adapter=adapters[i]) for i, n in enumerate(sizes)
+        ],
+    )
+
+
+#: One round trip: returns the executor's server_time_us (0 for the echo).
+Call = Callable[[], int]
+
+
+def _unary_call(channel: grpc.Channel, target: str, request: executor_pb2.ForwardRequest) -> Call:
+    if target == "echo":
+        echo = channel.unary_unary(UNARY)
+        payload = request.SerializeToString()
+
+        def call_echo() -> int:
+            echo(payload, timeout=60)
+            return 0
+
+        return call_echo
+    stub = executor_pb2_grpc.ExecutorStub(channel)
+    return lambda: int(stub.Forward(request, timeout=60).server_time_us)
+
+
+class _StreamCall:
+    """Sends one message on an open bidirectional stream and waits for its answer."""
+
+    def __init__(
+        self, channel: grpc.Channel, target: str, request: executor_pb2.ForwardRequest
+    ) -> None:
+        self._outbox: queue.Queue[object] = queue.Queue()
+        self._echo = target == "echo"
+        if self._echo:
+            self._message: object = request.SerializeToString()
+            self._answers: Iterator[object] = channel.stream_stream(STREAM)(self._requests())
+        else:
+            self._message = executor_pb2.ForwardStreamRequest(request_id=0, forward=request)
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            self._answers = stub.ForwardStream(self._requests())
+
+    def _requests(self) -> Iterator[object]:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            yield item
+
+    def __call__(self) -> int:
+        self._outbox.put(self._message)
+        answer = next(self._answers)
+        if self._echo:
+            return 0
+        assert isinstance(answer, executor_pb2.ForwardStreamResponse)
+        if answer.HasField("error"):
+            raise RuntimeError(f"{answer.error.code}: {answer.error.message}")
+        return int(answer.forward.server_time_us)
+
+    def close(self) -> None:
+        self._outbox.put(None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--target", choices=["executor", "echo"], default="executor")
+    parser.add_argument("--mode", choices=["unary", "stream"], default="unary")
+    parser.add_argument("--layer", type=int, default=0)
+    parser.add_argument("--tokens", type=int, required=True)
+    parser.add_argument("--hidden", type=int, required=True)
+    parser.add_argument("--adapters", default="", help="comma list of adapter references")
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    adapters = [a for a in args.adapters.split(",") if a]
+    request = forward_request(args.layer, args.tokens, args.hidden, adapters, args.seed)
+    with grpc.insecure_channel(args.address, options=_OPTIONS) as channel:
+        stream = _StreamCall(channel, args.target, request) if args.mode == "stream" else None
+        call: Call = stream if stream is not None else _unary_call(channel, args.target, request)
+        for _ in range(args.warmup):
+            call()
+        print("ready", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            return
+        latency, server = [], []
+        start = time.time()
+        for _ in range(args.iters):
+            begin = time.perf_counter()
+            server_us = call()
+            latency.append(time.perf_counter() - begin)
+            server.append(server_us)
+        end = time.time()
+        if stream is not None:
+            stream.close()
+    print(json.dumps({"latency_s": latency, "server_us": server, "start": start, "end": end}))
+
+
+if __name__ == "__main__":
+    main()

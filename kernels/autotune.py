@@ -1,0 +1,287 @@
+"""Autotuning of the launch configurations for one layer shape and LoRA rank, in a time budget.
+
+For every token bucket (the executor's: 1, 2, 4, …, 512 and 4096) a coordinate search starts
+from the heuristic's configuration (or the previous bucket's best, whichever is faster) and
+times, one knob group at a time, a pruned space: BLOCK_M, the w13 tiles, the w2 tiles, then
+where the LoRA shrink runs, the segments per pass and the sum over k. Each candidate is timed
+as the benchmark times it (CUDA graph replay under do_bench, L2 flushed) on the layer itself
+with random hidden states, routing and adapters. With ``jobs`` > 1 every candidate is first
+compiled by worker processes (``kernels.compile_pool``), so the timing loop waits for no
+compiler. The budget is shared out over the buckets still to tune; a bucket cut short keeps
+the best it timed. Each bucket's best is checked against the float32 reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import triton.testing
+
+from kernels.configs import GemmConfig, MoEConfig, fit_stages
+from kernels.forward import fused_moe, layer_shape
+from kernels.heuristic import heuristic_config
+from kernels.model_shape import LayerShape
+from kernels.reference import moe_forward_reference
+from kernels.synthetic import (
+    random_hidden,
+    random_routing,
+    random_slots,
+    relative_error,
+    round_robin_slots,
+)
+from kernels.types import LoRAContext, MoELayerWeights, Routing
+
+#: The token buckets the executor runs (its CUDA graphs are captured for these).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 4096)
+#: ‖out − ref‖/‖ref‖ a tuned configuration must meet against the float32 reference.
+TOLERANCE = 2e-2
+#: Distinct adapters among the tokens while timing (the benchmark's).
+MAX_ADAPTERS = 4
+
+# (block_n, block_k, tiles_per_program, num_warps, num_stages); w13's block_n is per half.
+W13_STREAMING = [
+    (16, 128, 1, 4, 4), (32, 128, 1, 4, 4), (64, 128, 1, 4, 4), (16, 256, 1, 4, 3),
+    (32, 256, 1, 4, 3), (32, 64, 1, 4, 6),
+]  # fmt: skip
+W2_STREAMING = [
+    (64, 128, 1, 4, 4), (32, 128, 1, 4, 4), (128, 128, 1, 4, 3), (32, 256, 1, 4, 3),
+    (64, 64, 1, 4, 6), (16, 256, 1, 4, 3),
+]  # fmt: skip
+W13_COMPUTE = [
+    (64, 64, 1, 4, 4), (128, 64, 1, 8, 3), (64, 128, 1, 8, 3), (128, 64, 2, 8, 3),
+    (64, 64, 4, 8, 3), (32, 128, 1, 4, 4),
+]  # fmt: skip
+W2_COMPUTE = [
+    (128, 64, 1, 4, 4), (256, 64, 1, 8, 3), (128, 128, 1, 8, 3), (256, 64, 4, 8, 3),
+    (128, 64, 4, 8, 4), (64, 128, 1, 4, 4),
+]  # fmt: skip
+
+
+def block_m_options(rows_per_expert: float) -> list[int]:
+    if rows_per_expert <= 4:
+        return [16]
+    if rows_per_expert <= 16:
+        return [16, 32]
+    if rows_per_expert <= 96:
+        return [16, 32, 64]
+    return [64, 128]
+
+
+def _streaming(block_m: int) -> bool:
+    return block_m <= 32
+
+
+def tile_spaces(block_m: int, group_m: int) -> tuple[list[GemmConfig], list[GemmConfig]]:
+    """The (w13, w2) tiles searched for blocks of ``block_m`` rows."""
+    if _streaming(block_m):
+        return [GemmConfig(*c) for c in W13_STREAMING], [GemmConfig(*c) for c in W2_STREAMING]
+    return (
+        [GemmConfig(*c, group_m=group_m) for c in W13_COMPUTE],
+        [GemmConfig(*c, group_m=group_m) for c in W2_COMPUTE],
+    )
+
+
+def precompile_set(start: MoEConfig, rows_per_expert: float, rank: int) -> list[MoEConfig]:
+    """Configurations whose compilation covers every kernel the search of one bucket may
+    launch: each BLOCK_M with every w13 tile paired with a w2 tile (the two GEMMs compile
+    apart, so pairing them covers all their combinations)."""
+    configs = []
+    for bm in block_m_options(rows_per_expert):
+        w13_space, w2_space = tile_spaces(bm, start.w13.group_m)
+        for w13, w2 in itertools.zip_longest(w13_space, w2_space):
+            configs.append(
+                fit_stages(
+                    dataclasses.replace(start, block_m=bm, w13=w13 or start.w13, w2=w2 or start.w2),
+                    2,
+                    rank,
+                )
+            )
+    return list(dict.fromkeys(configs))
+
+
+def search(
+    time_us: Callable[[MoEConfig], float],
+    start: MoEConfig,
+    rows_per_expert: float,
+    rank: int,
+    deadline: float,
+    elem_size: int = 2,
+) -> MoEConfig:
+    """Coordinate search from ``start`` until done or ``time.monotonic() > deadline``;
+    returns the fastest configuration timed (``start`` at least)."""
+    best = start
+    best_us = time_us(start)
+
+    def consider(candidates: list[MoEConfig]) -> None:
+        nonlocal best, best_us
+        for config in dict.fromkeys(fit_stages(c, elem_size, rank) for c in candidates):
+            if time.monotonic() > deadline:
+                return
+            us = time_us(config)
+            if us < best_us:
+                best, best_us = config, us
+
+    consider([dataclasses.replace(best, block_m=bm) for bm in block_m_options(rows_per_expert)])
+    w13_space, w2_space = tile_spaces(best.block_m, best.w13.group_m)
+    consider([dataclasses.replace(best, w13=g) for g in w13_space])
+    consider([dataclasses.replace(best, w2=g) for g in w2_space])
+    if rank > 0:
+        consider(
+            [
+                dataclasses.replace(best, w2=dataclasses.replace(best.w2, fused_shrink=not f))
+                for f in (best.w2.fused_shrink,)
+            ]
+            + [dataclasses.replace(best, lora_segments=s) for s in (1, 2, 4)]
+        )
+    consider([dataclasses.replace(best, atomic_sum=not best.atomic_sum)])
+    if not _streaming(best.block_m):
+        consider(
+            [
+                dataclasses.replace(
+                    best,
+                    w13=dataclasses.replace(best.w13, group_m=g),
+                    w2=dataclasses.replace(best.w2, group_m=g),
+                )
+                for g in (0, 1, 8)
+            ]
+        )
+    return best
+
+
+@dataclass
+class CellInputs:
+    """Random inputs of one (layer, tokens, rank) cell, as the benchmark draws them."""
+
+    hidden: torch.Tensor
+    routing: Routing
+    lora: LoRAContext | None
+
+    @staticmethod
+    def make(
+        layer: MoELayerWeights, tokens: int, rank: int, num_slots: int, experts_hit: int = 0
+    ) -> CellInputs:
+        """``experts_hit``: route only to the first that many experts (compile workers with
+        a few experts in memory); 0 = all."""
+        device = layer.w13.device
+        experts = experts_hit or layer.num_experts
+        hidden = random_hidden(
+            tokens, layer.hidden_size, dtype=layer.w13.dtype, device=device, seed=tokens
+        )
+        routing = random_routing(tokens, experts, layer.router.top_k, device=device, seed=tokens)
+        lora = None
+        if rank > 0:
+            slots = random_slots(layer, num_slots, rank)
+            lora = LoRAContext(slots, round_robin_slots(tokens, min(tokens, MAX_ADAPTERS), device))
+        return CellInputs(hidden, routing, lora)
+
+
+class Timer:
+    """Times configurations of one cell (CUDA graph replay; failures time as infinite)."""
+
+    def __init__(self, layer: MoELayerWeights, inputs: CellInputs) -> None:
+        self.layer = layer
+        self.inputs = inputs
+        self.times: dict[MoEConfig, float] = {}
+
+    def run(self, config: MoEConfig) -> torch.Tensor:
+        i = self.inputs
+        return fused_moe(i.hidden, self.layer, i.lora, i.routing, config)
+
+    def __call__(self, config: MoEConfig) -> float:
+        if config not in self.times:
+            try:
+                self.times[config] = self._graph_time_us(config)
+            except Exception:  # resources exceeded, compile failures: never chosen
+                self.times[config] = math.inf
+        return self.times[config]
+
+    def _graph_time_us(self, config: MoEConfig) -> float:
+        self.run(config)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.run(config)
+        ms = triton.testing.do_bench(graph.replay, warmup=3, rep=25, return_mode="median")
+        return float(ms) * 1e3
+
+    def error(self, config: MoEConfig) -> float:
+        i = self.inputs
+        expected = moe_forward_reference(i.hidden, self.layer, i.lora, i.routing)
+        return relative_error(self.run(config), expected)
+
+
+@dataclass(frozen=True)
+class AutotuneResult:
+    shape: LayerShape
+    rank: int
+    configs: dict[int, MoEConfig]  # bucket → configuration
+    seconds: float
+    timed: int  # configurations timed
+    complete: bool  # every bucket searched to the end within the budget
+
+
+def autotune(
+    layer: MoELayerWeights,
+    rank: int,
+    *,
+    budget_s: float,
+    buckets: Sequence[int] = BUCKETS,
+    num_slots: int = 8,
+    jobs: int = 1,
+    log: Callable[[str], None] = print,
+) -> AutotuneResult:
+    """Tune ``layer``'s shape with LoRA rank ``rank`` (0: base) on its GPU, within
+    ``budget_s`` seconds (compilation included)."""
+    began = time.monotonic()
+    shape = layer_shape(layer)
+    elem_size = layer.w13.element_size()
+    starts = {
+        m: heuristic_config(m, shape.experts, shape.hidden, shape.inter, shape.top_k, elem_size)
+        for m in buckets
+    }
+    if jobs > 1:
+        from kernels.compile_pool import CompileJob, compile_all
+
+        tasks = [
+            CompileJob.of(layer, m, rank, num_slots, config)
+            for m in buckets
+            for config in precompile_set(starts[m], m * shape.top_k / shape.experts, rank)
+        ]
+        failures = compile_all(tasks, jobs, deadline=began + budget_s / 2)
+        log(
+            f"autotune {shape.key} r={rank}: compiled {len(tasks)} candidates in "
+            f"{time.monotonic() - began:.0f} s with {jobs} processes ({failures} failed)"
+        )
+    best: dict[int, MoEConfig] = {}
+    timed = 0
+    complete = True
+    previous: MoEConfig | None = None
+    for index, tokens in enumerate(buckets):
+        left = began + budget_s - time.monotonic()
+        deadline = time.monotonic() + left / (len(buckets) - index)
+        timer = Timer(layer, CellInputs.make(layer, tokens, rank, num_slots))
+        start = starts[tokens]
+        if previous is not None and timer(previous) < timer(start):
+            start = previous
+        rows_per_expert = tokens * shape.top_k / shape.experts
+        found = search(timer, start, rows_per_expert, rank, deadline, elem_size)
+        complete = complete and time.monotonic() <= deadline
+        error = timer.error(found)
+        if not error < TOLERANCE:  # never keep a wrong configuration
+            log(f"autotune M={tokens}: best config off by {error:.1e}, heuristic kept")
+            found = starts[tokens]
+        timed += len(timer.times)
+        best[tokens] = previous = found
+        log(
+            f"autotune {shape.key} r={rank} M={tokens}: {timer(found):.1f} µs "
+            f"(heuristic {timer(starts[tokens]):.1f}; {len(timer.times)} timed)"
+        )
+        del timer
+    seconds = time.monotonic() - began
+    return AutotuneResult(shape, rank, best, seconds, timed, complete)

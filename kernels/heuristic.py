@@ -1,0 +1,91 @@
+"""A launch configuration for shapes nobody tuned, from the rows each expert gets.
+
+Fitted on the tuned tables (``kernels/configs/*.json``) and on what start-up autotuning chose
+for the shape zoo of ``python -m kernels.bench --zoo`` on an H100 (kernels/BENCHMARKS.md), per
+regime of rows per expert (``M * k / E``), written as rules. The regimes:
+
+* about one row per expert (decode): weight streaming. Narrow tiles, one per program, so every
+  SM keeps loading; deeper K steps for wide H; the w2 shrink fused into its main loop (the
+  separate launch would be a few serial K loops).
+* up to ~48 rows: still streaming, BLOCK_M 16 or 32.
+* beyond: tensor-core bound. 64- then 128-row blocks with wide tiles, one tile per program,
+  and a grouped launch order (a block's N tiles together, so its gathered rows stay in L2) for
+  many-expert layers; with few experts many blocks share each weight tile, so block index
+  fastest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kernels.configs import GemmConfig, MoEConfig, fit_stages
+
+
+def _streaming(num_tokens: int, hidden: int, inter: int, rows_per_expert: float) -> MoEConfig:
+    wide_k = hidden >= 4096
+    if wide_k and inter <= 2048 and num_tokens >= 2:
+        # Wide H, narrow experts (DeepSeek-V3, Qwen3-235B): wider N tiles, fewer programs.
+        w13 = GemmConfig(block_n=64, block_k=128, tiles_per_program=1, num_warps=4, num_stages=4)
+    else:
+        w13 = GemmConfig(
+            block_n=16 if inter >= 2048 or rows_per_expert <= 1 else 32,
+            block_k=256 if wide_k else 128,
+            tiles_per_program=1,
+            num_warps=4,
+            num_stages=3 if wide_k else 4,
+        )
+    if hidden >= 2880 and inter <= 2880 and rows_per_expert >= 1:
+        # Many output columns, a short K: wide w2 tiles (GPT-OSS-120B, DeepSeek-V3 from M=32).
+        w2 = GemmConfig(block_n=128, block_k=128, tiles_per_program=1, num_warps=4, num_stages=3)
+    else:
+        w2 = GemmConfig(
+            block_n=32 if inter >= 8192 else 64,
+            block_k=256 if inter >= 8192 else 128,
+            tiles_per_program=1,
+            num_warps=4,
+            num_stages=3 if inter >= 8192 else 4,
+            fused_shrink=rows_per_expert <= 1,
+        )
+    return MoEConfig(
+        block_m=16 if rows_per_expert <= 12 else 32,
+        lora_segments=2 if rows_per_expert <= 1 else 4,
+        w13=w13,
+        w2=w2,
+    )
+
+
+def _compute(num_experts: int, rows_per_expert: float) -> MoEConfig:
+    group_m = 1 if num_experts >= 64 else (8 if num_experts >= 16 else 0)
+    # From ~128 rows per expert the 128-row blocks won on every zoo shape but GPT-OSS-120B.
+    if rows_per_expert < 128:
+        return MoEConfig(
+            block_m=64,
+            lora_segments=4,
+            w13=GemmConfig(64, 64, 1, 4, 4, group_m),
+            w2=GemmConfig(128, 64, 1, 4, 4, group_m),
+        )
+    return MoEConfig(
+        block_m=128,
+        lora_segments=4,
+        w13=GemmConfig(128, 64, 1, 8, 3, group_m),
+        w2=GemmConfig(256, 64, 1, 8, 3, group_m),
+    )
+
+
+def heuristic_config(
+    num_tokens: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    top_k: int,
+    elem_size: int = 2,
+) -> MoEConfig:
+    """A reasonable configuration for a shape nobody tuned."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert <= 48:
+        config = _streaming(num_tokens, hidden, inter, rows_per_expert)
+    else:
+        config = _compute(num_experts, rows_per_expert)
+    # Scalar fp32 atomics cost more than the (T*k, H) round trip once there are millions.
+    atomic_sum = num_tokens * top_k * hidden <= (1 << 22)
+    return fit_stages(dataclasses.replace(config, atomic_sum=atomic_sum), elem_size)

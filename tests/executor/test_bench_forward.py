@@ -1,0 +1,37 @@
+"""The Forward benchmark runs end to end on the CPU with the tiny shape (no speed asserted):
+executor, echo server and clients as their own processes, every row and column filled."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from executor_service import bench_forward
+
+
+def test_tiny_cpu_bench_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_forward.main(
+        [
+            "--shape=tiny",
+            "--device=cpu",
+            "--tokens=1,8",
+            "--clients=2,3",
+            "--iters=4",
+            "--warmup=1",
+        ]
+    )
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"^\| (unary|stream) \| \d", line)]
+    table, stages = rows[:8], rows[8:]
+    assert len(table) == 8 and len(stages) == 8, out
+    for line in table:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        clients = cells[2]
+        p50, p99, server = (float(c) for c in cells[3:6])
+        assert 0 < p50 <= p99 and server > 0, line
+        assert float(cells[7]) > 0  # the transport floor
+        assert float(cells[9].replace(",", "")) > 0  # tokens/s
+        assert float(cells[10]) >= 1.0  # mean batch
+        assert (cells[6] == "—") == (clients != "1"), line  # kernel time for one client
+    assert "(churn)" in table[3] and "(churn)" in table[7]

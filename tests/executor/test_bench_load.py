@@ -1,0 +1,20 @@
+"""The load benchmark runs end to end on the CPU in --small mode (no speed asserted): the
+registry on both backends as its own process, every stage timed."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from executor_service import bench_load
+
+
+def test_small_cpu_bench_times_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_load.main(["--small", "--device=cpu", "--forwards=2"])
+    out = capsys.readouterr().out
+    rows = dict(re.findall(r"^\| ([A-Za-z0-9 ()]+) \| (\d+\.\d+) \|", out, re.MULTILINE))
+    steps = ["upload", "cold", "disk warm", "host warm", "pack", "download", "cold (S3)"]
+    assert sorted(rows) == sorted(steps), out
+    assert all(float(seconds) > 0 for seconds in rows.values()), out
+    assert re.search(r"Forward p50 of another adapter .* ms idle, .* ms while", out), out

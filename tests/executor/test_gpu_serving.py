@@ -1,0 +1,179 @@
+"""The GPU serving path: CUDA-graph replay equals the eager launch bit for bit, and requests
+merged into one launch (graphs, pinned staging) match each request alone within bf16.
+
+Self-contained (a synthetic checkpoint and adapters, no transformers or PEFT), so that it also
+runs where only torch and triton are installed: ``pytest --noconftest -m gpu`` on this file.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from executor_service.app import ExecutorApp
+from executor_service.client import ExecutorClient, ForwardResult, RetryPolicy
+from executor_service.config import ExecutorSettings
+from executor_service.graphs import GraphCache
+from executor_service.metrics import ExecutorMetrics
+from executor_service.model_loader import load_base_model
+from executor_service.synthetic import (
+    SyntheticAdapter,
+    SyntheticBase,
+    write_adapter,
+    write_base_checkpoint,
+)
+from kernels import LoRAContext, LoRASlots, MoELayerWeights, Routing, moe_forward
+from kernels.synthetic import relative_error
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+#: Merged vs alone, both bf16 on the GPU: different launch sizes pick different tile configs
+#: (rounding orders), each within the kernels' bf16 bound of the same reference (2e-2).
+GPU_BFLOAT16_RELATIVE = 3e-2
+TOKENS = 12
+ADAPTERS = ("alpha", "beta", "gamma")
+
+
+@dataclass(frozen=True)
+class World:
+    checkpoint: Path
+    adapter_dir: Path
+    layer: int
+    hidden: torch.Tensor
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    root = tmp_path_factory.mktemp("gpu_world")
+    spec = write_base_checkpoint(
+        root / "base", SyntheticBase("qwen3_moe", hidden_size=64, moe_intermediate_size=32)
+    )
+    for seed, name in enumerate(ADAPTERS):
+        write_adapter(root / "adapters" / name, spec, SyntheticAdapter(rank=4), seed=seed)
+    hidden = torch.randn(TOKENS, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    return World(root / "base", root / "adapters", spec.moe_layers[0], hidden)
+
+
+@dataclass
+class Running:
+    app: ExecutorApp
+    client: ExecutorClient
+    registry: CollectorRegistry
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+@pytest.fixture
+def running(world: World) -> Iterator[Running]:
+    settings = ExecutorSettings.model_validate(
+        {
+            "listen": "127.0.0.1:0",
+            "base_model_path": world.checkpoint,
+            "adapter_dir": world.adapter_dir,
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "num_slots": 6,
+            "max_rank": 8,
+            "batch_window_us": 200_000,
+            "metrics_listen": "",
+            "drain_seconds": 5.0,
+            "log_format": "text",
+        }
+    )
+    registry = CollectorRegistry()
+    app = ExecutorApp(settings, ExecutorMetrics(registry))
+    app.start()
+    client = ExecutorClient(app.address, timeout=120, retry=RetryPolicy(attempts=1))
+    try:
+        assert app.loaded.wait(120) and app.load_error is None, app.load_error
+        yield Running(app, client, registry)
+    finally:
+        client.close()
+        app.drain()
+
+
+def _triton(
+    hidden: torch.Tensor, layer: MoELayerWeights, lora: LoRAContext | None, routing: Routing | None
+) -> torch.Tensor:
+    return moe_forward(hidden, layer, lora, routing, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_graph_replay_equals_eager_bit_for_bit(world: World, dtype: torch.dtype) -> None:
+    device = torch.device("cuda")
+    model = load_base_model(world.checkpoint, device, dtype)
+    index, layer = next(iter(model.layers.items()))
+    e, h, inter, slots, rank = layer.num_experts, layer.hidden_size, layer.intermediate_size, 3, 4
+    generator = torch.Generator().manual_seed(5)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(device, dtype)
+
+    lora = LoRASlots(
+        a13=rand(slots, e, rank, h),
+        b13=rand(slots, e, 2 * inter, rank),
+        a2=rand(slots, e, rank, inter),
+        b2=rand(slots, e, h, rank),
+        enabled=torch.ones(slots, dtype=torch.int32, device=device),
+    )
+    graphs = GraphCache(_triton, model.layers, lambda _: lora, device, dtype)
+    for tokens in (1, 5, 16, 100):
+        bucket = graphs.bucket(tokens)
+        assert bucket is not None and bucket >= tokens
+        graph = graphs.get(index, bucket)
+        assert graph is not None, "capture failed"
+        x = rand(bucket, h)
+        token_slots = torch.randint(-1, slots, (bucket,), generator=generator).to(device)
+        token_slots = token_slots.to(torch.int32)
+        token_slots[tokens:] = -1
+        graph.input.copy_(x)
+        graph.slots.copy_(token_slots)
+        graph.replay()
+        eager = _triton(x, layer, LoRAContext(lora, token_slots), None)
+        torch.cuda.synchronize()
+        assert torch.equal(graph.output, eager), f"T={tokens} (bucket {bucket}) differs"
+    assert graphs.captured_bytes >= 0
+
+
+def test_merged_requests_match_each_alone_on_the_gpu(world: World, running: Running) -> None:
+    """bf16 serving with graphs and batching: each request merged equals it alone within the
+    bf16 tolerance, and launches were graph replays."""
+    layer, hidden = world.layer, world.hidden
+    mixes: list[list[tuple[int, str | None]]] = [
+        [(TOKENS, "alpha")],
+        [(5, "beta"), (7, None)],
+        [(3, None), (4, "gamma"), (5, "alpha")],
+        [(TOKENS, None)],
+    ]
+    alone = [running.client.forward(layer, hidden, m) for m in mixes]
+    merged: dict[int, ForwardResult] = {}
+    barrier = threading.Barrier(len(mixes))
+
+    def work(index: int) -> None:
+        with ExecutorClient(running.app.address, timeout=60) as client:
+            barrier.wait(10)
+            merged[index] = client.forward(layer, hidden, mixes[index])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(mixes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(merged) == len(mixes)
+    count = running.metric("moelora_executor_batch_requests_count")
+    assert running.metric("moelora_executor_batch_requests_sum") > count, "nothing merged"
+    for index, result in merged.items():
+        error = relative_error(result.output, alone[index].output)
+        assert error < GPU_BFLOAT16_RELATIVE, (mixes[index], error)
+    assert running.metric("moelora_executor_forward_runs_total", mode="graph") > 0

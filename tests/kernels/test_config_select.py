@@ -1,0 +1,225 @@
+"""Where launch configurations come from: model shapes, the on-disk cache, the selection
+order, the heuristic and the autotuner's search (with a cost function standing in for the
+GPU timer, which only a GPU has; tests/kernels/test_gpu.py autotunes for real)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.autotune import (
+    BUCKETS,
+    CellInputs,
+    block_m_options,
+    precompile_set,
+    search,
+    tile_spaces,
+)
+from kernels.compile_pool import CompileJob, compile_job
+from kernels.config_cache import ConfigCache
+from kernels.config_select import AUTOTUNED, HEURISTIC, TABLE, ConfigSelector
+from kernels.configs import SMEM_BUDGET, MoEConfig, load_table, padded_rank, segments_per_pass
+from kernels.heuristic import heuristic_config
+from kernels.model_shape import LayerShape, shape_from_checkpoint, shape_from_config
+from kernels.reference import moe_forward_reference
+from kernels.synthetic import random_layer, relative_error
+from kernels.types import Activation
+
+from .conftest import TOLERANCE
+
+H100 = "NVIDIA_H100_80GB_HBM3"
+QWEN3 = LayerShape(128, 2048, 768, 8)
+
+CONFIGS = {
+    "qwen3_moe": ({"moe_intermediate_size": 768, "intermediate_size": 6144,
+                   "num_experts": 128}, LayerShape(128, 2048, 768, 8)),
+    "qwen2_moe": ({"moe_intermediate_size": 1408, "intermediate_size": 5632,
+                   "num_experts": 60}, LayerShape(60, 2048, 1408, 8)),
+    "deepseek_v3": ({"moe_intermediate_size": 2048, "intermediate_size": 18432,
+                     "n_routed_experts": 256}, LayerShape(256, 2048, 2048, 8)),
+    "mixtral": ({"intermediate_size": 14336, "num_local_experts": 8},
+                LayerShape(8, 2048, 14336, 8)),
+    "gpt_oss": ({"intermediate_size": 2880, "num_local_experts": 32},
+                LayerShape(32, 2048, 2880, 8)),
+    "olmoe": ({"intermediate_size": 1024, "num_experts": 64}, LayerShape(64, 2048, 1024, 8)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_shape_from_config_each_model_type(model_type: str, tmp_path: Path) -> None:
+    fields, expected = CONFIGS[model_type]
+    config = {"model_type": model_type, "hidden_size": 2048, "num_experts_per_tok": 8, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = shape_from_checkpoint(tmp_path)
+    assert (shape.experts, shape.hidden, shape.inter, shape.top_k) == (
+        expected.experts, expected.hidden, expected.inter, expected.top_k,
+    )  # fmt: skip
+    assert shape.name == tmp_path.name
+
+
+def test_shape_from_config_rejects() -> None:
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        shape_from_config({"model_type": "llama"})
+    with pytest.raises(ValueError, match="lacks"):
+        shape_from_config({"model_type": "mixtral", "hidden_size": 8})
+    with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
+        shape_from_config(
+            {"model_type": "olmoe", "num_experts": 8, "hidden_size": 0, "intermediate_size": 8}
+        )
+
+
+def _config(block_m: int) -> MoEConfig:
+    return dataclasses.replace(heuristic_config(64, 128, 2048, 768, 8), block_m=block_m)
+
+
+def test_cache_roundtrip_keyed_by_gpu_triton_shape_rank(tmp_path: Path) -> None:
+    cache = ConfigCache(tmp_path, triton_version="9.9")
+    cache.store("GPU_A", QWEN3, 16, {1: _config(16), 64: _config(32)})
+    cache.store("GPU_A", QWEN3, 0, {1: _config(64)})
+    cache.store("GPU_A", QWEN3, 16, {4096: _config(128)})  # merges
+    assert cache.load("GPU_A", QWEN3) == {
+        16: {1: _config(16), 64: _config(32), 4096: _config(128)},
+        0: {1: _config(64)},
+    }
+    assert cache.path("GPU_A", QWEN3).parent.name == "triton-9.9"
+    assert cache.load("GPU_B", QWEN3) == {}
+    assert ConfigCache(tmp_path, triton_version="10.0").load("GPU_A", QWEN3) == {}
+    assert cache.load("GPU_A", LayerShape(128, 2048, 768, 4)) == {}
+    cache.path("GPU_A", QWEN3).write_text("{not json")  # damaged: tuned again, not fatal
+    assert cache.load("GPU_A", QWEN3) == {}
+
+
+def test_selection_order(tmp_path: Path) -> None:
+    bf16 = torch.bfloat16
+    shipped = load_table(H100)
+    assert shipped, "the H100 table ships with the package"
+    cache = ConfigCache(tmp_path)
+    selector = ConfigSelector(H100, cache)
+    # The shipped table wins, at the nearest tuned token count.
+    chosen = selector.select(50, QWEN3, 16, bf16)
+    assert chosen.source == TABLE
+    assert chosen.config.block_m == shipped["E=128,H=2048,I=768,k=8,r=16"][64].block_m
+    # Another rank of a tabled shape: the nearest tuned rank's table (not the heuristic).
+    assert selector.select(64, QWEN3, 48, bf16).source == f"{TABLE} (rank 64)"
+    assert selector.source(QWEN3, 32) == f"{TABLE} (rank 16)"  # a tie goes to the smaller
+    assert selector.source(QWEN3, 8) == f"{TABLE} (rank 16)"
+    # An untabled shape: the heuristic until the cache has it.
+    other = LayerShape(60, 2048, 1408, 4)
+    assert selector.source(other, 16) == HEURISTIC
+    cache.store(H100, other, 16, {1: _config(16), 512: _config(64)})
+    fresh = ConfigSelector(H100, cache)
+    assert fresh.select(300, other, 16, bf16) == dataclasses.replace(
+        fresh.select(512, other, 16, bf16)
+    )
+    assert fresh.source(other, 16) == AUTOTUNED
+    assert fresh.source(other, 0) == f"{AUTOTUNED} (rank 16)"
+    # Added in process (start-up autotuning) counts as autotuned, and without tables too.
+    bare = ConfigSelector(H100, cache, use_tables=False)
+    assert bare.source(QWEN3, 16) == HEURISTIC
+    bare.add(QWEN3, 16, {8: _config(32)})
+    assert bare.select(8, QWEN3, 16, bf16).source == AUTOTUNED
+    assert bare.select(8, QWEN3, 16, bf16).config.block_m == 32
+
+
+@pytest.mark.parametrize(
+    ("tokens", "shape"),
+    list(itertools.product(BUCKETS, [
+        QWEN3, LayerShape(8, 6144, 16384, 2), LayerShape(256, 7168, 2048, 8),
+        LayerShape(16, 5120, 8192, 1),
+    ])),
+)  # fmt: skip
+def test_heuristic_fits_shared_memory(tokens: int, shape: LayerShape) -> None:
+    for elem_size, rank in ((2, 16), (2, 64), (4, 16)):
+        config = (
+            ConfigSelector("cpu")
+            .select(tokens, shape, rank, torch.float32 if elem_size == 4 else torch.bfloat16)
+            .config
+        )
+        rp = padded_rank(rank)
+        lora_cols = segments_per_pass(config.lora_segments, rp) * rp
+        for gemm, rows in ((config.w13, 2 * config.w13.block_n), (config.w2, config.w2.block_n)):
+            extra = lora_cols if gemm.fused_shrink else 0
+            per_stage = (config.block_m + rows + extra) * gemm.block_k * elem_size
+            assert gemm.num_stages == 2 or gemm.num_stages * per_stage <= SMEM_BUDGET
+        rows_per_expert = tokens * shape.top_k / shape.experts
+        assert config.block_m == 16 or rows_per_expert > 12
+
+
+def _cost(config: MoEConfig) -> float:
+    """A made-up cost with its minimum inside the search space (not at the start)."""
+    return (
+        abs(config.block_m - 32) + abs(config.w13.block_n - 64) + abs(config.w2.block_n - 32)
+        + (0 if config.atomic_sum else 5) + abs(config.lora_segments - 2)
+    )  # fmt: skip
+
+
+def test_search_finds_the_minimum_of_its_space() -> None:
+    start = heuristic_config(64, 8, 4096, 14336, 2)
+    timed: list[MoEConfig] = []
+
+    def time_us(config: MoEConfig) -> float:
+        timed.append(config)
+        return _cost(config)
+
+    best = search(time_us, start, 16.0, 16, deadline=time.monotonic() + 60)
+    assert _cost(best) == min(map(_cost, timed)) < _cost(start)
+    assert best.block_m == 32 and best.w13.block_n == 64 and best.w2.block_n == 32
+    # Every tile combination the search launched was compiled ahead by the precompile set.
+    covered = precompile_set(start, 16.0, 16)
+    w13s = {(c.block_m, dataclasses.replace(c.w13, num_stages=0)) for c in covered}
+    w2s = {(c.block_m, dataclasses.replace(c.w2, num_stages=0)) for c in covered}
+    for config in timed:
+        if config.w2.fused_shrink == start.w2.fused_shrink:
+            assert (config.block_m, dataclasses.replace(config.w13, num_stages=0)) in w13s
+            assert (config.block_m, dataclasses.replace(config.w2, num_stages=0)) in w2s
+
+
+def test_search_stops_at_its_deadline() -> None:
+    start = heuristic_config(4096, 128, 2048, 768, 8)
+    calls = 0
+
+    def slow(config: MoEConfig) -> float:
+        nonlocal calls
+        calls += 1
+        time.sleep(0.05)
+        return _cost(config)
+
+    began = time.monotonic()
+    best = search(slow, start, 256.0, 16, deadline=began + 0.12)
+    assert time.monotonic() - began < 0.5
+    assert calls <= 4
+    assert _cost(best) <= _cost(start)
+
+
+def test_search_spaces_are_pruned() -> None:
+    assert block_m_options(0.5) == [16]
+    assert max(block_m_options(1000)) == 128
+    w13, w2 = tile_spaces(128, group_m=1)
+    assert all(g.group_m == 1 for g in w13 + w2)
+    assert len(w13) <= 8 and len(w2) <= 8
+    assert not math.isnan(_cost(heuristic_config(1, 8, 16, 16, 1)))
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_compile_worker_launch_with_fewer_experts_is_exact(biases: bool) -> None:
+    """A compile worker holds a few experts but aligns for the full count (so the launch has
+    the timing process's block counts); the result must still be right, which shows the
+    kernels it compiled are the ones the full layer runs."""
+    full = random_layer(24, 64, 32, 2, dtype=torch.float32, biases=biases,
+                        activation=Activation.GPT_OSS if biases else Activation.SILU)  # fmt: skip
+    config = heuristic_config(7, 24, 64, 32, 2, elem_size=4)
+    job = CompileJob.of(full, 7, 16, 8, config)
+    few = random_layer(4, 64, 32, 2, dtype=torch.float32, biases=biases, activation=full.activation)
+    with_lora, base = compile_job(job, few)
+    inputs = CellInputs.make(few, 7, 16, 8, few.num_experts)
+    expected = moe_forward_reference(inputs.hidden, few, inputs.lora, inputs.routing)
+    assert relative_error(with_lora, expected) < TOLERANCE[torch.float32]
+    expected = moe_forward_reference(inputs.hidden, few, None, inputs.routing)
+    assert relative_error(base, expected) < TOLERANCE[torch.float32]

@@ -1,0 +1,131 @@
+"""A registry and an executor as real processes on 127.0.0.1 over a world of tiny transformers
+checkpoints and PEFT adapters (``tests.executor.worlds``): what the fuzz, chaos and soak suites
+run against. Both can be killed and restarted on the same data; their RSS and open file
+descriptors are read from /proc."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from executor_service.client import ExecutorClient, RetryPolicy
+from shared.grpc_server import wait_until_serving
+from shared.model_spec import read_model_spec
+from shared.registry_client import RegistryClient
+from tests.conftest import ServerProcess, free_port
+from tests.executor.worlds import World
+
+BIN = Path(sys.executable).parent
+BASE = "tiny-qwen"
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError(f"no VmRSS for pid {pid}")
+
+
+def open_fds(pid: int) -> int:
+    return sum(1 for _ in Path(f"/proc/{pid}/fd").iterdir())
+
+
+@dataclass
+class Stack:
+    """``start()`` brings both up; ``stop()`` (always, in a finally) takes both down."""
+
+    world: World
+    tmp: Path
+    executor_flags: tuple[str, ...] = ()
+    registry_flags: tuple[str, ...] = ()
+    registry_address: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
+    executor_address: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
+    registry: ServerProcess | None = None
+    executor: ServerProcess | None = None
+    _logs: int = 0
+
+    @property
+    def data_dir(self) -> Path:
+        return self.tmp / "registry"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.tmp / "executor-cache"
+
+    def _log(self, name: str) -> Path:
+        self._logs += 1
+        return self.tmp / f"{name}-{self._logs}.log"
+
+    def start_registry(self) -> ServerProcess:
+        args = [
+            str(BIN / "moelora-registry"),
+            "--listen", self.registry_address,
+            "--data-dir", str(self.data_dir),
+            "--metrics-listen", "",
+            "--drain-seconds", "1",
+            *self.registry_flags,
+        ]  # fmt: skip
+        self.registry = ServerProcess(args, _env(), self._log("registry"))
+        with grpc.insecure_channel(self.registry_address) as channel:
+            wait_until_serving(channel, "moelora.v1.AdapterRegistry", timeout=60)
+        return self.registry
+
+    def start_executor(self) -> ServerProcess:
+        args = [
+            str(BIN / "moelora-executor"),
+            "--listen", self.executor_address,
+            "--base-model-path", str(self.world.checkpoint),
+            "--base-model-name", BASE,
+            "--registry-address", self.registry_address,
+            "--registry-timeout-seconds", "5",
+            "--disk-cache-dir", str(self.cache_dir),
+            "--metrics-listen", "",
+            "--drain-seconds", "2",
+            "--device", "cpu",
+            *self.executor_flags,
+        ]  # fmt: skip
+        self.executor = ServerProcess(args, _env(), self._log("executor"))
+        with grpc.insecure_channel(self.executor_address) as channel:
+            wait_until_serving(channel, "moelora.v1.Executor", timeout=120)
+        return self.executor
+
+    def start(self, adapters: list[str] | None = None, *, executor: bool = True) -> None:
+        """Both servers (the registry alone without ``executor``), the base model registered
+        and ``adapters`` (folder names of the world) uploaded under their own names."""
+        self.start_registry()
+        with self.registry_client() as client:
+            spec = read_model_spec(self.world.checkpoint)
+            client.register_base_model(spec.to_proto(BASE))
+            for name in adapters or ():
+                client.upload(self.world.adapter_dir / name, name, BASE)
+        if executor:
+            self.start_executor()
+
+    def kill(self, process: ServerProcess | None) -> None:
+        """SIGKILL: no drain, no clean-up; the process is reaped and its log closed."""
+        if process is not None:
+            if process.proc.poll() is None:
+                process.proc.send_signal(signal.SIGKILL)
+            process.terminate()
+
+    def stop(self) -> None:
+        for process in (self.executor, self.registry):
+            if process is not None:
+                process.terminate()
+
+    def registry_client(self) -> RegistryClient:
+        return RegistryClient(self.registry_address, timeout=30)
+
+    def executor_client(self, attempts: int = 1, timeout: float = 30.0) -> ExecutorClient:
+        return ExecutorClient(
+            self.executor_address, timeout=timeout, retry=RetryPolicy(attempts=attempts)
+        )
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
