@@ -4,7 +4,8 @@
                         "dns:///executor-layers-24-47.ml.svc:50052"]) as cluster:
         out = cluster.forward(layer=30, hidden=h, segments=[(5, "sql:2"), (3, None)]).output
 
-``AsyncClusterClient`` is the same for asyncio. See docs/cluster.md.
+``AsyncClusterClient`` is the same for asyncio; ``hf.attach_remote_experts`` puts a cluster
+behind a Hugging Face model's MoE blocks. See docs/cluster.md.
 """
 
 from executor_service.cluster.aio import AsyncClusterClient
