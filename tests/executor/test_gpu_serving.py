@@ -86,6 +86,8 @@ def running(world: World) -> Iterator[Running]:
             "num_slots": 6,
             "max_rank": 8,
             "batch_window_us": 200_000,
+            # No tuned table exists for this tiny shape: heuristic configs, no start-up autotune.
+            "kernel_autotune_seconds": 0,
             "metrics_listen": "",
             "drain_seconds": 5.0,
             "log_format": "text",
