@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip==26.3
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[registry,executor,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[registry,executor,transformers,dev]'
 	touch $@
 
 $(BUF):

@@ -51,6 +51,9 @@ class ForwardResult:
     output: torch.Tensor
     resolved_adapters: list[str]
     server_time_us: int
+    #: Every adapter was already in a GPU slot; how many this request loaded.
+    adapters_resident: bool = True
+    adapters_loaded: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,12 +115,22 @@ def forward_request(
     return request
 
 
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC channel options that let messages up to ``max_message_bytes`` through both ways."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
 def forward_result(response: executor_pb2.ForwardResponse) -> ForwardResult:
     output = torch_codec.to_torch(response.output, "output").clone()  # writable, owns its memory
     return ForwardResult(
         output=output,
         resolved_adapters=list(response.resolved_adapters),
         server_time_us=response.server_time_us,
+        adapters_resident=response.adapters_resident,
+        adapters_loaded=response.adapters_loaded,
     )
 
 
@@ -142,10 +155,7 @@ class ExecutorClient:
             token=token,
             tls=tls,
             root_certificates=root_certificates,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
+            options=channel_options(max_message_bytes),
         )
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self.address = address

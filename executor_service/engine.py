@@ -57,6 +57,8 @@ class ForwardOutput:
 
     output: tensor_pb2.Tensor
     resolved_adapters: list[str]
+    #: Adapters of this request that its batch loaded into GPU slots (0: all were resident).
+    adapters_loaded: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,10 +131,12 @@ class ForwardEngine:
             )
             out = self._runner.run(launch)
         encoding = time.perf_counter()
+        loaded = {adapter.digest for adapter in lease.loaded}
         outputs = [
             ForwardOutput(
                 output=torch_codec.from_torch(out[a:b].to(r.hidden.dtype)),
                 resolved_adapters=r.labels,
+                adapters_loaded=len({x.digest for x in r.adapters if x is not None} & loaded),
             )
             for r, (a, b) in zip(requests, row_ranges(requests), strict=True)
         ]

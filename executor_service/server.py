@@ -106,7 +106,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         prepared = runtime.engine.prepare(decoded, _slot_wait(runtime, context))
         result = runtime.scheduler.submit(prepared)
         response = executor_pb2.ForwardResponse(
-            output=result.output, resolved_adapters=result.resolved_adapters
+            output=result.output,
+            resolved_adapters=result.resolved_adapters,
+            adapters_resident=result.adapters_loaded == 0,
+            adapters_loaded=result.adapters_loaded,
         )
         response.server_time_us = int((time.perf_counter() - start) * 1e6)
         return response

@@ -159,10 +159,18 @@ class ForwardResponse(_message.Message):
     OUTPUT_FIELD_NUMBER: _builtins.int
     RESOLVED_ADAPTERS_FIELD_NUMBER: _builtins.int
     SERVER_TIME_US_FIELD_NUMBER: _builtins.int
+    ADAPTERS_RESIDENT_FIELD_NUMBER: _builtins.int
+    ADAPTERS_LOADED_FIELD_NUMBER: _builtins.int
     server_time_us: _builtins.int
     """Time spent in the executor, from request decoded to output encoded, in
     microseconds.
     """
+    adapters_resident: _builtins.bool
+    """True when every adapter of the request was already in a GPU slot (a hit for
+    adapter-affinity routing); true for base-only requests.
+    """
+    adapters_loaded: _builtins.int
+    """Adapters this request loaded into GPU slots (evicting others)."""
     @_builtins.property
     def output(self) -> _tensor_pb2.Tensor:
         """[T, hidden_size], dtype of the request's hidden_states."""
@@ -179,10 +187,12 @@ class ForwardResponse(_message.Message):
         output: _tensor_pb2.Tensor | None = ...,
         resolved_adapters: _abc.Iterable[_builtins.str] | None = ...,
         server_time_us: _builtins.int = ...,
+        adapters_resident: _builtins.bool = ...,
+        adapters_loaded: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["output", b"output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["output", b"output", "resolved_adapters", b"resolved_adapters", "server_time_us", b"server_time_us"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters_loaded", b"adapters_loaded", "adapters_resident", b"adapters_resident", "output", b"output", "resolved_adapters", b"resolved_adapters", "server_time_us", b"server_time_us"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,150 @@
+"""``AsyncClusterClient``: the cluster client for asyncio backends (grpc.aio channels)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+import torch
+
+from executor_service.client import (
+    ForwardResult,
+    RoutingTensors,
+    channel_options,
+    forward_request,
+    forward_result,
+)
+from executor_service.cluster.endpoints import Resolver, system_resolver
+from executor_service.cluster.router import ClusterSettings, ClusterStats, Router, Segments
+from moelora.v1 import executor_pb2, executor_pb2_grpc
+from shared.errors import MoeLoraError, Unavailable, error_for_code
+from shared.logs import log_event
+
+log = logging.getLogger(__name__)
+
+
+class AsyncClusterClient:
+    """As ``ClusterClient``, awaitable. Use ``async with`` (or ``await start()`` and
+    ``await close()``): the first refresh and the refresh task run there."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        settings: ClusterSettings | None = None,
+        resolver: Resolver = system_resolver,
+    ) -> None:
+        self.settings = settings or ClusterSettings()
+        self._router = Router(self.settings, endpoints, resolver)
+        self._stubs: dict[str, tuple[grpc.aio.Channel, executor_pb2_grpc.ExecutorStub]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> AsyncClusterClient:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+    @property
+    def stats(self) -> ClusterStats:
+        return self._router.stats()
+
+    def layers(self) -> dict[int, list[str]]:
+        return self._router.layers()
+
+    async def refresh(self) -> None:
+        """Re-resolves the endpoints now: drops replicas gone from them, describes new ones."""
+        addresses = await asyncio.to_thread(self._router.resolve)
+        gone, new = self._router.update(addresses)
+        for address in gone:
+            entry = self._stubs.pop(address, None)
+            if entry is not None:
+                await entry[0].close()
+        for address in new:
+            request = executor_pb2.GetExecutorInfoRequest()
+            try:
+                timeout = self.settings.info_timeout
+                info = await self._call(address, "GetExecutorInfo", request, timeout)
+            except MoeLoraError as exc:
+                self._router.pending(address, exc.message)
+                continue
+            self._router.add(address, info)
+
+    async def forward(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        segments: Segments | None = None,
+        routing: RoutingTensors | None = None,
+        timeout: float | None = None,
+    ) -> ForwardResult:
+        """As ``ClusterClient.forward``."""
+        deadline = time.monotonic() + (timeout or self.settings.timeout)
+        try:
+            plan = self._router.plan(layer, segments)
+        except Unavailable:
+            await self.refresh()
+            plan = self._router.plan(layer, segments)
+        request = forward_request(layer, hidden, segments, routing)
+        error: MoeLoraError | None = None
+        for address in plan:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._router.begin(address)
+            try:
+                response = await self._call(address, "Forward", request, remaining)
+            except MoeLoraError as exc:
+                if not self._router.failed(address, exc):
+                    raise
+                error = exc
+                continue
+            finally:
+                self._router.end(address)
+            result = forward_result(response)
+            self._router.answered(address, segments, result)
+            return result
+        raise self._router.exhausted(layer, len(plan), error)
+
+    async def _call(self, address: str, method: str, request: object, timeout: float) -> Any:
+        entry = self._stubs.get(address)
+        if entry is None:
+            options = channel_options(self.settings.max_message_bytes)
+            channel = grpc.aio.insecure_channel(address, options=options)
+            entry = self._stubs[address] = (channel, executor_pb2_grpc.ExecutorStub(channel))
+        try:
+            return await getattr(entry[1], method)(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_for_code(exc.code(), exc.details() or exc.code().name) from None
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.refresh_seconds)
+            try:
+                await self.refresh()
+            except Exception:  # a refresh must never end the loop
+                log_event(log, "cluster_refresh_failed", logging.WARNING, exc_info=True)
