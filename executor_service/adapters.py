@@ -426,6 +426,8 @@ class AdapterManager:
         gauge.labels("free").set(free)
         gauge.labels("pinned").set(pinned)
         gauge.labels("loaded").set(self.slots.num_slots - free - pinned)
+        running = [adapter.label for adapter in self.slots.adapters()]
+        self._metrics.set_lora_info(running, self.slots.num_slots)
 
     @staticmethod
     def _from_slot(status: SlotStatus) -> AdapterStatus:

@@ -11,6 +11,7 @@ Tiers are ``gpu`` (a slot) and ``host`` (the packed host-memory cache).
 from __future__ import annotations
 
 import contextlib
+import time
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -117,6 +118,17 @@ class ExecutorMetrics:
             registry=registry,
         )
 
+        # vLLM's ``vllm:lora_requests_info`` convention, which LoRA-aware routers (Gateway API
+        # Inference Extension, llm-d) read: one series, labels listing adapters, value = time
+        # of the last change. running = adapters in GPU slots; waiting is always empty (a
+        # request waits only for busy slots, not in a per-adapter queue).
+        self.lora_requests_info = Gauge(
+            "moelora_executor_lora_requests_info",
+            "Adapters in GPU slots (running_lora_adapters, comma-separated name:VERSION), "
+            "waiting_lora_adapters and max_lora (slots), as vLLM's lora_requests_info",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=registry,
+        )
         self.batch_requests = Histogram(
             "moelora_executor_batch_requests",
             "Requests merged into one launch",
@@ -169,6 +181,12 @@ class ExecutorMetrics:
         self.eager_runs = self.runs.labels("eager")
         self.lora_tokens = self.forward_tokens.labels("lora")
         self.base_tokens = self.forward_tokens.labels("base")
+
+    def set_lora_info(self, running: list[str], max_lora: int) -> None:
+        """Replaces the one ``lora_requests_info`` series."""
+        self.lora_requests_info.clear()
+        series = self.lora_requests_info.labels(",".join(sorted(running)), "", str(max_lora))
+        series.set(time.time())
 
     def set_resident(self, adapter: str, tier: str, resident: bool) -> None:
         """Adds or removes one adapter's series (absent, rather than 0, once it left)."""
