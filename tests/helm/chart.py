@@ -128,14 +128,19 @@ def configmap_env(release: Release, c: Obj) -> dict[str, str]:
     return env
 
 
-def container_env(release: Release, c: Obj, secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+def container_env(
+    release: Release, c: Obj, secrets: dict[tuple[str, str], str], pod_name: str = ""
+) -> dict[str, str]:
     """Every variable the container starts with, as the kubelet would resolve them:
     its ConfigMaps, then its own entries, with Secret references looked up in
-    ``secrets`` ((name, key) -> value)."""
+    ``secrets`` ((name, key) -> value) and the pod's name where a field refers to it."""
     env = configmap_env(release, c)
     for name, entry in env_of(c).items():
         if "value" in entry:
             env[name] = str(entry["value"])
+        elif "fieldRef" in entry["valueFrom"]:
+            assert entry["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+            env[name] = pod_name
         else:
             ref = entry["valueFrom"]["secretKeyRef"]
             env[name] = secrets[(ref["name"], ref["key"])]

@@ -37,7 +37,7 @@ def validate(obj: Obj, kube_version: str = KUBE_VERSIONS[-1]) -> None:
 
 
 def test_ci_values_files_are_the_expected_ones() -> None:
-    assert ci_value_names() == ["autoscaling", "cpu", "production"]
+    assert ci_value_names() == ["autoscaling", "cpu", "production", "qwen3-235b"]
 
 
 def test_the_oldest_version_checked_is_the_charts_floor(chart: helm.Chart) -> None:

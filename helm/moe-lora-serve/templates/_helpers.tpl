@@ -203,7 +203,6 @@ matchExpressions:
 {{- end }}
 {{- end }}
 
-{{/* The executor's env entries beyond its ConfigMap: the registry token and extraEnv. */}}
 {{/* The Secret and key of the token file the executors check: executor.auth's, else the registry's. */}}
 {{- define "moelora.executor.tokensSecret" -}}
 {{- .Values.executor.auth.tokensSecret | default .Values.auth.tokensSecret -}}
@@ -212,15 +211,81 @@ matchExpressions:
 {{- if .Values.executor.auth.tokensSecret }}{{ .Values.executor.auth.tokensSecretKey }}{{ else }}{{ .Values.auth.tokensSecretKey }}{{ end -}}
 {{- end }}
 
+{{/* The executor's env entries beyond its ConfigMap: its group's layers and replica name,
+the registry token and extraEnv. */}}
 {{- define "moelora.executor.env" -}}
-{{- if .Values.auth.enabled }}
+{{- with .g.layers }}
+- name: MOELORA_LAYERS
+  value: {{ . | quote }}
+{{- end }}
+{{- if .g.group }}
+- name: MOELORA_REPLICA_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+{{- end }}
+{{- if .root.Values.auth.enabled }}
 - name: MOELORA_REGISTRY_TOKEN
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.auth.executorTokenSecret }}
-      key: {{ .Values.auth.executorTokenSecretKey }}
+      name: {{ .root.Values.auth.executorTokenSecret }}
+      key: {{ .root.Values.auth.executorTokenSecretKey }}
 {{- end }}
-{{- with .Values.executor.extraEnv }}
+{{- with .root.Values.executor.extraEnv }}
 {{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Executor groups (executor.groups): each its own StatefulSet, headless Service and PDB
+serving its layers. Without groups, one unnamed group: the single executor, named as always.
+resolveGroup fills .out with the group's name, StatefulSet and Service names, and the
+executor values with the group's overrides. */}}
+{{- define "moelora.executor.groupList" -}}
+{{- $names := list }}
+{{- range .Values.executor.groups }}
+{{- if has .name $names }}
+{{- fail (printf "executor.groups: the name %q is used twice" .name) }}
+{{- end }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- if and .Values.executor.groups .Values.executor.autoscaling.enabled }}
+{{- fail "executor.autoscaling is for the single executor; with executor.groups set each group's replicas" }}
+{{- end }}
+{{- end }}
+
+{{- define "moelora.executor.resolveGroup" -}}
+{{- $e := deepCopy .root.Values.executor }}
+{{- $name := include "moelora.executor.fullname" .root }}
+{{- if .group.name }}
+{{- range $k, $v := omit .group "name" "layers" "gpu" }}
+{{- $_ := set $e $k $v }}
+{{- end }}
+{{- with .group.gpu }}
+{{- $_ := set $e "gpu" (merge (deepCopy .) $e.gpu) }}
+{{- end }}
+{{- /* 52 at most: StatefulSet pods carry NAME-<10-char hash> as a label value. */}}
+{{- $name = printf "%s-%s" ($name | trunc (int (sub 51 (len .group.name))) | trimSuffix "-") .group.name }}
+{{- $_ := set .out "headless" (printf "%s-headless" $name) }}
+{{- else }}
+{{- $_ := set .out "headless" (include "moelora.executor.headless" .root) }}
+{{- end }}
+{{- $_ := set .out "e" $e }}
+{{- $_ := set .out "name" $name }}
+{{- $_ := set .out "group" (.group.name | default "") }}
+{{- $_ := set .out "layers" (.group.layers | default "") }}
+{{- end }}
+
+{{/* Selector labels of one executor group: the executor's, plus the group's name. */}}
+{{- define "moelora.executor.selectorLabels" -}}
+{{ include "moelora.selectorLabels" (dict "root" .root "component" "executor") }}
+{{- with .group }}
+moelora.io/executor-group: {{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "moelora.executor.labels" -}}
+{{ include "moelora.labels" (dict "root" .root "component" "executor") }}
+{{- with .group }}
+moelora.io/executor-group: {{ . }}
 {{- end }}
 {{- end }}
