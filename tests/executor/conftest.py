@@ -109,6 +109,9 @@ def running_executor(
         "metrics_listen": "",
         "drain_seconds": 5.0,
         "log_format": "text",
+        # Autotuning belongs to its own tests (test_kernel_configs.py); here it would only
+        # hold every GPU executor's start-up for its budget.
+        "kernel_autotune_seconds": 0.0,
         **overrides,
     }
     registry = CollectorRegistry()
