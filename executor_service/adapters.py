@@ -212,6 +212,14 @@ class AdapterManager:
             last_used=None,
         )
 
+    def prefetch(self, adapter: ResolvedAdapter) -> bool:
+        """Brings the adapter into the host cache unless a slot or the host cache holds it
+        already (False then). Never touches the slots; shares a load in flight for the digest."""
+        if self.slots.holds(adapter.digest) or self.host.peek(adapter.digest) is not None:
+            return False
+        self._packed(adapter)
+        return True
+
     def pin(self, ref: AdapterRef, timeout: float) -> AdapterStatus:
         """Loads the adapter into a slot and pins it there."""
         adapter = self.resolve(ref)

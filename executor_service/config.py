@@ -66,6 +66,17 @@ class ExecutorSettings(ServerSettings):
         Path("~/.moelora/executor-cache"), description="local disk cache of downloaded adapters"
     )
     disk_cache_bytes: int = Field(20 * 1024**3, ge=0, description="byte budget of the disk cache")
+    prefetch_on_watch: bool = Field(
+        False,
+        description="load a version into the host cache in the background when the "
+        "registry's watch stream reports an alias set or moved to it (registry source only)",
+    )
+    prefetch_max_inflight: int = Field(
+        2,
+        ge=1,
+        description="background prefetches running at once; 8 per worker wait in a queue, "
+        "beyond that the oldest is dropped",
+    )
     preload_adapters: list[str] = Field(
         default_factory=list, description="adapter references to load and pin at start-up"
     )

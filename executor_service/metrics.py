@@ -100,6 +100,13 @@ class ExecutorMetrics:
             ["tier"],
             registry=registry,
         )
+        self.prefetches = Counter(
+            "moelora_executor_prefetches_total",
+            "Background prefetches of newly aliased adapters (--prefetch-on-watch) by result: "
+            "loaded, held (already in a slot or the host cache), failed, dropped (queue full)",
+            ["result"],
+            registry=registry,
+        )
         self.resident = Gauge(
             "moelora_executor_adapter_resident",
             "1 for each adapter version (name:VERSION) held in the tier; routers read this",

@@ -224,8 +224,9 @@ def _made_stale(
 class RegistryWatcher:
     """Follows WatchAdapters in a thread of its own, feeding events to the source and the
     deletions to ``on_deleted(digest)`` (the adapter manager drops the version from its
-    tiers). Reconnects with exponential backoff, resuming after the last sequence it saw;
-    when the registry no longer keeps that far back it starts afresh."""
+    tiers), and every event to ``on_event`` (the prefetcher; it must not block). Reconnects
+    with exponential backoff, resuming after the last sequence it saw; when the registry no
+    longer keeps that far back it starts afresh."""
 
     def __init__(
         self,
@@ -233,10 +234,12 @@ class RegistryWatcher:
         source: RegistrySource,
         on_deleted: Callable[[str], None],
         backoff: tuple[float, float] = (0.2, 10.0),
+        on_event: Callable[[registry_pb2.WatchAdaptersResponse], None] | None = None,
     ) -> None:
         self.client = client
         self._source = source
         self._on_deleted = on_deleted
+        self._on_event = on_event
         self._backoff = backoff
         self._stop = threading.Event()
         self._stream_lock = threading.Lock()
@@ -245,6 +248,11 @@ class RegistryWatcher:
         #: Set whenever a stream is live (tests and start-up wait on it).
         self.connected = threading.Event()
         self._thread = threading.Thread(target=self._run, name="registry-watch", daemon=True)
+
+    @property
+    def last_sequence(self) -> int:
+        """The sequence of the last event fully handled (0 before the first stream)."""
+        return self._last_sequence
 
     def start(self) -> None:
         self._thread.start()
@@ -275,10 +283,12 @@ class RegistryWatcher:
                     log_event(log, "registry_watch_connected", after=self._last_sequence)
                     delay = self._backoff[0]
                     for event in stream:
-                        self._last_sequence = event.sequence
                         self._source.apply(event)
                         if event.type == EventType.ADAPTER_EVENT_TYPE_DELETED:
                             self._on_deleted(event.digest)
+                        if self._on_event is not None:
+                            self._on_event(event)
+                        self._last_sequence = event.sequence
             except OutOfRange:
                 log_event(log, "registry_watch_history_lost", logging.WARNING)
                 self._last_sequence = 0

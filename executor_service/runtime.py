@@ -21,6 +21,7 @@ from executor_service.host_cache import HostCache
 from executor_service.kernel_configs import KernelConfigReport, prepare_kernel_configs
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
+from executor_service.prefetch import Prefetcher
 from executor_service.registry_source import RegistrySource, RegistryWatcher
 from executor_service.runner import Runner
 from executor_service.scheduler import Scheduler, SchedulerSettings
@@ -97,11 +98,15 @@ class ExecutorRuntime:
     kernel_configs: tuple[KernelConfigReport, ...] = ()
     #: Follows the registry's changes when adapters come from the registry.
     watcher: RegistryWatcher | None = None
+    #: Loads newly aliased versions in the background (--prefetch-on-watch).
+    prefetcher: Prefetcher | None = None
 
     def close(self) -> None:
-        """Stops background work (the registry watch); the server has drained."""
+        """Stops background work (the registry watch, then prefetch); the server has drained."""
         if self.watcher is not None:
             self.watcher.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
 
 def replica_name(settings: ExecutorSettings) -> str:
@@ -212,9 +217,20 @@ def build_runtime(
         metrics,
     )
     watcher = None
+    prefetcher = None
     if isinstance(manager.source, RegistrySource):
-        watcher = RegistryWatcher(manager.source.client, manager.source, on_deleted=manager.forget)
+        if settings.prefetch_on_watch:
+            prefetcher = Prefetcher(manager, metrics, settings.prefetch_max_inflight)
+            prefetcher.start()
+        watcher = RegistryWatcher(
+            manager.source.client,
+            manager.source,
+            on_deleted=manager.forget,
+            on_event=prefetcher.offer if prefetcher is not None else None,
+        )
         watcher.start()
+    elif settings.prefetch_on_watch:
+        log_event(log, "prefetch_needs_registry", logging.WARNING, hint="set --registry-address")
     runtime = ExecutorRuntime(
         settings=settings,
         placement=where,
@@ -225,6 +241,7 @@ def build_runtime(
         metrics=metrics,
         kernel_configs=configs.reports,
         watcher=watcher,
+        prefetcher=prefetcher,
     )
     for text in settings.preload_adapters:
         ref = AdapterRef.parse(text, "preload_adapters")
