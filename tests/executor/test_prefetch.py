@@ -4,10 +4,12 @@ any request asks for it; without the flag nothing is fetched.
 A real registry process; an in-process executor that pulls from it. The alias event's sequence
 is read from a watch stream of the test's own, and the executor's watcher reports when it has
 handled that far, so "nothing was fetched" is checked after the event, not after a sleep.
+The bounded queue and close are checked on a prefetcher over a gated local source.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +22,18 @@ from prometheus_client import CollectorRegistry
 from executor_service.app import ExecutorApp
 from executor_service.config import ExecutorSettings
 from executor_service.metrics import ExecutorMetrics
+from executor_service.prefetch import QUEUE_PER_WORKER, Prefetcher
 from executor_service.runtime import ExecutorRuntime
+from executor_service.sources import LocalFolderSource
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
 from moelora.v1 import registry_pb2
 from shared.bench_servers import registry_server, write_adapter
 from shared.model_spec import ModelSpec
+from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
 from tests.conftest import wait_for
+from tests.executor.conftest import GatedSource, running_executor
+from tests.executor.worlds import World
 
 BASE = "tiny"
 
@@ -130,3 +137,47 @@ def test_without_the_flag_nothing_is_fetched(setup: Setup, executor: Executor) -
     assert manager.host.entries() == []
     assert manager.list_loaded() == []  # not even in the disk cache
     assert executor.prefetches("loaded") == 0
+
+
+def _alias_event(name: str, digest: str) -> registry_pb2.WatchAdaptersResponse:
+    return registry_pb2.WatchAdaptersResponse(
+        type=registry_pb2.AdapterEventType.ADAPTER_EVENT_TYPE_ALIAS_SET,
+        name=name,
+        digest=digest,
+        alias="prod",
+    )
+
+
+def test_a_full_queue_drops_the_oldest_and_close_lets_the_load_in_progress_finish(
+    qwen_world: World,
+) -> None:
+    """One worker held inside a fetch; the queue (8) overflows by 2; close drops what waits."""
+    gate = threading.Event()
+    source = GatedSource(LocalFolderSource(qwen_world.adapter_dir), gate)
+    with running_executor(qwen_world, source=source) as running:
+        runtime = running.app.runtime
+        assert runtime is not None
+        manager = runtime.adapters
+        alpha = manager.resolve(AdapterRef.parse("alpha"))
+        metrics = CollectorRegistry()
+        prefetcher = Prefetcher(manager, ExecutorMetrics(metrics), max_inflight=1)
+        prefetcher.start()
+        try:
+
+            def count(result: str) -> float:
+                value = metrics.get_sample_value(
+                    "moelora_executor_prefetches_total", {"result": result}
+                )
+                return 0.0 if value is None else value
+
+            prefetcher.offer(_alias_event("alpha", alpha.digest))
+            wait_for(lambda: source.fetches.get(alpha.label) == 1)
+            for i in range(QUEUE_PER_WORKER + 2):
+                prefetcher.offer(_alias_event(f"x{i}", "sha256:" + f"{i:064x}"))
+            assert count("dropped") == 2
+        finally:
+            gate.set()
+            prefetcher.close()
+        assert manager.host.peek(alpha.digest) is not None
+        assert count("loaded") == 1 and count("failed") == 0  # the queued ones never ran
+        assert source.fetches == {alpha.label: 1}
