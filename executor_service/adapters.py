@@ -257,6 +257,15 @@ class AdapterManager:
             return self._from_host(entry)
         raise NotFound(f"adapter {adapter.label} is not loaded")  # evicted meanwhile
 
+    def free_slot(self, ref: AdapterRef, timeout: float) -> AdapterStatus:
+        """Frees the adapter's GPU slot (after the requests using it); its packed copy stays
+        in the host cache, so the next use is one host→device copy per layer."""
+        adapter = self._held_version(ref)
+        if self.slots.evict(adapter.digest, timeout) is not None:
+            self._metrics.set_resident(adapter.label, GPU, False)
+            self._update_slot_gauges()
+        return self.status_of(adapter)
+
     def forget(self, digest: str, timeout: float = 30.0) -> None:
         """Drops a version its source deleted from both tiers, pinned or not, once the
         requests using it finished (waiting up to ``timeout``)."""

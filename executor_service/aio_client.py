@@ -30,6 +30,7 @@ from executor_service.client import (
     RetryPolicy,
     RoutingTensors,
     Segments,
+    channel_options,
     forward_request,
     forward_result,
     retry_pause,
@@ -55,10 +56,7 @@ class AsyncExecutorClient:
         retry: RetryPolicy | None = None,
         token: str | None = None,
     ) -> None:
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
+        options = channel_options(max_message_bytes)
         if tls or root_certificates is not None:
             credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self._channel = grpc.aio.secure_channel(address, credentials, options=options)

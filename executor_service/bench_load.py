@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from executor_service.adapters import Location
 from executor_service.app import ExecutorApp
 from executor_service.client import ExecutorClient
 from executor_service.config import ExecutorSettings
@@ -192,11 +193,10 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
                 results.seconds["cold"] = _timed(load)
             client.unload_adapter(cold)
             results.seconds["disk warm"] = _timed(load)
-            digest = runtime.adapters.resolve(AdapterRef.parse(cold)).digest
-            runtime.adapters.slots.evict(digest, timeout=60)
+            freed = runtime.adapters.free_slot(AdapterRef.parse(cold), timeout=60)
+            assert freed.location is Location.HOST, freed.location
+            digest = freed.adapter.digest
             results.seconds["host warm"] = _timed(load)
-            entry = runtime.adapters.host.peek(digest)
-            assert entry is not None
             disk = root / f"disk-{address.rsplit(':', 1)[1]}" / digest.removeprefix("sha256:")
             files = disk / WEIGHTS_FILE
             config = json.loads((disk / CONFIG_FILE).read_text())

@@ -8,22 +8,14 @@ import logging
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
 
-import grpc
 import torch
 
-from executor_service.client import (
-    ForwardResult,
-    RoutingTensors,
-    channel_options,
-    forward_request,
-    forward_result,
-)
+from executor_service.aio_client import AsyncExecutorClient
+from executor_service.client import ForwardResult, RetryPolicy, RoutingTensors
 from executor_service.cluster.endpoints import Resolver, system_resolver
 from executor_service.cluster.router import ClusterSettings, ClusterStats, Router, Segments
-from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared.errors import MoeLoraError, Unavailable, error_for_code
+from shared.errors import MoeLoraError, Unavailable
 from shared.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -41,7 +33,7 @@ class AsyncClusterClient:
     ) -> None:
         self.settings = settings or ClusterSettings()
         self._router = Router(self.settings, endpoints, resolver)
-        self._stubs: dict[str, tuple[grpc.aio.Channel, executor_pb2_grpc.ExecutorStub]] = {}
+        self._clients: dict[str, AsyncExecutorClient] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> AsyncClusterClient:
@@ -65,9 +57,9 @@ class AsyncClusterClient:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for channel, _ in self._stubs.values():
-            await channel.close()
-        self._stubs.clear()
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
 
     @property
     def stats(self) -> ClusterStats:
@@ -81,14 +73,12 @@ class AsyncClusterClient:
         addresses = await asyncio.to_thread(self._router.resolve)
         gone, new = self._router.update(addresses)
         for address in gone:
-            entry = self._stubs.pop(address, None)
-            if entry is not None:
-                await entry[0].close()
+            client = self._clients.pop(address, None)
+            if client is not None:
+                await client.close()
         for address in new:
-            request = executor_pb2.GetExecutorInfoRequest()
             try:
-                timeout = self.settings.info_timeout
-                info = await self._call(address, "GetExecutorInfo", request, timeout)
+                info = await self._client(address).get_executor_info(self.settings.info_timeout)
             except MoeLoraError as exc:
                 self._router.pending(address, exc.message)
                 continue
@@ -109,7 +99,6 @@ class AsyncClusterClient:
         except Unavailable:
             await self.refresh()
             plan = self._router.plan(layer, segments)
-        request = forward_request(layer, hidden, segments, routing)
         error: MoeLoraError | None = None
         for address in plan:
             remaining = deadline - time.monotonic()
@@ -117,7 +106,8 @@ class AsyncClusterClient:
                 break
             self._router.begin(address)
             try:
-                response = await self._call(address, "Forward", request, remaining)
+                client = self._client(address)
+                result = await client.forward(layer, hidden, segments, routing, remaining)
             except MoeLoraError as exc:
                 if not self._router.failed(address, exc):
                     raise
@@ -125,21 +115,20 @@ class AsyncClusterClient:
                 continue
             finally:
                 self._router.end(address)
-            result = forward_result(response)
             self._router.answered(address, segments, result)
             return result
         raise self._router.exhausted(layer, len(plan), error)
 
-    async def _call(self, address: str, method: str, request: object, timeout: float) -> Any:
-        entry = self._stubs.get(address)
-        if entry is None:
-            options = channel_options(self.settings.max_message_bytes)
-            channel = grpc.aio.insecure_channel(address, options=options)
-            entry = self._stubs[address] = (channel, executor_pb2_grpc.ExecutorStub(channel))
-        try:
-            return await getattr(entry[1], method)(request, timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise error_for_code(exc.code(), exc.details() or exc.code().name) from None
+    def _client(self, address: str) -> AsyncExecutorClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = AsyncExecutorClient(
+                address,
+                timeout=self.settings.timeout,
+                max_message_bytes=self.settings.max_message_bytes,
+                retry=RetryPolicy(attempts=1),  # the cluster client retries elsewhere
+            )
+        return client
 
     async def _refresh_loop(self) -> None:
         while True:
