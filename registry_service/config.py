@@ -42,8 +42,7 @@ class RegistrySettings(ServerSettings):
         64 * 1024**2,
         ge=5 * 1024**2,
         le=5 * 1024**3,
-        description="S3 multipart upload / ranged download part size; smaller objects "
-        "move in one request",
+        description="S3 multipart upload part size; smaller objects go up in one request",
     )
     s3_max_attempts: int = Field(
         8,

@@ -60,6 +60,15 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class ByteRange:
+    """Bytes ``offset`` to ``offset + length`` of one file of a version (0: to its end)."""
+
+    file_index: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
 class AdapterSummary:
     """What validation learned about an adapter's weights."""
 

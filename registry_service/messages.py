@@ -8,6 +8,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from moelora.v1 import registry_pb2
 from registry_service.domain import (
+    ByteRange,
     Chunk,
     DeclaredFile,
     Event,
@@ -89,6 +90,12 @@ def header_from_proto(h: registry_pb2.UploadHeader) -> UploadHeader:
 
 def chunk_from_proto(c: registry_pb2.FileChunk) -> Chunk:
     return Chunk(c.file_index, c.offset, c.data)
+
+
+def range_from_proto(r: registry_pb2.DownloadAdapterRequest) -> ByteRange | None:
+    if not r.HasField("range"):
+        return None
+    return ByteRange(r.range.file_index, r.range.offset, r.range.length)
 
 
 def chunk_to_proto(c: Chunk) -> registry_pb2.FileChunk:

@@ -113,7 +113,9 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         self, request: registry_pb2.DownloadAdapterRequest, context: grpc.ServicerContext
     ) -> Iterator[registry_pb2.DownloadAdapterResponse]:
         self._auth(context, Role.READ)
-        version, chunks = self._registry.download(request.ref, request.chunk_size)
+        version, chunks = self._registry.download(
+            request.ref, request.chunk_size, messages.range_from_proto(request)
+        )
         yield registry_pb2.DownloadAdapterResponse(version=messages.version_to_proto(version))
         for chunk in chunks:
             yield registry_pb2.DownloadAdapterResponse(chunk=messages.chunk_to_proto(chunk))

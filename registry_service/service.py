@@ -4,7 +4,6 @@ servicer only translates messages; tests drive this class directly."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -12,13 +11,13 @@ from contextlib import closing
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import BinaryIO
 
 from registry_service import metrics
 from registry_service.blobs import BlobStore, blob_key
 from registry_service.domain import (
     AdapterSummary,
     AliasChange,
+    ByteRange,
     Chunk,
     Event,
     FileInfo,
@@ -29,6 +28,7 @@ from registry_service.domain import (
     UploadHeader,
     VersionInfo,
 )
+from registry_service.download import check_range, stream_files
 from registry_service.events import EventFeed
 from registry_service.gc import GarbageCollector
 from registry_service.paging import decode_token, encode_token, page_size
@@ -258,9 +258,11 @@ class Registry:
         next_token = encode_token([rows[-1].name, rows[-1].version], filters) if more else ""
         return Page(rows, next_token)
 
-    def download(self, ref: str, chunk_size: int) -> tuple[VersionInfo, Iterator[Chunk]]:
-        """The version and a lazy stream of its files' bytes; each file is checked
-        against its sha256 before any of its bytes are handed out."""
+    def download(
+        self, ref: str, chunk_size: int, byte_range: ByteRange | None = None
+    ) -> tuple[VersionInfo, Iterator[Chunk]]:
+        """The version and a lazy stream of its files' bytes (or of ``byte_range``), each file
+        hashed as it is sent (see registry_service/download.py)."""
         if chunk_size == 0:
             chunk_size = DEFAULT_CHUNK_BYTES
         if not MIN_CHUNK_BYTES <= chunk_size <= MAX_CHUNK_BYTES:
@@ -269,26 +271,9 @@ class Registry:
                 "chunk_size",
             )
         version, files = self.store.resolve_files(AdapterRef.parse(ref))
-        return version, self._stream(version, files, chunk_size)
-
-    def _stream(
-        self, version: VersionInfo, files: list[StoredFile], chunk_size: int
-    ) -> Iterator[Chunk]:
-        for index, stored in enumerate(files):
-            try:
-                with self.blobs.local_copy(stored.blob_key) as path, path.open("rb") as handle:
-                    _verify(handle, stored, version)
-                    handle.seek(0)
-                    offset = 0
-                    while data := handle.read(chunk_size):
-                        yield Chunk(index, offset, data)
-                        offset += len(data)
-                        metrics.DOWNLOAD_BYTES.inc(len(data))
-            except FileNotFoundError:
-                raise DataLoss(
-                    f"{version.name}:{version.version} {stored.info.path}: blob "
-                    f"{stored.blob_key} is missing from the blob store"
-                ) from None
+        if byte_range is not None:
+            byte_range = check_range(byte_range, files)
+        return version, stream_files(self.blobs, version, files, chunk_size, byte_range)
 
     def presign(self, ref: str, expires_in_seconds: int) -> PresignedVersion:
         seconds = expires_in_seconds or DEFAULT_URL_SECONDS
@@ -395,13 +380,3 @@ class Registry:
             metrics.GC_REMOVED_BLOBS.inc(len(report.removed_blobs))
             metrics.GC_REMOVED_BYTES.inc(report.removed_bytes)
         return report
-
-
-def _verify(handle: BinaryIO, stored: StoredFile, version: VersionInfo) -> None:
-    digest = hashlib.file_digest(handle, "sha256").hexdigest()  # type: ignore[arg-type]
-    if digest != stored.info.sha256:
-        metrics.DATA_LOSS.inc()
-        raise DataLoss(
-            f"{version.name}:{version.version} {stored.info.path}: stored bytes have sha256 "
-            f"{digest}, expected {stored.info.sha256} (blob {stored.blob_key} is corrupt)"
-        )

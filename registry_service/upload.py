@@ -1,13 +1,12 @@
 """Where upload bytes are received: the header is checked, then every chunk is
-checked for order and size, hashed and spooled to a temporary file, so that
-validation and the blob write work on complete, hashed files.
+checked for order and size, and spooled to a temporary file (hashed on the way by the
+writer's thread), so that validation and the blob write work on complete, hashed files.
 
 Nothing here touches the database or the blob store.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -93,8 +92,7 @@ class _Receiving:
     def __init__(self, declared: DeclaredFile, path: Path, head_limit: int) -> None:
         self.declared = declared
         self.path = path
-        self.writer = BackgroundWriter(path)
-        self.hash = hashlib.sha256()
+        self.writer = BackgroundWriter(path)  # hashes what it writes
         self.received = 0
         # The first bytes, kept in memory for the checks that run while the rest
         # is still on its way; None once those checks are done.
@@ -166,7 +164,6 @@ class UploadSpool:
                 "chunk.data",
             )
         target.writer.write(chunk.data)
-        target.hash.update(chunk.data)
         if target.head is not None and len(target.head) < target.head_limit:
             target.head += chunk.data[: target.head_limit - len(target.head)]
         target.received += len(chunk.data)
@@ -186,15 +183,14 @@ class UploadSpool:
                     f"{name}: upload ended after {f.received} of {f.declared.size_bytes} bytes",
                     "chunk",
                 )
-            digest = f.hash.hexdigest()
+            # The local blob store may hard-link this file: make its bytes durable.
+            digest = f.writer.close(sync=True)
             if f.declared.sha256 is not None and f.declared.sha256 != digest:
                 raise InvalidArgument(
                     f"{name}: sha256 of the bytes received is {digest}, the header says "
                     f"{f.declared.sha256}",
                     "header.files",
                 )
-            # The local blob store may hard-link this file: make its bytes durable.
-            f.writer.close(sync=True)
             done.append(SpooledFile(FileInfo(name, f.received, digest), f.path))
         return done
 

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 KEY_PREFIX = "sha256/"
 _KEY = re.compile(r"sha256/[0-9a-f]{64}")
@@ -54,10 +54,10 @@ class BlobStore(Protocol):
 
     def exists(self, key: str) -> bool: ...
 
-    def local_copy(self, key: str) -> AbstractContextManager[Path]:
-        """A local file holding the object's bytes for the duration of the block
-        (the object itself for the local store, a temporary download for S3).
-        Raises FileNotFoundError when the key is absent."""
+    def open_range(self, key: str, offset: int, length: int) -> AbstractContextManager[BinaryIO]:
+        """A reader of the object's bytes ``offset`` to ``offset + length`` (the caller
+        reads ``length`` bytes; the range lies within the object). Raises
+        FileNotFoundError when the key is absent."""
         ...
 
     def delete(self, key: str) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import BinaryIO
 
 from registry_service.blobs.base import KEY_PREFIX, BlobStat, is_blob_key
 from shared.errors import FailedPrecondition
@@ -61,11 +62,14 @@ class LocalBlobStore:
         return self._path(key).is_file()
 
     @contextmanager
-    def local_copy(self, key: str) -> Iterator[Path]:
-        path = self._path(key)
-        if not path.is_file():
-            raise FileNotFoundError(f"blob {key} is missing from {self.location}")
-        yield path
+    def open_range(self, key: str, offset: int, length: int) -> Iterator[BinaryIO]:
+        try:
+            handle = self._path(key).open("rb", buffering=0)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"blob {key} is missing from {self.location}") from None
+        with handle:
+            handle.seek(offset)
+            yield handle
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

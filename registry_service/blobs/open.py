@@ -36,7 +36,6 @@ def open_blob_store(
         store = S3BlobStore(
             parsed.netloc,
             parsed.path,
-            data_dir / "spool",
             endpoint_url=s3_endpoint_url,
             region=s3_region,
             path_style=s3_path_style,

@@ -2,8 +2,9 @@
 
 S3 makes an object visible only when its PUT (or CompleteMultipartUpload)
 succeeds, so objects are written straight to their final key; a crash leaves
-at most an unfinished multipart upload, which gc aborts. Big files go up and
-down as parallel parts (TransferConfig); every request retries with
+at most an unfinished multipart upload, which gc aborts. Big files go up as
+parallel parts (TransferConfig) and are read as ranged GETs streamed straight
+to the reader (DownloadAdapter sends them on as they arrive); every request retries with
 exponential backoff (botocore's "standard" retry mode, ``max_attempts`` in all).
 A store that stays unreachable, slow or failing past those attempts raises
 ``Unavailable`` (a status clients retry), never a bare botocore error. Credentials
@@ -12,12 +13,12 @@ come from the standard AWS chain (environment, profile, instance role).
 
 from __future__ import annotations
 
-import tempfile
+import io
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import boto3
 from boto3.exceptions import Boto3Error
@@ -29,7 +30,7 @@ from registry_service.blobs.base import KEY_PREFIX, BlobStat, is_blob_key
 from shared.errors import Unavailable
 
 _MIB = 1024 * 1024
-#: Files above this go up and down in parts of this size, 8 at a time.
+#: Files above this go up in parts of this size, 8 at a time.
 DEFAULT_PART_BYTES = 64 * _MIB
 
 
@@ -47,7 +48,6 @@ class S3BlobStore:
         self,
         bucket: str,
         prefix: str,
-        scratch_dir: Path,
         *,
         endpoint_url: str | None = None,
         region: str | None = None,
@@ -58,7 +58,6 @@ class S3BlobStore:
     ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        self.scratch_dir = scratch_dir
         self._endpoint = endpoint_url
         self._transfer = TransferConfig(
             multipart_threshold=part_bytes,
@@ -118,17 +117,28 @@ class S3BlobStore:
         return self._size(key) is not None
 
     @contextmanager
-    def local_copy(self, key: str) -> Iterator[Path]:
-        if not self.exists(key):
-            raise FileNotFoundError(f"blob {key} is missing from {self.location}")
-        self.scratch_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=self.scratch_dir, prefix="download-") as tmp:
-            path = Path(tmp.name)
-            with _unavailable_on_failure(self.location):
-                self._client.download_file(
-                    self.bucket, self._object(key), str(path), Config=self._transfer
+    def open_range(self, key: str, offset: int, length: int) -> Iterator[BinaryIO]:
+        if length == 0:
+            if not self.exists(key):
+                raise FileNotFoundError(f"blob {key} is missing from {self.location}")
+            yield io.BytesIO()
+            return
+        with _unavailable_on_failure(self.location):
+            try:
+                response = self._client.get_object(
+                    Bucket=self.bucket,
+                    Key=self._object(key),
+                    Range=f"bytes={offset}-{offset + length - 1}",
                 )
-            yield path
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    raise FileNotFoundError(f"blob {key} is missing from {self.location}") from None
+                raise
+            body = response["Body"]
+            try:
+                yield body
+            finally:
+                body.close()
 
     def delete(self, key: str) -> None:
         with _unavailable_on_failure(self.location):

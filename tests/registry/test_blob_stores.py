@@ -36,7 +36,6 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> BlobStore:
     return S3BlobStore(
         new_bucket(endpoint),
         "prefix/",
-        tmp_path / "scratch",
         endpoint_url=endpoint,
         region="us-east-1",
         path_style=True,
@@ -54,12 +53,14 @@ def test_put_read_list_delete(store: BlobStore, tmp_path: Path) -> None:
     assert store.exists(small_key) and store.exists(big_key)
     listed = {b.key: b.size_bytes for b in store.list_blobs()}
     assert listed == {small_key: 1000, big_key: 12 * MIB}
-    with store.local_copy(big_key) as path:
-        assert path.read_bytes() == big.read_bytes()
+    with store.open_range(big_key, 0, 12 * MIB) as reader:
+        assert reader.read(12 * MIB) == big.read_bytes()
+    with store.open_range(big_key, 5 * MIB + 3, 1000) as reader:
+        assert reader.read(1000) == big.read_bytes()[5 * MIB + 3 : 5 * MIB + 1003]
     store.delete(big_key)
     store.delete(big_key)  # absent is fine
     assert not store.exists(big_key)
-    with pytest.raises(FileNotFoundError), store.local_copy(big_key):
+    with pytest.raises(FileNotFoundError), store.open_range(big_key, 0, 1):
         pass
     with pytest.raises(ValueError):
         store.exists("../etc/passwd")

@@ -752,23 +752,59 @@ class DownloadAdapterRequest(_message.Message):
 
     REF_FIELD_NUMBER: _builtins.int
     CHUNK_SIZE_FIELD_NUMBER: _builtins.int
+    RANGE_FIELD_NUMBER: _builtins.int
     ref: _builtins.str
     """Adapter reference (see the service comment)."""
     chunk_size: _builtins.int
     """Bytes per chunk, 64 KiB-4 MiB; 0 means 1 MiB."""
+    @_builtins.property
+    def range(self) -> Global___ByteRange:
+        """Only this byte range of one file; unset: every file, whole."""
+
     def __init__(
         self,
         *,
         ref: _builtins.str = ...,
         chunk_size: _builtins.int = ...,
+        range: Global___ByteRange | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "ref", b"ref"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "range", b"range", "ref", b"ref"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DownloadAdapterRequest: _TypeAlias = DownloadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class ByteRange(_message.Message):
+    """Bytes `offset` to `offset + length` of one file of a version."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILE_INDEX_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    file_index: _builtins.int
+    """Index of the file in the version's `files`."""
+    offset: _builtins.int
+    """First byte; at most the file's size."""
+    length: _builtins.int
+    """Number of bytes; 0 means to the end of the file."""
+    def __init__(
+        self,
+        *,
+        file_index: _builtins.int = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_index", b"file_index", "length", b"length", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ByteRange: _TypeAlias = ByteRange  # noqa: Y015
 
 @_typing.final
 class DownloadAdapterResponse(_message.Message):

@@ -89,9 +89,16 @@ class AdapterRegistryStub:
     """
     DownloadAdapter: _grpc.UnaryStreamMultiCallable[_registry_pb2.DownloadAdapterRequest, _registry_pb2.DownloadAdapterResponse]
     """Streams one adapter version: a first message with `version`, then every
-    file's bytes as `chunk` messages in order. Bytes are verified against the
-    stored sha256 before they are sent.
-    Errors: as GetAdapter; DATA_LOSS if the stored bytes fail their checksum.
+    file's bytes as `chunk` messages in order. Each file is hashed as it is
+    sent: if its stored bytes do not match its sha256 the stream ends with
+    DATA_LOSS after its last chunk, so use a file only once the stream ended
+    OK (or check its sha256 yourself). With `range` set the stream carries
+    only that byte range of one file, for parallel ranged downloads; the
+    server cannot check part of a file against the file's sha256, so the
+    client checks the whole file once every range arrived.
+    Errors: as GetAdapter; INVALID_ARGUMENT (bad chunk_size or range, the
+    message names the field); DATA_LOSS if the stored bytes fail their
+    checksum or a blob is missing.
     """
     GetDownloadUrls: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GetDownloadUrlsRequest, _registry_pb2.GetDownloadUrlsResponse]
     """Answers presigned HTTPS URLs for the version's files, so that clients
@@ -191,9 +198,16 @@ class AdapterRegistryAsyncStub(AdapterRegistryStub):
     """
     DownloadAdapter: _aio.UnaryStreamMultiCallable[_registry_pb2.DownloadAdapterRequest, _registry_pb2.DownloadAdapterResponse]  # type: ignore[assignment]
     """Streams one adapter version: a first message with `version`, then every
-    file's bytes as `chunk` messages in order. Bytes are verified against the
-    stored sha256 before they are sent.
-    Errors: as GetAdapter; DATA_LOSS if the stored bytes fail their checksum.
+    file's bytes as `chunk` messages in order. Each file is hashed as it is
+    sent: if its stored bytes do not match its sha256 the stream ends with
+    DATA_LOSS after its last chunk, so use a file only once the stream ended
+    OK (or check its sha256 yourself). With `range` set the stream carries
+    only that byte range of one file, for parallel ranged downloads; the
+    server cannot check part of a file against the file's sha256, so the
+    client checks the whole file once every range arrived.
+    Errors: as GetAdapter; INVALID_ARGUMENT (bad chunk_size or range, the
+    message names the field); DATA_LOSS if the stored bytes fail their
+    checksum or a blob is missing.
     """
     GetDownloadUrls: _aio.UnaryUnaryMultiCallable[_registry_pb2.GetDownloadUrlsRequest, _registry_pb2.GetDownloadUrlsResponse]  # type: ignore[assignment]
     """Answers presigned HTTPS URLs for the version's files, so that clients
@@ -332,9 +346,16 @@ class AdapterRegistryServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_registry_pb2.DownloadAdapterResponse], _abc.AsyncIterator[_registry_pb2.DownloadAdapterResponse]]:
         """Streams one adapter version: a first message with `version`, then every
-        file's bytes as `chunk` messages in order. Bytes are verified against the
-        stored sha256 before they are sent.
-        Errors: as GetAdapter; DATA_LOSS if the stored bytes fail their checksum.
+        file's bytes as `chunk` messages in order. Each file is hashed as it is
+        sent: if its stored bytes do not match its sha256 the stream ends with
+        DATA_LOSS after its last chunk, so use a file only once the stream ended
+        OK (or check its sha256 yourself). With `range` set the stream carries
+        only that byte range of one file, for parallel ranged downloads; the
+        server cannot check part of a file against the file's sha256, so the
+        client checks the whole file once every range arrived.
+        Errors: as GetAdapter; INVALID_ARGUMENT (bad chunk_size or range, the
+        message names the field); DATA_LOSS if the stored bytes fail their
+        checksum or a blob is missing.
         """
 
     @_abc_1.abstractmethod
