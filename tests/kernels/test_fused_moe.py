@@ -165,6 +165,18 @@ CASES = {
         enabled=(True, True, False, True, True, True),
         fused_shrink=(True, True),
     ),
+    # Ranks above 64: the shrink and the expand go 64 ranks at a time (a fused shrink asked
+    # for falls back to the separate one), several segments per block.
+    "rank_96_in_two_chunks_fp16": Case(
+        tokens=24, experts=3, slots=5, rank=96, dtype=torch.float16, segments=4, block_m=32
+    ),
+    "rank_200_fused_shrink_falls_back": Case(
+        tokens=12, experts=2, slots=3, rank=200, segments=2, fused_shrink=(True, True)
+    ),
+    # A 128-row block: the separate shrink runs a program per 64 rows.
+    "block_of_128_rows_in_two_shrink_programs": Case(
+        tokens=80, experts=2, top_k=2, slots=6, block_m=128, segments=4
+    ),
     # Launch order: groups of M blocks (GemmConfig.group_m), a last group cut short.
     "grouped_launch_order_fp16": Case(
         tokens=150,
