@@ -21,6 +21,7 @@ import torch
 
 from kernels.align import align_pairs
 from kernels.configs import MoEConfig
+from kernels.forward import fused_moe
 from kernels.fused_moe import LoRABuffers, fused_experts
 from kernels.synthetic import random_layer
 from kernels.types import Activation, MoELayerWeights
@@ -80,6 +81,9 @@ def compile_job(job: CompileJob, layer: MoELayerWeights) -> list[torch.Tensor]:
     variants = [inputs.lora, None] if inputs.lora is not None else [None]
     outputs = []
     for lora in variants:
+        if config.decode:  # no alignment: nothing depends on the expert count
+            outputs.append(fused_moe(inputs.hidden, layer, lora, inputs.routing, config))
+            continue
         alignment = align_pairs(
             inputs.routing.topk_ids, job.experts, config.block_m,
             token_slots=None if lora is None else lora.token_slots,

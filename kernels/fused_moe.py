@@ -3,8 +3,8 @@
 The kernels run over the blocks of ``kernels.align`` (BLOCK_M pairs of one expert each):
 
 ``_lora_shrink_kernel`` (LoRA, unless fused): ``xa = x A[s,e]ᵀ`` for every aligned row, once
-    per block, into a small (rows, R) float32 buffer; run on the hidden states with A13 before
-    w13 and on the activation with A2 before w2.
+    per block (a program per 64 rows), into a small (rows, R) buffer in the operand dtype; run
+    on the hidden states with A13 before w13 and on the activation with A2 before w2.
 ``_w13_kernel``: ``g_u = x W13[e]ᵀ (+ b13) + B13[s,e] xa13``, then the activation, stored as
     the (rows, I) intermediate ``a`` in the aligned row order. Gate and up columns are
     interleaved in one tile (gate column i next to up column i), so one dot yields both and
@@ -25,8 +25,11 @@ and every sum has a fixed order.
 A block may hold rows of several adapter slots ("segments", numbered by slot). The shrink
 handles up to ``MoEConfig.lora_segments`` segments (in the main loop: ``segments_per_pass``)
 with *one* dot against their A matrices stacked side by side, each row keeping the rank-R slice
-of its own segment (``_collapse``), so x is read once per that many segments. The expands take
-one small dot per segment, which keeps the GEMM epilogues' registers free for the accumulator.
+of its own segment (``_collapse``), so x is read once per that many segments. The expand does
+the reverse in one dot per pass: each row's rank-R vector spread over its segment's columns
+(``_stack``) against the segments' B matrices stacked the same way. Ranks above
+``MAX_REGISTER_RANK`` go 64 at a time (the separate shrink, then the expand from memory), so
+any rank fits in shared memory and registers.
 
 Dtypes: bf16/fp16 operands with fp32 accumulation (the rank-R vectors and ``a`` are rounded
 to the operand dtype before their dots, as in every fused MoE); fp32 operands use exact IEEE
@@ -44,11 +47,19 @@ import triton
 import triton.language as tl
 
 from kernels.align import Alignment
-from kernels.configs import GemmConfig, MoEConfig, padded_rank, segments_per_pass
+from kernels.configs import (
+    MAX_REGISTER_RANK,
+    GemmConfig,
+    MoEConfig,
+    padded_rank,
+    segments_per_pass,
+)
 from kernels.types import Activation
 
 _CLEAR_BLOCK = 1024  # elements each w13 program zeroes per step of the output clear
-_SHRINK_BLOCK_K = 128  # reduction step of the w13 shrink kernel
+_SHRINK_BLOCK_K = 128  # reduction step of the shrink kernel
+_SHRINK_SUB_M = 64  # rows per shrink program
+_SHRINK_STACK = 128  # widest stacked A operand (segments × ranks) of the shrink kernel
 
 
 @triton.jit
@@ -80,13 +91,14 @@ def _block_segments(row_slots_ptr, row0, BLOCK_M: tl.constexpr, S_P2: tl.constex
 
 
 @triton.jit
-def _segment_columns(slot, seg, chunk, R, NSEG: tl.constexpr, RP: tl.constexpr):
-    """For the stacked LoRA dot of segments chunk*NSEG.. : the slot and rank index of each of
-    its NSEG*RP columns, and which columns are real (a segment that exists, r < R)."""
+def _segment_columns(slot, seg, chunk, r0, R, NSEG: tl.constexpr, RC: tl.constexpr):
+    """For the stacked LoRA dot of segments chunk*NSEG.. over ranks r0..r0+RC: the slot and
+    rank index of each of its NSEG*RC columns, and which columns are real (a segment that
+    exists, r < R)."""
     target = chunk * NSEG + tl.arange(0, NSEG)
     seg_slot = tl.max(tl.where(seg[:, None] == target[None, :], slot[:, None], -1), axis=0)
-    col_slot = tl.reshape(tl.broadcast_to(seg_slot[:, None], (NSEG, RP)), (NSEG * RP,))
-    col_rank = tl.arange(0, NSEG * RP) % RP
+    col_slot = tl.reshape(tl.broadcast_to(seg_slot[:, None], (NSEG, RC)), (NSEG * RC,))
+    col_rank = r0 + tl.arange(0, NSEG * RC) % RC
     return col_slot.to(tl.int64), col_rank, (col_slot >= 0) & (col_rank < R)
 
 
@@ -97,6 +109,16 @@ def _collapse(xa_stacked, seg, chunk, BLOCK_M: tl.constexpr, NSEG: tl.constexpr,
     target = chunk * NSEG + tl.arange(0, NSEG)
     mine = seg[:, None, None] == target[None, :, None]
     return tl.sum(tl.where(mine, x3, 0.0), axis=1)
+
+
+@triton.jit
+def _stack(xa, seg, chunk, BLOCK_M: tl.constexpr, NSEG: tl.constexpr, RC: tl.constexpr):
+    """(BLOCK_M, RC) → (BLOCK_M, NSEG*RC), the inverse of ``_collapse``: each row's values
+    in the columns of its own segment, zeros elsewhere (selected, so no NaN leaks across)."""
+    x3 = tl.broadcast_to(xa[:, None, :], (BLOCK_M, NSEG, RC))
+    target = chunk * NSEG + tl.arange(0, NSEG)
+    mine = seg[:, None, None] == target[None, :, None]
+    return tl.reshape(tl.where(mine, x3, 0.0), (BLOCK_M, NSEG * RC))
 
 
 @triton.jit
@@ -156,6 +178,7 @@ def _shrink_rows(
     seg,
     n_seg,
     first_chunk,
+    r0,
     K,
     R,
     stride_as,
@@ -164,19 +187,19 @@ def _shrink_rows(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NSEG: tl.constexpr,
-    RP: tl.constexpr,
+    RC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """x·A[s, e]ᵀ (BLOCK_M, RP) fp32 of the rows of segments first_chunk*NSEG.. (0 for the
-    others): per pass of NSEG segments one K loop, with their A matrices stacked side by side
-    in one dot, each row keeping the slice of its own segment. Passes outside, K inside: the K
-    loop is the one that gets pipelined."""
+    """x·A[s, e]ᵀ (BLOCK_M, RC) fp32 over ranks r0..r0+RC of the rows of segments
+    first_chunk*NSEG.. (0 for the others): per pass of NSEG segments one K loop, with their A
+    matrices stacked side by side in one dot, each row keeping the slice of its own segment.
+    Passes outside, K inside: the K loop is the one that gets pipelined."""
     offs_k = tl.arange(0, BLOCK_K)
-    xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
+    xa = tl.zeros((BLOCK_M, RC), dtype=tl.float32)
     for chunk in range(first_chunk, tl.cdiv(n_seg, NSEG)):
-        col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, R, NSEG, RP)
+        col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, r0, R, NSEG, RC)
         a_cols = a_ptr + expert * stride_ae + col_slot * stride_as + col_rank * stride_ar
-        stacked = tl.zeros((BLOCK_M, NSEG * RP), dtype=tl.float32)
+        stacked = tl.zeros((BLOCK_M, NSEG * RC), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             x = tl.load(
@@ -190,7 +213,7 @@ def _shrink_rows(
                 other=0.0,
             )
             stacked = tl.dot(x, a, stacked, input_precision=PRECISION)
-        xa += _collapse(stacked, seg, chunk, BLOCK_M, NSEG, RP)
+        xa += _collapse(stacked, seg, chunk, BLOCK_M, NSEG, RC)
     return xa
 
 
@@ -205,28 +228,31 @@ def _lora_expand(
     expert,
     b_rows,
     col_mask,
+    r0,
     R,
     stride_bs,
     stride_be,
     stride_br,
-    RP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NSEG: tl.constexpr,
+    RC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """acc += each row's xa (BLOCK_M, RP) times its slot's B[s, e] rows ``b_rows`` (offsets of
-    the tile's output columns in B): one small dot per segment, with the other rows' xa zeroed.
-    One segment at a time keeps the epilogue's registers to 2-D (BLOCK_M, RP) and (RP, BLOCK_N)
-    tiles, next to the live accumulator."""
-    ranks = tl.arange(0, RP)
-    for j in range(0, n_seg):
-        seg_slot = tl.max(tl.where(seg == j, slot, -1), axis=0).to(tl.int64)
-        b_seg = b_ptr + expert * stride_be + seg_slot * stride_bs
+    """acc += each row's xa (BLOCK_M, RC) (ranks r0..r0+RC) times its slot's B[s, e] rows
+    ``b_rows`` (offsets of the tile's output columns in B). Per pass of NSEG segments one dot:
+    the rows' xa spread over the columns of their segment (``_stack``) against the segments'
+    B columns stacked the same way, so a block of four adapters costs one K = 4·RC dot, not
+    four dots of K = RC with a B load before each."""
+    for chunk in range(0, tl.cdiv(n_seg, NSEG)):
+        col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, r0, R, NSEG, RC)
         b = tl.load(
-            b_seg + ranks[:, None] * stride_br + b_rows[None, :],
-            mask=(ranks < R)[:, None] & col_mask[None, :],
+            b_ptr + expert * stride_be + col_slot[:, None] * stride_bs
+            + col_rank[:, None] * stride_br + b_rows[None, :],
+            mask=col_ok[:, None] & col_mask[None, :],
             other=0.0,
-        )
-        mine = tl.where((seg == j)[:, None], xa, 0.0).to(b.dtype)
-        acc = tl.dot(mine, b, acc, input_precision=PRECISION)
+        )  # fmt: skip
+        stacked = _stack(xa, seg, chunk, BLOCK_M, NSEG, RC).to(b.dtype)
+        acc = tl.dot(stacked, b, acc, input_precision=PRECISION)
     return acc
 
 
@@ -264,16 +290,17 @@ def _fused_tile(
 ):
     """acc + x·Wᵀ + LoRA of one tile with the shrink fused: the program's first tile computes
     the rows' x·A[s, e]ᵀ ``xa`` in its main loop (the first NSEG segments; further ones, rare,
-    in extra K loops); later tiles pass ``xa`` through. Returns the tile and ``xa``."""
+    in extra K loops); later tiles pass ``xa`` through. Returns the tile and ``xa``. The whole
+    padded rank RP (at most ``MAX_REGISTER_RANK``) is held in registers."""
     if is_first_tile:
-        col_slot, col_rank, col_ok = _segment_columns(slot, seg, 0, R, NSEG, RP)
+        col_slot, col_rank, col_ok = _segment_columns(slot, seg, 0, 0, R, NSEG, RP)
         a_cols = a_ptr + expert * stride_ae + col_slot * stride_as + col_rank * stride_ar
         acc, stacked = _main_loop(
             acc, x_row_ptrs, x_row_mask, w_cols, col_mask, a_cols, col_ok, K,
             BLOCK_M, BLOCK_N, BLOCK_K, NSEG * RP, True, EVEN_K, PRECISION,
         )  # fmt: skip
         xa = _collapse(stacked, seg, 0, BLOCK_M, NSEG, RP) + _shrink_rows(
-            x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 1, K, R,
+            x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 1, 0, K, R,
             stride_as, stride_ae, stride_ar, BLOCK_M, BLOCK_K, NSEG, RP, PRECISION,
         )  # fmt: skip
     else:
@@ -282,8 +309,8 @@ def _fused_tile(
             BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
         )  # fmt: skip
     return _lora_expand(
-        acc, xa, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
-        stride_bs, stride_be, stride_br, RP, PRECISION,
+        acc, xa, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, 0, R,
+        stride_bs, stride_be, stride_br, BLOCK_M, NSEG, RP, PRECISION,
     ), xa  # fmt: skip
 
 
@@ -325,6 +352,7 @@ def _gemm_tile(
     BLOCK_K: tl.constexpr,
     NSEG: tl.constexpr,
     RP: tl.constexpr,
+    RC: tl.constexpr,
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -332,7 +360,8 @@ def _gemm_tile(
     """One output tile of either GEMM: acc + x·Wᵀ (+ LoRA) (+ bias) in fp32, for the weight
     rows ``out_cols`` (W13's interleaved gate/up rows, or W2's columns). With the shrink fused
     the first tile of the program computes ``xa`` (passed on to later tiles); else the rows'
-    xa comes from the separate shrink launch. Returns the tile and ``xa``."""
+    xa comes from the separate shrink launch, RC ranks at a time. Returns the tile and
+    ``xa``."""
     b_rows = out_cols * stride_bn
     if FUSED_SHRINK:
         acc, xa = _fused_tile(
@@ -350,11 +379,12 @@ def _gemm_tile(
             # Loaded after the main loop, so they take no registers while it runs.
             rows = row0 + tl.arange(0, BLOCK_M)
             slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-            xa_rows = tl.load(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :])
-            acc = _lora_expand(
-                acc, xa_rows, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
-                stride_bs, stride_be, stride_br, RP, PRECISION,
-            )  # fmt: skip
+            for r0 in tl.static_range(0, RP, RC):
+                xa_rows = tl.load(xa_ptr + rows[:, None] * RP + r0 + tl.arange(0, RC)[None, :])
+                acc = _lora_expand(
+                    acc, xa_rows, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, r0, R,
+                    stride_bs, stride_be, stride_br, BLOCK_M, NSEG, RC, PRECISION,
+                )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_bias + out_cols, mask=col_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -365,7 +395,7 @@ def _gemm_tile(
 def _lora_shrink_kernel(
     x_ptr,  # GATHER: (T, K) hidden states, row of token; else (max_rows, K) aligned rows
     a_ptr,  # (S, E, R, K) LoRA A
-    xa_ptr,  # (max_rows, RP) fp32 out: x·A[s, e]ᵀ per aligned row
+    xa_ptr,  # (max_rows, RP) out, operand dtype: x·A[s, e]ᵀ per aligned row
     pair_ids_ptr,
     row_slots_ptr,
     block_experts_ptr,
@@ -377,31 +407,38 @@ def _lora_shrink_kernel(
     stride_ae,
     stride_ar,
     GATHER: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # the alignment's block
+    SUB_M: tl.constexpr,  # rows per program: a part of a block
     BLOCK_K: tl.constexpr,
     NSEG: tl.constexpr,
     RP: tl.constexpr,
+    RC: tl.constexpr,  # ranks per pass: the accumulator is (SUB_M, NSEG*RC)
     S_P2: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    """One program per SUB_M rows of a block: its segments are only those of its rows, and
+    the register tile stays (SUB_M, NSEG*RC) whatever the rank."""
+    pid = tl.program_id(0)
+    block = pid // (BLOCK_M // SUB_M)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
     if expert < 0:
         return
-    row0 = pid_m * BLOCK_M
-    rows = row0 + tl.arange(0, BLOCK_M)
-    slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+    row0 = block * BLOCK_M + (pid % (BLOCK_M // SUB_M)) * SUB_M
+    rows = row0 + tl.arange(0, SUB_M)
+    slot, seg, n_seg = _block_segments(row_slots_ptr, row0, SUB_M, S_P2)
     if GATHER:
         pair = tl.load(pair_ids_ptr + rows)
         x_row_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_x
     else:
         x_row_ptrs = x_ptr + rows.to(tl.int64) * stride_x
-    # Rows without an adapter (padding included) read nothing.
-    xa = _shrink_rows(
-        x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 0, K, R,
-        stride_as, stride_ae, stride_ar, BLOCK_M, BLOCK_K, NSEG, RP, PRECISION,
-    )  # fmt: skip
-    tl.store(xa_ptr + rows[:, None] * RP + tl.arange(0, RP)[None, :], xa)
+    for r0 in tl.static_range(0, RP, RC):
+        # Rows without an adapter (padding included) read nothing and store zeros.
+        xa = _shrink_rows(
+            x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 0, r0, K, R,
+            stride_as, stride_ae, stride_ar, SUB_M, BLOCK_K, NSEG, RC, PRECISION,
+        )  # fmt: skip
+        out = xa_ptr + rows[:, None] * RP + r0 + tl.arange(0, RC)[None, :]
+        tl.store(out, xa.to(xa_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -410,7 +447,7 @@ def _w13_kernel(
     w_ptr,  # (E, 2I, H)
     bias_ptr,  # (E, 2I) or unused
     a_ptr,  # (S, E, R, H) LoRA A13 (FUSED_SHRINK) or unused
-    xa_ptr,  # (max_rows, RP) fp32 x·A13ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
+    xa_ptr,  # (max_rows, RP) x·A13ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
     b_ptr,  # (S, E, 2I, R) LoRA B13
     out_ptr,  # (max_rows, I) activation, aligned row order
     pair_ids_ptr,
@@ -449,6 +486,7 @@ def _w13_kernel(
     GROUP_M: tl.constexpr,
     NSEG: tl.constexpr,
     RP: tl.constexpr,
+    RC: tl.constexpr,
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -494,7 +532,7 @@ def _w13_kernel(
             a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, row0, expert, slot, seg, n_seg, H, R,
             stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
             stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK,
-            BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, S_P2, EVEN_K, PRECISION,
+            BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, PRECISION,
         )  # fmt: skip
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         if ACTIVATION == 0:
@@ -514,7 +552,7 @@ def _w2_kernel(
     w_ptr,  # (E, H, I)
     bias_ptr,  # (E, H) or unused
     a_ptr,  # (S, E, R, I) LoRA A2 (FUSED_SHRINK) or unused
-    xa_ptr,  # (max_rows, RP) fp32 a·A2ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
+    xa_ptr,  # (max_rows, RP) a·A2ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
     b_ptr,  # (S, E, H, R) LoRA B2
     out_ptr,  # ATOMIC_SUM: (T, H) fp32 zeroed by _w13_kernel; else (T*k, H), row per pair
     pair_ids_ptr,
@@ -549,6 +587,7 @@ def _w2_kernel(
     GROUP_M: tl.constexpr,
     NSEG: tl.constexpr,
     RP: tl.constexpr,
+    RC: tl.constexpr,
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -588,7 +627,7 @@ def _w2_kernel(
             a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, row0, expert, slot, seg, n_seg,
             inter, R, stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
             stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK,
-            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, S_P2, EVEN_K, PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, PRECISION,
         )  # fmt: skip
         acc *= routed_weight[:, None]
         out_ptrs = out_rows[:, None] + cols[None, :]
@@ -652,21 +691,24 @@ def lora_shrink_stage(
     lora: LoRABuffers,
     config: MoEConfig,
 ) -> torch.Tensor:
-    """x·A[s, e]ᵀ for every aligned row: (max_rows, RP) float32.
+    """x·A[s, e]ᵀ for every aligned row: (max_rows, RP) in x's dtype (the expand rounds it
+    to that before its dot anyway).
 
     x: the hidden states (T, K), rows gathered by token (``gather``), or the aligned
     activation (max_rows, K); lora_a (S, E, R, K).
     """
     rp, s_p2 = _lora_meta(lora_a)
-    rows = alignment.max_blocks * alignment.block_m
-    xa = torch.empty((rows, rp), dtype=torch.float32, device=x.device)
+    rc = min(rp, MAX_REGISTER_RANK)
+    block_m = alignment.block_m
+    sub_m = min(block_m, _SHRINK_SUB_M)
+    xa = torch.empty((alignment.max_blocks * block_m, rp), dtype=x.dtype, device=x.device)
     block_k = _SHRINK_BLOCK_K if x.element_size() == 2 else _SHRINK_BLOCK_K // 2
-    _lora_shrink_kernel[(alignment.max_blocks,)](
+    _lora_shrink_kernel[(alignment.max_blocks * (block_m // sub_m),)](
         x, lora_a, xa, alignment.sorted_pair_ids, lora.row_slots, alignment.block_experts,
         x.shape[1], top_k, lora_a.shape[2],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        GATHER=gather, BLOCK_M=alignment.block_m, BLOCK_K=block_k,
-        NSEG=config.lora_segments, RP=rp, S_P2=s_p2,
+        GATHER=gather, BLOCK_M=block_m, SUB_M=sub_m, BLOCK_K=block_k,
+        NSEG=max(1, min(config.lora_segments, _SHRINK_STACK // rc)), RP=rp, RC=rc, S_P2=s_p2,
         PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3,
     )  # fmt: skip
     return xa
@@ -682,8 +724,9 @@ class _LoRAArgs:
     row_slots: torch.Tensor
     rank: int
     rp: int
+    rc: int  # ranks per expand dot
     s_p2: int
-    nseg: int  # segments per pass of the fused shrink
+    nseg: int  # segments per pass of the fused shrink and of the expand
     fused: bool
 
 
@@ -702,16 +745,16 @@ def _lora_args(
     if lora is None:
         # Placeholders for pointer arguments the kernels do not read without LoRA.
         dummy = torch.empty((1, 1, 1, 1), dtype=x.dtype, device=x.device)
-        return _LoRAArgs(dummy, x, dummy, alignment.sorted_pair_ids, 1, 16, 1, 1, False)
+        return _LoRAArgs(dummy, x, dummy, alignment.sorted_pair_ids, 1, 16, 16, 1, 1, False)
     lora_a, lora_b = (lora.a13, lora.b13) if which == "13" else (lora.a2, lora.b2)
     rp, s_p2 = _lora_meta(lora_a)
-    if gemm.fused_shrink:
-        xa = x  # placeholder: the GEMM computes x·Aᵀ itself
-    else:
-        xa = lora_shrink_stage(x, lora_a, gather, top_k, alignment, lora, config)
+    # A fused shrink keeps the whole rank in registers: larger ranks take the separate one.
+    fused = gemm.fused_shrink and rp <= MAX_REGISTER_RANK
+    # With the shrink fused, x is a placeholder: the GEMM computes x·Aᵀ itself.
+    xa = x if fused else lora_shrink_stage(x, lora_a, gather, top_k, alignment, lora, config)
     nseg = segments_per_pass(config.lora_segments, rp)
-    rank = lora_a.shape[2]
-    return _LoRAArgs(lora_a, xa, lora_b, lora.row_slots, rank, rp, s_p2, nseg, gemm.fused_shrink)
+    rank, rc = lora_a.shape[2], min(rp, MAX_REGISTER_RANK)
+    return _LoRAArgs(lora_a, xa, lora_b, lora.row_slots, rank, rp, rc, s_p2, nseg, fused)
 
 
 def _grid(alignment: Alignment, num_tiles: int, gemm: GemmConfig) -> tuple[int]:
@@ -759,7 +802,7 @@ def w13_stage(
         HAS_BIAS=b13 is not None, HAS_LORA=lora is not None, FUSED_SHRINK=la.fused,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
-        NSEG=la.nseg, RP=la.rp, S_P2=la.s_p2,
+        NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
         EVEN_K=h % cfg.block_k == 0, PRECISION=_dot_precision(hidden.dtype),
         CLEAR_BLOCK=_CLEAR_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -799,7 +842,7 @@ def w2_stage(
         ATOMIC_SUM=config.atomic_sum,
         BLOCK_M=alignment.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
-        NSEG=la.nseg, RP=la.rp, S_P2=la.s_p2,
+        NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
         EVEN_K=inter % cfg.block_k == 0, PRECISION=_dot_precision(act.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

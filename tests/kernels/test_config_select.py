@@ -18,15 +18,26 @@ from kernels.autotune import (
     BUCKETS,
     CellInputs,
     block_m_options,
+    decode_candidate,
+    decode_space,
+    decode_start,
     precompile_set,
     search,
+    search_decode,
     tile_spaces,
 )
 from kernels.compile_pool import CompileJob, compile_job
 from kernels.config_cache import ConfigCache
 from kernels.config_select import AUTOTUNED, HEURISTIC, TABLE, ConfigSelector
-from kernels.configs import SMEM_BUDGET, MoEConfig, load_table, padded_rank, segments_per_pass
-from kernels.heuristic import heuristic_config
+from kernels.configs import (
+    SMEM_BUDGET,
+    MoEConfig,
+    fit_stages,
+    load_table,
+    padded_rank,
+    segments_per_pass,
+)
+from kernels.heuristic import decode_pays, heuristic_config
 from kernels.model_shape import LayerShape, shape_from_checkpoint, shape_from_config
 from kernels.reference import moe_forward_reference
 from kernels.synthetic import random_layer, relative_error
@@ -207,14 +218,49 @@ def test_search_spaces_are_pruned() -> None:
     assert not math.isnan(_cost(heuristic_config(1, 8, 16, 16, 1)))
 
 
+def test_decode_search_keeps_the_faster_path() -> None:
+    aligned = heuristic_config(1, 128, 2048, 768, 8, allow_decode=False)
+    start = decode_start(aligned, 1, QWEN3)
+    assert start.decode and not aligned.decode
+    deadline = time.monotonic() + 60
+
+    def decode_wins(config: MoEConfig) -> float:
+        if not config.decode:
+            return 100.0
+        return 10 + abs(config.w13.block_n - 8) + abs(config.w2.block_k - 512) / 128
+
+    best = search_decode(decode_wins, aligned, start, deadline)
+    assert best.decode and best.w13.block_n == 8 and best.w2.block_k == 512
+    assert best.block_m == aligned.block_m  # the aligned fallback stays
+    slower = search_decode(lambda c: 100.0 if c.decode else 50.0, aligned, start, deadline)
+    assert slower == aligned
+    # Every decode tile the search may launch is compiled ahead.
+    covered = {(c.w13, c.w2) for c in precompile_set(aligned, 1 / 16, 16, decode=True) if c.decode}
+    assert {g for g, _ in covered} == set(decode_space()) == {g for _, g in covered}
+
+
+def test_decode_only_for_few_pairs_and_small_ranks() -> None:
+    assert decode_pays(1, 128, 8) and decode_pays(1, 8, 2) and not decode_pays(8, 8, 2)
+    assert heuristic_config(1, 128, 2048, 768, 8).decode
+    assert not heuristic_config(64, 128, 2048, 768, 8).decode
+    assert decode_candidate(16, 128, 8, 64) and not decode_candidate(17, 128, 8, 64)
+    assert not decode_candidate(1, 128, 8, 128)
+    # Ranks the decode kernels cannot hold go to the aligned path with a separate shrink.
+    big = fit_stages(heuristic_config(1, 128, 2048, 768, 8), 2, lora_rank=128)
+    assert not big.decode and not big.w13.fused_shrink and not big.w2.fused_shrink
+    assert min(big.w13.block_n, big.w2.block_n) >= 16
+    assert fit_stages(heuristic_config(1, 128, 2048, 768, 8), 2, lora_rank=64).decode
+
+
+@pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("biases", [False, True])
-def test_compile_worker_launch_with_fewer_experts_is_exact(biases: bool) -> None:
+def test_compile_worker_launch_with_fewer_experts_is_exact(biases: bool, decode: bool) -> None:
     """A compile worker holds a few experts but aligns for the full count (so the launch has
     the timing process's block counts); the result must still be right, which shows the
     kernels it compiled are the ones the full layer runs."""
     full = random_layer(24, 64, 32, 2, dtype=torch.float32, biases=biases,
                         activation=Activation.GPT_OSS if biases else Activation.SILU)  # fmt: skip
-    config = heuristic_config(7, 24, 64, 32, 2, elem_size=4)
+    config = dataclasses.replace(heuristic_config(7, 24, 64, 32, 2, elem_size=4), decode=decode)
     job = CompileJob.of(full, 7, 16, 8, config)
     few = random_layer(4, 64, 32, 2, dtype=torch.float32, biases=biases, activation=full.activation)
     with_lora, base = compile_job(job, few)

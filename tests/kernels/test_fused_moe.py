@@ -7,6 +7,7 @@ from a poisoned ``torch.empty``, so unwritten rows show up as NaN.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -65,6 +66,7 @@ class Case:
     group_m: tuple[int, int] = (0, 0)  # w13, w2
     single_program_align: bool = True
     hidden_scale: float = 1.0
+    decode: bool = False
     extra: dict[str, object] = field(default_factory=dict)
 
     def config(self, atomic_sum: bool) -> MoEConfig:
@@ -86,6 +88,7 @@ class Case:
                 fused_shrink=self.fused_shrink[1],
             ),
             atomic_sum=atomic_sum,
+            decode=self.decode,
         )
 
 
@@ -162,6 +165,18 @@ CASES = {
         enabled=(True, True, False, True, True, True),
         fused_shrink=(True, True),
     ),
+    # Ranks above 64: the shrink and the expand go 64 ranks at a time (a fused shrink asked
+    # for falls back to the separate one), several segments per block.
+    "rank_96_in_two_chunks_fp16": Case(
+        tokens=24, experts=3, slots=5, rank=96, dtype=torch.float16, segments=4, block_m=32
+    ),
+    "rank_200_fused_shrink_falls_back": Case(
+        tokens=12, experts=2, slots=3, rank=200, segments=2, fused_shrink=(True, True)
+    ),
+    # A 128-row block: the separate shrink runs a program per 64 rows.
+    "block_of_128_rows_in_two_shrink_programs": Case(
+        tokens=80, experts=2, top_k=2, slots=6, block_m=128, segments=4
+    ),
     # Launch order: groups of M blocks (GemmConfig.group_m), a last group cut short.
     "grouped_launch_order_fp16": Case(
         tokens=150,
@@ -231,6 +246,64 @@ def test_fused_matches_reference(
     if active.any():
         # The adapters must change the result, else the test would not see them dropped.
         assert relative_error(expected[False], expected[True]) > 10 * tol
+
+
+#: Cases of the aligned path that the decode kernels (``kernels.decode_moe``) must meet too.
+DECODE_CASES = [
+    "one_token",
+    "tokens_not_multiple_of_block_m_odd_shapes_fp16",
+    "top_k_1_rank_4",
+    "top_k_8_fp16",
+    "rank_64_fp16",
+    "empty_and_disabled_slots",
+    "no_token_has_an_adapter",
+    "every_token_on_one_expert",
+    "gpt_oss_activation_biases_router",
+    "qwen2_shared_expert_with_gate_fp16",
+    "deepseek_grouped_router_shared_expert",
+    "k_not_multiple_of_block_k",
+]
+
+
+def _decode_case(name: str, block_n: int, block_k: int) -> Case:
+    """A case cut to a decode batch (a few tokens: the interpreter runs a program per pair)."""
+    case = CASES[name]
+    tokens = min(case.tokens, 5)
+    slots = case.token_slots[:tokens] if case.token_slots is not None else None
+    tiles = (block_n, block_k, 1)
+    return dataclasses.replace(
+        case, tokens=tokens, token_slots=slots, decode=True, w13=tiles, w2=tiles
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "block_n", "block_k"),
+    [(name, 8, 32) for name in DECODE_CASES]
+    + [("one_token", 16, 64), ("top_k_8_fp16", 16, 64), ("k_not_multiple_of_block_k", 32, 64)],
+)
+def test_decode_matches_reference(name: str, block_n: int, block_k: int) -> None:
+    case = _decode_case(name, block_n, block_k)
+    hidden, layer, lora, routing = _inputs(case, seed=11)
+    for context in (lora, None):
+        expected = moe_forward_reference(hidden, layer, context, routing)
+        got = fused_moe(hidden, layer, context, routing, case.config(atomic_sum=False))
+        assert got.dtype == hidden.dtype and got.shape == hidden.shape
+        err = relative_error(got, expected)
+        tol = TOLERANCE[case.dtype]
+        assert err < tol, f"{name} lora={context is not None}: rel err {err:.2e} ≥ {tol:.0e}"
+
+
+def test_decode_is_deterministic_and_matches_aligned_path() -> None:
+    """The decode kernels sum over k in a fixed order: two runs agree bit for bit."""
+    case = _decode_case("top_k_8_fp16", 16, 32)
+    hidden, layer, lora, routing = _inputs(case, seed=5)
+    first = fused_moe(hidden, layer, lora, routing, case.config(atomic_sum=False))
+    second = fused_moe(hidden, layer, lora, routing, case.config(atomic_sum=False))
+    assert torch.equal(first, second)
+    aligned = fused_moe(
+        hidden, layer, lora, routing, dataclasses.replace(case, decode=False).config(False)
+    )
+    assert relative_error(first, aligned) < TOLERANCE[case.dtype]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -15,7 +15,7 @@ from kernels.autotune import autotune
 from kernels.bench import SHAPES as BENCH_SHAPES
 from kernels.bench import ZOO
 from kernels.forward import fused_moe, layer_shape
-from kernels.heuristic import heuristic_config
+from kernels.heuristic import decode_tiles, heuristic_config
 from kernels.reference import moe_forward_reference
 from kernels.synthetic import (
     lora_context,
@@ -28,7 +28,7 @@ from kernels.synthetic import (
 from kernels.types import LoRAContext, MoELayerWeights
 
 from .conftest import TOLERANCE
-from .test_fused_moe import CASES, _inputs
+from .test_fused_moe import CASES, DECODE_CASES, _decode_case, _inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,6 +58,46 @@ def test_real_shapes_bf16(shape: str, tokens: int) -> None:
         expected = moe_forward_reference(hidden, layer, context, routing)
         err = relative_error(moe_forward(hidden, layer, context, routing), expected)
         assert err < TOLERANCE[torch.bfloat16], f"{shape} M={tokens}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_decode_real_shapes_bf16(shape: str, tokens: int) -> None:
+    e, h, i, k = SHAPES[shape]
+    layer = random_layer(e, h, i, k, dtype=torch.bfloat16, device="cuda", seed=tokens)
+    hidden = random_hidden(tokens, h, dtype=torch.bfloat16, device="cuda")
+    routing = random_routing(tokens, e, k, device="cuda")
+    w13, w2 = decode_tiles(tokens, h, i, k)
+    config = dataclasses.replace(heuristic_config(tokens, e, h, i, k), decode=True, w13=w13, w2=w2)
+    lora = _lora(layer, tokens)
+    for context in (lora, None):
+        expected = moe_forward_reference(hidden, layer, context, routing)
+        err = relative_error(fused_moe(hidden, layer, context, routing, config), expected)
+        assert err < TOLERANCE[torch.bfloat16], f"{shape} M={tokens}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("name", DECODE_CASES)
+def test_decode_edge_cases_bf16(name: str) -> None:
+    case = dataclasses.replace(_decode_case(name, 16, 64), dtype=torch.bfloat16)
+    hidden, layer, lora, routing = _inputs(case, seed=3)
+    for context in (lora, None):
+        expected = moe_forward_reference(hidden, layer, context, routing)
+        got = fused_moe(hidden, layer, context, routing, case.config(atomic_sum=False))
+        err = relative_error(got, expected)
+        assert err < TOLERANCE[torch.bfloat16], f"{name}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_rank_384_at_a_real_shape(tokens: int) -> None:
+    """Large ranks go 64 at a time (they once asked for 532 KB of shared memory)."""
+    e, h, i, k = SHAPES["qwen3"]
+    layer = random_layer(e, h, i, k, dtype=torch.bfloat16, device="cuda")
+    hidden = random_hidden(tokens, h, dtype=torch.bfloat16, device="cuda")
+    routing = random_routing(tokens, e, k, device="cuda")
+    lora = _lora(layer, tokens, rank=384)
+    expected = moe_forward_reference(hidden, layer, lora, routing)
+    err = relative_error(moe_forward(hidden, layer, lora, routing), expected)
+    assert err < TOLERANCE[torch.bfloat16], f"M={tokens}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("atomic_sum", [True, False])
