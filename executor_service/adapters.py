@@ -20,6 +20,7 @@ from enum import Enum
 import torch
 
 from executor_service.host_cache import HostCache, HostEntry
+from executor_service.loader import Loader
 from executor_service.metrics import ExecutorMetrics
 from executor_service.packer import PackedAdapter, pack_adapter
 from executor_service.slots import SlotLease, SlotManager, SlotStatus, Wanted
@@ -102,8 +103,10 @@ class AdapterManager:
         host: HostCache,
         slots: SlotManager,
         metrics: ExecutorMetrics,
+        loader: Loader,
     ) -> None:
         self.source = source
+        self._loader = loader
         self._pack = pack
         self.host = host
         self.slots = slots
@@ -293,6 +296,10 @@ class AdapterManager:
                 tiers=[tier for _, tier in dropped],
             )
 
+    def close(self) -> None:
+        """Stops the loader's threads (a load in progress finishes)."""
+        self._loader.close()
+
     def list_loaded(self) -> list[AdapterStatus]:
         """GPU slots first (by slot), then the host cache (most recently used first), then
         the source's disk cache."""
@@ -374,21 +381,29 @@ class AdapterManager:
         files = self.source.fetch(adapter)
         pack = self._pack
         try:
-            packed = pack_adapter(
-                files.config,
-                files.weights,
-                pack.spec,
-                pack.max_rank,
-                pack.dtype,
-                pack.layers,
-                pin=self.host.pin_memory,
-            )
-        except InvalidArgument as exc:
-            # The request was fine; the stored adapter does not fit this executor.
-            raise FailedPrecondition(
-                f"adapter {adapter.label} cannot be used with base model "
-                f"{pack.base_model_name}: {exc.message}"
-            ) from None
+            try:
+                packed = self._loader.run(
+                    lambda: pack_adapter(
+                        files.config,
+                        files.weights,
+                        pack.spec,
+                        pack.max_rank,
+                        pack.dtype,
+                        pack.layers,
+                        pin=self.host.pin_memory,
+                    )
+                )
+            except InvalidArgument as exc:
+                files.finish()  # damaged in transit: that (DataLoss) is the error to report
+                # The request was fine; the stored adapter does not fit this executor.
+                raise FailedPrecondition(
+                    f"adapter {adapter.label} cannot be used with base model "
+                    f"{pack.base_model_name}: {exc.message}"
+                ) from None
+            # Packed from bytes as they arrived: published only once they proved genuine.
+            files.finish()
+        finally:
+            files.close()
         put = self.host.put(adapter, packed)
         seconds = time.perf_counter() - start
         self._metrics.load_seconds.labels(HOST).observe(seconds)

@@ -66,6 +66,27 @@ class ExecutorSettings(ServerSettings):
         Path("~/.moelora/executor-cache"), description="local disk cache of downloaded adapters"
     )
     disk_cache_bytes: int = Field(20 * 1024**3, ge=0, description="byte budget of the disk cache")
+    download_streams: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="parallel ranged reads (each over a connection of its own) that download "
+        "one adapter; 0 = half the CPU cores, 1 to 8",
+    )
+    load_threads: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="CPU threads that pack one adapter (torch intra-op threads of the loader); "
+        "0 = half the CPU cores",
+    )
+    load_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="how much lower the CPU priority of downloads, checks and packing runs than "
+        "Forward's (Linux nice, per thread), so that serving keeps its speed while adapters load",
+    )
     prefetch_on_watch: bool = Field(
         False,
         description="load a version into the host cache in the background when the "

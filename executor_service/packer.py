@@ -14,7 +14,9 @@ is folded into B in float32 before the cast to the serving dtype.
 Speed (the cold-start path): a weights file is parsed in place from a copy-on-write memory map
 (``torch.frombuffer``: no whole-file read, no per-tensor copy), each packed tensor is written
 once, straight into its final buffer in the serving dtype (page-locked when ``pin``), and one
-check on that output catches both NaN/Inf in the input and overflow from the scaling.
+check on that output catches both NaN/Inf in the input and overflow from the scaling. Weights
+still being downloaded (``Arriving``) are packed layer by layer, in the order the layers lie in
+the file, each as soon as its bytes have arrived.
 
 * 3D pairs: ``A.reshape(E, r, in)`` (expert-major rows) and ``B.reshape(out, r, E)`` permuted to
   (E, out, r) (rank-major columns: expert e owns columns e, e+E, ...). gpt_oss's gate_up B rows
@@ -27,10 +29,10 @@ check on that output catches both NaN/Inf in the input and overflow from the sca
 from __future__ import annotations
 
 import mmap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -42,7 +44,12 @@ from shared.adapter_format import (
 )
 from shared.errors import InvalidArgument
 from shared.model_spec import ModelSpec
-from shared.safetensors_header import SafetensorsHeader, parse_bytes
+from shared.safetensors_header import (
+    PREFIX_BYTES,
+    SafetensorsHeader,
+    header_length,
+    parse_bytes,
+)
 
 _TORCH_DTYPES = {
     "F16": torch.float16,
@@ -76,25 +83,37 @@ class PackedAdapter:
     nbytes: int
 
 
+class Arriving(Protocol):
+    """A weights file still being downloaded: the whole file's buffer, and a wait for a range
+    of it to have arrived (raising the download's error if it failed)."""
+
+    def view(self) -> memoryview: ...
+
+    def wait(self, begin: int, end: int) -> None: ...
+
+
 def pack_adapter(
     config: Mapping[str, Any],
-    weights: bytes | memoryview | Path,
+    weights: bytes | memoryview | Path | Arriving,
     spec: ModelSpec,
     max_rank: int,
     dtype: torch.dtype,
     only: frozenset[int] | None = None,
     pin: bool = False,
 ) -> PackedAdapter:
-    """Check a PEFT adapter (adapter_config.json parsed, adapter_model.safetensors as bytes
-    or a path) against ``spec`` and pack it, into page-locked memory when ``pin``; ``only``:
-    pack just those layers (a layer-sharded executor), though the whole adapter is checked.
-    Raises InvalidArgument naming the tensor."""
-    data = _mapped(weights)
+    """Check a PEFT adapter (adapter_config.json parsed, adapter_model.safetensors as bytes,
+    a path or arriving) against ``spec`` and pack it, into page-locked memory when ``pin``;
+    ``only``: pack just those layers (a layer-sharded executor), though the whole adapter is
+    checked. Raises InvalidArgument naming the tensor."""
+    data, wait = _buffer(weights)
+    wait(0, PREFIX_BYTES)
+    wait(PREFIX_BYTES, PREFIX_BYTES + header_length(data))
     header = parse_bytes(data)
     layout = inspect_adapter(config, header, spec, max_rank)
     packing = _Packing(header, data, spec, dtype, pin)
     layers = {}
-    for index, layer in sorted(layout.layers.items()):
+    for index, layer in sorted(layout.layers.items(), key=lambda item: _span(header, item[1])):
+        wait(*_span(header, layer))
         if only is None or index in only:
             layers[index] = packing.layer(layer)
         else:
@@ -108,16 +127,34 @@ def pack_adapter(
     return PackedAdapter(layers=layers, rank=layout.rank, nbytes=nbytes)
 
 
-def _mapped(weights: bytes | memoryview | Path) -> bytes | memoryview:
-    """The weights as a buffer. A file is memory-mapped copy-on-write (writable as
-    torch.frombuffer wants, never written, so nothing is copied); the map is unmapped when
-    the last tensor viewing it is gone, not closed here, since a traceback may hold one."""
+def _arrived(_begin: int, _end: int) -> None:
+    pass
+
+
+def _buffer(
+    weights: bytes | memoryview | Path | Arriving,
+) -> tuple[bytes | memoryview, Callable[[int, int], None]]:
+    """The weights as a buffer, and the wait for a range of it. A file is memory-mapped
+    copy-on-write (writable as torch.frombuffer wants, never written, so nothing is copied);
+    the map is unmapped when the last tensor viewing it is gone, not closed here, since a
+    traceback may hold one."""
+    if isinstance(weights, bytes | memoryview):
+        return weights, _arrived
     if not isinstance(weights, Path):
-        return weights
+        return weights.view(), weights.wait
     with weights.open("rb") as handle:
         if handle.seek(0, 2) == 0:
-            return b""
-        return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY))
+            return b"", _arrived
+        return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)), _arrived
+
+
+def _span(header: SafetensorsHeader, layer: LayerLayout) -> tuple[int, int]:
+    """The file bytes holding a layer's tensors (first to last)."""
+    infos = [header.tensors[key] for pair in layer.pairs for key in (pair.a_key, pair.b_key)]
+    return (
+        header.data_start + min(info.begin for info in infos),
+        header.data_start + max(info.end for info in infos),
+    )
 
 
 class _Packing:
@@ -225,16 +262,27 @@ class _Packing:
 
 
 def _scaled_into(out: torch.Tensor, factor: torch.Tensor, scaling: float) -> None:
-    """out (E', rows, r) ← scaling·factor, computed in float32 and rounded once to out's
-    dtype, a band of rows at a time: a 3D B is a transposing gather (stride E), which runs
-    several times faster when its float32 temporary stays in the CPU's cache."""
+    """out (E', rows, r) ← scaling·factor, as if computed in float32 and rounded once to out's
+    dtype, a band of rows at a time: a 3D B is a transposing gather (stride E), several times
+    faster when a band's source rows stay in the CPU's cache.
+
+    One pass (gather, scale, round) when out has factor's dtype: torch computes a reduced
+    float type in float32 and rounds once. When out is float32, the widening copy is exact and
+    the scaling follows in place. Otherwise (narrowing) the band goes through float32."""
+    factor = factor.expand(out.shape)  # a 2D pair's (rows, r) fills one expert's (1, rows, r)
     rows = factor.shape[1]
-    row_bytes = max(1, factor[:, :1].numel() * 4)
+    row_bytes = max(1, factor[:, :1].numel() * factor.element_size())
     step = max(1, _BAND_BYTES // row_bytes)
     for start in range(0, rows, step):
         band = slice(start, start + step)
-        out[:, band].copy_(factor[:, band].to(torch.float32, copy=True).mul_(scaling))
+        if out.dtype == factor.dtype:
+            torch.mul(factor[:, band], scaling, out=out[:, band])
+        elif out.dtype == torch.float32:
+            out[:, band].copy_(factor[:, band]).mul_(scaling)
+        else:
+            out[:, band].copy_(factor[:, band].to(torch.float32, copy=True).mul_(scaling))
 
 
-#: float32 bytes of one band of ``_scaled_into``: about a core's share of the L2/L3 cache.
-_BAND_BYTES = 2 << 20
+#: Source bytes of one band of ``_scaled_into``: about a core's share of the L2 cache (measured:
+#: 0.4-0.8 MB bands gather 1.7x faster than 2 MB float32 ones).
+_BAND_BYTES = 512 << 10

@@ -9,8 +9,11 @@ the registry's change stream so that cached answers stay true.
   drops it the moment the registry announces a new version, an alias move or a deletion;
   without a connected watcher it is asked again on every use.
 * Files are fetched by digest (``name@sha256:...``, so an alias moving mid-download cannot
-  change the bytes), over presigned URLs when the blob store offers them and the registry's
-  stream otherwise, checked file by file and against the digest, and kept in ``DiskCache``.
+  change the bytes) as parallel ranged reads (``--download-streams``): over presigned URLs
+  when the blob store offers them, the registry's DownloadAdapter stream otherwise. Each file
+  is hashed in order as it arrives, the packer reads the weights as they arrive, and
+  ``finish`` (nothing is published before it) checks every file and keeps them in
+  ``DiskCache``.
 * When the registry cannot be reached, what the executor already knows keeps serving: cached
   resolutions and the disk cache (the host and GPU tiers above them too). Anything new fails
   UNAVAILABLE with a message that says so. The watcher reconnects by itself with backoff.
@@ -22,13 +25,14 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from executor_service.disk_cache import DiskCache
+from executor_service.ranged_download import RangedDownload, RangeReader, RemoteFile
 from executor_service.sources import AdapterFiles, ResolvedAdapter, check_digest, parse_config
 from moelora.v1 import registry_pb2
-from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE, files_digest
+from shared.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
 from shared.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -41,7 +45,7 @@ from shared.errors import (
 )
 from shared.logs import log_event
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient, WatchStream
+from shared.registry_client import RegistryClient, WatchStream, read_url_range
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +58,16 @@ _UNREACHABLE = (Unavailable, DeadlineExceeded)
 class RegistrySource:
     """Resolves and fetches adapters from the registry at ``address`` (see the module doc)."""
 
-    def __init__(self, client: RegistryClient, address: str, disk: DiskCache) -> None:
+    def __init__(
+        self, client: RegistryClient, address: str, disk: DiskCache, streams: int, nice: int
+    ) -> None:
+        """``streams``: parallel ranged reads per download (``client`` should have as many
+        connections); ``nice``: how much lower the download threads' CPU priority is."""
         self.client = client
         self.address = address
         self._disk = disk
+        self._streams = streams
+        self._nice = nice
         self._lock = threading.Lock()
         self._resolved: dict[str, ResolvedAdapter] = {}
         #: True while the watcher holds a live stream, so moving references are kept current.
@@ -108,10 +118,11 @@ class RegistrySource:
             return _files_in(adapter, folder, where=f"the disk cache {self._disk.root}")
         while True:
             try:
-                return self._download_to_disk(adapter)
+                return self._start_download(adapter)
             except OSError as exc:
                 # A full volume (below the byte budget: shared, or the budget is too big):
-                # make room from the least recently used entries and try again.
+                # make room from the least recently used entries and try again. The files
+                # are allocated before the first byte is fetched, so this is where it shows.
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
                 if not self._disk.shed():
@@ -121,40 +132,54 @@ class RegistrySource:
                         "lower --disk-cache-bytes"
                     ) from None
 
-    def _download_to_disk(self, adapter: ResolvedAdapter) -> AdapterFiles:
+    def _start_download(self, adapter: ResolvedAdapter) -> AdapterFiles:
+        """Starts downloading ``adapter`` into a reserved disk-cache folder and returns once
+        its config arrived: the weights arrive while the packer reads them (see
+        executor_service/ranged_download.py); ``finish`` checks and keeps them."""
         partial = self._disk.reserve()
         try:
-            start = time.perf_counter()
-            # The client hashed every file as its bytes arrived and checked them against
-            # these sha256s: the version digest follows without reading the files again.
-            version = self._download(adapter, partial)
+            files, read, how = self._plan(adapter)
             where = f"the registry at {self.address}"
-            check_digest(adapter, files_digest({f.path: f.sha256 for f in version.files}), where)
-            config = parse_config(adapter, (partial / CONFIG_FILE).read_bytes(), where)
+            # The listing itself must be the version asked for: then checking each file's
+            # sha256 checks the digest, without reading the files again.
+            check_digest(adapter, files_digest({f.path: f.sha256 for f in files}), where)
+            download = RangedDownload(
+                partial, files, read, self._streams, f"adapter {adapter.label}", self._nice
+            )
+        except BaseException:
+            self._disk.discard(partial)
+            raise
+        start = time.perf_counter()
+        try:
+            config_file = download.file(CONFIG_FILE)
+            config_file.wait_verified()
+            config = parse_config(adapter, bytes(config_file.view()), where)
+        except BaseException:
+            download.close()
+            self._disk.discard(partial)
+            raise
+        size = sum(f.size for f in files)
+
+        def finish() -> None:
+            download.wait_verified()
             log_event(
                 log,
                 "adapter_downloaded",
                 adapter=adapter.label,
                 digest=adapter.digest,
-                bytes=sum(f.size_bytes for f in version.files),
+                bytes=size,
+                via=how,
+                streams=self._streams,
                 ms=round((time.perf_counter() - start) * 1000, 1),
             )
-            weights = partial / WEIGHTS_FILE
-            if weights.stat().st_size > self._disk.budget_bytes:
-                # Larger than the whole disk budget, so not kept: pack it from memory.
-                return AdapterFiles(config, weights.read_bytes())
-            self._disk.commit(adapter, partial)
-            folder = self._disk.get(adapter.digest)
-            if folder is None:
-                raise DataLoss(f"adapter {adapter.label}: its disk cache entry vanished")
-            return AdapterFiles(config, folder / WEIGHTS_FILE)
-        except _UNREACHABLE as exc:
-            raise Unavailable(
-                f"adapter {adapter.label}: the registry at {self.address} cannot be reached "
-                f"({exc.message}) and the adapter is in none of this executor's caches"
-            ) from None
-        finally:
-            self._disk.discard(partial)
+            if download.file(WEIGHTS_FILE).size <= self._disk.budget_bytes:
+                self._disk.commit(adapter, partial)  # else too big to keep: dropped at close
+
+        def close() -> None:
+            download.close()
+            self._disk.discard(partial)  # nothing left there once committed
+
+        return AdapterFiles(config, download.file(WEIGHTS_FILE), finish, close)
 
     def cached(self) -> list[ResolvedAdapter]:
         return [entry.adapter for entry in self._disk.entries()]
@@ -185,16 +210,62 @@ class RegistrySource:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _download(self, adapter: ResolvedAdapter, folder: Path) -> registry_pb2.AdapterVersion:
+    def _plan(self, adapter: ResolvedAdapter) -> tuple[list[RemoteFile], RangeReader, str]:
+        """The version's files and how to read ranges of them: presigned URLs when the blob
+        store offers them, else the registry's DownloadAdapter stream. Registry errors that
+        mean "not reachable" become Unavailable naming the adapter."""
         ref = f"{adapter.name}@{adapter.digest}"
-        if self._presign is not False:
+        try:
+            if self._presign is not False:
+                try:
+                    urls = self.client.download_urls(ref)
+                    self._presign = True
+                    return _remote(urls.version), self._url_reader(adapter, urls), "presigned"
+                except FailedPrecondition:
+                    self._presign = False  # the local-directory store: the stream from now on
+            version = self.client.get(ref)
+        except _UNREACHABLE as exc:
+            raise self._unreachable(adapter, exc) from None
+        return _remote(version), self._stream_reader(adapter, ref), "stream"
+
+    def _stream_reader(self, adapter: ResolvedAdapter, ref: str) -> RangeReader:
+        def read(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
             try:
-                version = self.client.download_presigned(ref, folder)
-                self._presign = True
-                return version
-            except FailedPrecondition:
-                self._presign = False  # the local-directory store: use the stream from now on
-        return self.client.download(ref, folder)
+                yield from self.client.read_range(ref, index, offset, length)
+            except _UNREACHABLE as exc:
+                raise self._unreachable(adapter, exc) from None
+
+        return read
+
+    def _url_reader(
+        self, adapter: ResolvedAdapter, urls: registry_pb2.GetDownloadUrlsResponse
+    ) -> RangeReader:
+        links = [f.url for f in urls.files]
+
+        def read(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+            try:
+                yield from read_url_range(links[index], offset, length, timeout=self.client.timeout)
+            except OSError as exc:  # urllib's errors, HTTP ones included
+                raise Unavailable(
+                    f"adapter {adapter.label}: the blob store behind {self.address} failed "
+                    f"({exc}); retry"
+                ) from None
+
+        return read
+
+    def _unreachable(self, adapter: ResolvedAdapter, exc: MoeLoraError) -> Unavailable:
+        return Unavailable(
+            f"adapter {adapter.label}: the registry at {self.address} cannot be reached "
+            f"({exc.message}) and the adapter is in none of this executor's caches"
+        )
+
+
+def _remote(version: registry_pb2.AdapterVersion) -> list[RemoteFile]:
+    """The version's files in the registry's order (config first), as the download takes them."""
+    files = [RemoteFile(f.path, f.size_bytes, f.sha256) for f in version.files]
+    if sorted(f.path for f in files) != sorted(ADAPTER_FILES):
+        raise DataLoss(f"the registry lists files {[f.path for f in files]}, not {ADAPTER_FILES}")
+    return files
 
 
 def _files_in(adapter: ResolvedAdapter, folder: Path, where: str) -> AdapterFiles:

@@ -19,6 +19,7 @@ from executor_service.engine import EngineSettings, ForwardEngine
 from executor_service.graphs import GraphCache
 from executor_service.host_cache import HostCache
 from executor_service.kernel_configs import KernelConfigReport, prepare_kernel_configs
+from executor_service.loader import Loader, default_threads
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.prefetch import Prefetcher
@@ -37,6 +38,9 @@ from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
 
 log = logging.getLogger(__name__)
+
+#: ``--download-streams 0`` means half the cores, at most this many.
+_MAX_AUTO_STREAMS = 8
 
 #: GetExecutorInfo's ``backend`` per device type.
 BACKENDS = {"cuda": "triton", "cpu": "torch-reference"}
@@ -102,11 +106,13 @@ class ExecutorRuntime:
     prefetcher: Prefetcher | None = None
 
     def close(self) -> None:
-        """Stops background work (the registry watch, then prefetch); the server has drained."""
+        """Stops background work (the registry watch, prefetch, the loader's threads); the
+        server has drained."""
         if self.watcher is not None:
             self.watcher.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
+        self.adapters.close()
 
 
 def replica_name(settings: ExecutorSettings) -> str:
@@ -120,6 +126,11 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
     if settings.adapter_dir is not None:
         return LocalFolderSource(settings.adapter_dir.expanduser())
     if settings.registry_address:
+        streams = (
+            min(_MAX_AUTO_STREAMS, default_threads(0))
+            if not settings.download_streams
+            else settings.download_streams
+        )
         client = RegistryClient(
             settings.registry_address,
             token=settings.registry_token,
@@ -130,9 +141,10 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
                 else None
             ),
             timeout=settings.registry_timeout_seconds,
+            connections=streams,
         )
         disk = DiskCache(settings.disk_cache_dir, settings.disk_cache_bytes)
-        return RegistrySource(client, settings.registry_address, disk)
+        return RegistrySource(client, settings.registry_address, disk, streams, settings.load_nice)
     return None
 
 
@@ -191,6 +203,7 @@ def build_runtime(
         host=HostCache(settings.host_cache_bytes, pin_memory=where.device.type == "cuda"),
         slots=SlotManager(buffers, LRUPolicy()),
         metrics=metrics,
+        loader=Loader(default_threads(settings.load_threads), settings.load_nice),
     )
     # The loader validated every layer once (kernels.validate_layer): not again per call.
     kernel = kernel or functools.partial(

@@ -17,11 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from executor_service.packer import Arriving
 from shared.adapter_files import (
     ADAPTER_FILES,
     CONFIG_FILE,
@@ -50,13 +51,22 @@ class ResolvedAdapter:
         return f"{self.name}:{self.version}"
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class AdapterFiles:
-    """The files of one adapter version, as the packer takes them: the weights in memory,
-    or a checked file on disk that the packer memory-maps."""
+    """The files of one adapter version, as the packer takes them: the weights in memory, a
+    checked file on disk that the packer memory-maps, or a file still being downloaded
+    (``Arriving``) that the packer reads range by range as it arrives. ``finish`` returns once
+    the files were checked against the digest (DataLoss if not): nothing made from the weights
+    may be published before. ``close`` lets go of a download (finished or abandoned)."""
 
     config: Mapping[str, Any]
-    weights: bytes | Path
+    weights: bytes | Path | Arriving
+    finish: Callable[[], None] = _nothing
+    close: Callable[[], None] = _nothing
 
 
 class AdapterSource(Protocol):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +31,35 @@ from shared.rpc_metadata import WATCH_START_METADATA
 CHUNK_BYTES = 1024 * 1024
 #: gRPC messages up to this size; chunks are 4 MiB, versions a few KiB.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+#: Reads that meet a connection just lost (UNAVAILABLE) are tried again by gRPC itself: a
+#: stream only before its first message arrived, so nothing is received twice.
+_RETRY_READS = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": "moelora.v1.AdapterRegistry", "method": method}
+                    for method in (
+                        "GetBaseModel",
+                        "ListBaseModels",
+                        "GetAdapter",
+                        "ListAdapters",
+                        "DownloadAdapter",
+                        "GetDownloadUrls",
+                    )
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
 
 T = TypeVar("T")
 Progress = Callable[[int], None]
@@ -76,6 +106,7 @@ class RegistryClient:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.service_config", _RETRY_READS),
         ]
         self._channels = [
             open_channel(
@@ -351,6 +382,30 @@ class RegistryClient:
             name=name, base_model=base_model, after_sequence=after_sequence
         )
         return WatchStream(self._stub.WatchAdapters(request))
+
+
+def read_url_range(
+    url: str, offset: int, length: int, *, timeout: float
+) -> Iterator[tuple[int, bytes]]:
+    """Bytes ``offset`` to ``offset + length`` of a presigned URL's object (an HTTP Range GET),
+    as (offset, data) pieces in order. Unchecked, like ``RegistryClient.read_range``."""
+    if not length:
+        return
+    request = urllib.request.Request(
+        url, headers={"Range": f"bytes={offset}-{offset + length - 1}"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        if response.status != 206 and offset != 0:
+            raise DataLoss(f"the blob store ignored the Range header (HTTP {response.status})")
+        at, end = offset, offset + length
+        while at < end:
+            data = response.read(min(CHUNK_BYTES, end - at))
+            if not data:
+                break
+            yield at, data
+            at += len(data)
+    if at != end:
+        raise DataLoss(f"ranged GET ended at byte {at}, expected {end}")
 
 
 class WatchStream:

@@ -1,0 +1,171 @@
+"""Where a file downloaded in parallel parts is assembled, checked and read while it arrives.
+
+``ArrivingFile`` is a file of known size and sha256, allocated up front (so a full disk fails
+before any byte is fetched) and filled by part workers in any order. It records which byte
+ranges have arrived, so that a reader (the packer) can wait for the ranges it needs and use
+them while the rest is still on its way, and it hashes the file in order by a thread of its
+own as its contiguous prefix grows (the bytes are read back from the page cache through the
+memory map: no copy). ``wait_verified`` says whether the whole file matched its sha256: a
+reader may look at bytes early, but nothing built from them may be published before that.
+
+The memory map is shared (MAP_SHARED) because the parts arrive through ``pwrite`` after the
+map was made, and only a shared map is guaranteed to see them; nothing writes through it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import threading
+from pathlib import Path
+
+from executor_service.loader import lower_priority
+from shared.errors import DataLoss
+
+#: Bytes hashed per step, so that the hasher notices a cancel within milliseconds.
+_HASH_STEP = 8 << 20
+
+
+class ArrivingFile:
+    """One file being downloaded into ``path`` (see the module doc). Thread-safe."""
+
+    def __init__(self, path: Path, size: int, sha256: str, label: str, nice: int) -> None:
+        self.path = path
+        self.size = size
+        self.sha256 = sha256
+        self.label = label
+        self._nice = nice
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if size:
+                os.posix_fallocate(self._fd, 0, size)  # ENOSPC now, not mid-download
+            self._map = mmap.mmap(self._fd, size, access=mmap.ACCESS_WRITE) if size else None
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._changed = threading.Condition()
+        #: Disjoint arrived ranges [begin, end), sorted; few: each worker fills its part in order.
+        self._arrived: list[tuple[int, int]] = []
+        self._error: BaseException | None = None
+        self._verified = False
+        self._closed = False
+        self._writing = 0
+        self._hasher = threading.Thread(target=self._hash, name="arriving-hash", daemon=True)
+        self._hasher.start()
+
+    # -- the workers' side -----------------------------------------------------------------
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Stores bytes that arrived for ``offset``; dropped once the file is closed (a worker
+        that was still receiving when the load was abandoned)."""
+        with self._changed:
+            if self._closed:
+                return
+            self._writing += 1  # close() waits for writes in progress: the fd stays theirs
+        try:
+            view = memoryview(data)
+            at = offset
+            while view:  # pwrite may write less than asked
+                written = os.pwrite(self._fd, view, at)
+                view, at = view[written:], at + written
+        finally:
+            with self._changed:
+                self._writing -= 1
+                if not self._closed:
+                    self._add(offset, offset + len(data))
+                self._changed.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The download failed: every waiter gets ``error`` (the first one reported)."""
+        with self._changed:
+            if self._error is None:
+                self._error = error
+            self._changed.notify_all()
+
+    # -- the reader's side -----------------------------------------------------------------
+
+    def view(self) -> memoryview:
+        """The whole file's bytes, arrived or not (wait before reading a range)."""
+        return memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def wait(self, begin: int, end: int) -> None:
+        """Blocks until bytes ``begin`` to ``end`` (clipped to the file) arrived; raises the
+        download's error if it failed."""
+        end = min(end, self.size)
+        with self._changed:
+            while not self._has(begin, end):
+                self._raise_if_failed()
+                self._changed.wait()
+
+    def wait_verified(self) -> None:
+        """Blocks until the whole file arrived and matched its sha256; raises DataLoss when it
+        did not, or the download's error."""
+        with self._changed:
+            while not self._verified:
+                self._raise_if_failed()
+                self._changed.wait()
+
+    def close(self) -> None:
+        """Stops the hasher, drops later writes and closes the file once the writes in
+        progress finished (a worker still waiting for bytes is not waited for). The memory map
+        lives on while views of it do (packed tensors never do: they are copies)."""
+        with self._changed:
+            if self._closed:
+                return
+            self._closed = True
+            self._changed.notify_all()
+            while self._writing:
+                self._changed.wait()
+        self._hasher.join()
+        os.close(self._fd)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _hash(self) -> None:
+        lower_priority(self._nice)
+        digest = hashlib.sha256()
+        view = self.view()
+        done = 0
+        while done < self.size:
+            with self._changed:
+                while not self._closed and self._error is None and self._prefix() <= done:
+                    self._changed.wait()
+                if self._closed or self._error is not None:
+                    return
+                ready = self._prefix()
+            while done < ready:
+                step = min(ready, done + _HASH_STEP)
+                digest.update(view[done:step])  # releases the GIL
+                done = step
+        with self._changed:
+            if digest.hexdigest() == self.sha256:
+                self._verified = True
+            elif self._error is None:
+                self._error = DataLoss(
+                    f"{self.label}: the downloaded bytes have sha256 {digest.hexdigest()}, "
+                    f"expected {self.sha256}"
+                )
+            self._changed.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise RuntimeError(f"{self.label}: the download was abandoned")
+
+    def _prefix(self) -> int:
+        """How far the file has arrived from byte 0 without a gap (lock held)."""
+        return self._arrived[0][1] if self._arrived and self._arrived[0][0] == 0 else 0
+
+    def _has(self, begin: int, end: int) -> bool:
+        return begin >= end or any(b <= begin and end <= e for b, e in self._arrived)
+
+    def _add(self, begin: int, end: int) -> None:
+        merged: list[tuple[int, int]] = []
+        for b, e in sorted([*self._arrived, (begin, end)]):
+            if merged and b <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+            else:
+                merged.append((b, e))
+        self._arrived = merged

@@ -1,0 +1,106 @@
+"""Where adapter loads run so that serving keeps its speed meanwhile.
+
+Packing, hashing and receiving an adapter are CPU work in the executor's own process; left as
+they were, they took both cores of a small machine from Forward (whose torch reference, or whose
+launching thread on a GPU, needs them at once). So loads run on threads the executor owns:
+
+* at a lower CPU priority than Forward (``--load-nice``; Linux keeps a nice value per thread,
+  and threads a loader thread starts inherit it), so a load takes what serving leaves idle;
+* with their own torch intra-op thread count (``--load-threads``), so a pack uses several
+  cores of a GPU host but does not crowd a 2-core one. ``torch.set_num_threads`` cannot do
+  this: it also sets the count every thread of the process starts with. OpenMP keeps the
+  count per thread, so the loader sets its own through ``omp_set_num_threads`` of the
+  OpenMP runtime torch loaded (no OpenMP runtime: the process's count);
+* at most ``CONCURRENT_PACKS`` packs at once; more wait their turn.
+
+A request that needs a cold adapter waits for its own load only; other requests never wait on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+#: Adapters packed at the same time; the loads of more wait in a queue.
+CONCURRENT_PACKS = 2
+
+
+def default_threads(setting: int) -> int:
+    """A thread-count setting where 0 means half the CPU cores (at least 1)."""
+    return setting or max(1, (os.cpu_count() or 2) // 2)
+
+
+def lower_priority(nice: int) -> None:
+    """Lowers the calling thread's CPU priority by ``nice`` (Linux only: elsewhere the call
+    would renice the whole process). A thread cannot raise it again without privileges, so
+    only threads that do nothing but load call this."""
+    if nice <= 0 or sys.platform != "linux":
+        return
+    thread = threading.get_native_id()
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, current + nice))
+    except OSError:
+        pass  # not permitted here: loads run at serving's priority
+
+
+def limit_torch_threads(count: int) -> bool:
+    """Sets the calling thread's torch intra-op thread count alone (see the module doc);
+    False where that cannot be done."""
+    runtime = _openmp_runtime()
+    if runtime is None:
+        return False
+    torch.get_num_threads()  # torch initialises this thread's count first, then we change it
+    runtime.omp_set_num_threads(ctypes.c_int(count))
+    return True
+
+
+@functools.cache
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch runs on, already loaded in this process, if any."""
+    if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
+        return None
+    try:
+        with Path("/proc/self/maps").open() as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)  # the loaded library itself: dlopen finds it by path
+        except OSError:
+            continue
+    return None
+
+
+class Loader:
+    """Runs packing on low-priority threads with a bounded torch thread count."""
+
+    def __init__(self, torch_threads: int, nice: int) -> None:
+        self.torch_threads = torch_threads
+        self.nice = nice
+        self._pool = ThreadPoolExecutor(
+            CONCURRENT_PACKS, thread_name_prefix="adapter-load", initializer=self._setup
+        )
+
+    def _setup(self) -> None:
+        lower_priority(self.nice)
+        limit_torch_threads(self.torch_threads)
+
+    def run(self, work: Callable[[], T]) -> T:
+        """``work()`` on a loader thread; blocks until it returns, raises what it raised."""
+        return self._pool.submit(work).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

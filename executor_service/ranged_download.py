@@ -1,0 +1,116 @@
+"""Where an adapter version's files are downloaded as byte ranges by parallel workers.
+
+The files are cut into parts, taken in file order by ``streams`` workers (so the file fills
+from the front and the packer behind it rarely waits), each part fetched as one ranged read
+(the registry's DownloadAdapter with a range, or an HTTP Range GET on a presigned URL) and
+written where it belongs in an ``ArrivingFile``, which hashes it in order as it grows. The
+first failure of any part stops the others and is what every waiter gets.
+
+This is what s3transfer and hf_transfer do for one large object: parallel ranged GETs into a
+preallocated file; here the bytes are also usable (for packing) before the whole file is in.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from executor_service.arriving import ArrivingFile
+from executor_service.loader import lower_priority
+
+#: (file index, offset, length) → the bytes as (offset, data) pieces, in order.
+RangeReader = Callable[[int, int, int], Iterator[tuple[int, bytes]]]
+
+_MIB = 1 << 20
+#: Parts are at least this big (fewer requests), at most ``_MAX_PART`` (finer interleaving).
+_MIN_PART = 8 * _MIB
+_MAX_PART = 64 * _MIB
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A file of the version: its name, size and the sha256 it must have."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+def _parts(files: Sequence[RemoteFile], streams: int) -> deque[tuple[int, int, int]]:
+    """(file index, offset, length) parts, file by file; about 4 per stream for the largest
+    file, so that workers finish close together."""
+    largest = max((f.size for f in files), default=0)
+    part = min(_MAX_PART, max(_MIN_PART, largest // (4 * streams) // _MIB * _MIB))
+    return deque(
+        (index, offset, min(part, f.size - offset))
+        for index, f in enumerate(files)
+        for offset in range(0, f.size, part)
+    )
+
+
+class RangedDownload:
+    """Downloads ``files`` into ``folder`` with ``streams`` workers, started at once."""
+
+    def __init__(
+        self,
+        folder: Path,
+        files: Sequence[RemoteFile],
+        read: RangeReader,
+        streams: int,
+        label: str,
+        nice: int,
+    ) -> None:
+        self._read = read
+        self._nice = nice
+        self._files: list[ArrivingFile] = []
+        try:
+            for f in files:
+                self._files.append(
+                    ArrivingFile(folder / f.path, f.size, f.sha256, f"{label} {f.path}", nice)
+                )
+        except BaseException:
+            self.close()
+            raise
+        self._by_path = {f.path: arriving for f, arriving in zip(files, self._files, strict=True)}
+        self._lock = threading.Lock()
+        self._parts = _parts(files, streams)
+        self._stopped = threading.Event()
+        for n in range(max(1, min(streams, len(self._parts)))):
+            threading.Thread(target=self._work, name=f"download-{n}", daemon=True).start()
+
+    def file(self, path: str) -> ArrivingFile:
+        return self._by_path[path]
+
+    def wait_verified(self) -> None:
+        """Blocks until every file arrived and matched its sha256; raises the first failure."""
+        for arriving in self._files:
+            arriving.wait_verified()
+
+    def close(self) -> None:
+        """Stops the workers (one still receiving drops what it gets) and closes the files."""
+        self._stopped.set()
+        for arriving in self._files:
+            arriving.close()
+
+    def _take(self) -> tuple[int, int, int] | None:
+        with self._lock:
+            return self._parts.popleft() if self._parts and not self._stopped.is_set() else None
+
+    def _work(self) -> None:
+        lower_priority(self._nice)
+        while (part := self._take()) is not None:
+            index, offset, length = part
+            arriving = self._files[index]
+            try:
+                for at, data in self._read(index, offset, length):
+                    if self._stopped.is_set():
+                        return
+                    arriving.write(at, data)
+            except BaseException as exc:  # every waiter gets it
+                self._stopped.set()
+                for each in self._files:
+                    each.fail(exc)
+                return

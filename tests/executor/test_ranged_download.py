@@ -1,0 +1,151 @@
+"""Parallel ranged downloads into arriving files: parts written out of order reassemble the
+file, a reader sees a range as soon as it arrived (before the whole file is checked), damaged
+bytes fail the check at the end, a failed part reaches every waiter, and a closed download
+drops what still arrives. The range reader reads a real local file, as the registry would."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from executor_service.ranged_download import RangedDownload, RangeReader, RemoteFile
+from shared.errors import DataLoss, Unavailable
+
+MIB = 1 << 20
+
+
+def _sources(tmp_path: Path) -> tuple[list[Path], list[RemoteFile]]:
+    paths = [tmp_path / "small.json", tmp_path / "big.bin"]
+    paths[0].write_bytes(b'{"r": 8}')
+    paths[1].write_bytes(os.urandom(40 * MIB + 123))
+    files = [
+        RemoteFile(p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in paths
+    ]
+    return paths, files
+
+
+def _reader(paths: list[Path], *, piece: int = MIB, damage_at: int | None = None) -> RangeReader:
+    """Reads ranges of the local files in ``piece``s (flipping the byte at ``damage_at`` of the
+    last file, as a blob store with a bad disk would)."""
+
+    def read(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+        with paths[index].open("rb") as handle:
+            handle.seek(offset)
+            at, end = offset, offset + length
+            while at < end:
+                data = bytearray(handle.read(min(piece, end - at)))
+                last = index == len(paths) - 1
+                if last and damage_at is not None and at <= damage_at < at + len(data):
+                    data[damage_at - at] ^= 0x01
+                yield at, bytes(data)
+                at += len(data)
+
+    return read
+
+
+def _download(
+    tmp_path: Path, files: list[RemoteFile], read: RangeReader, streams: int = 3
+) -> RangedDownload:
+    folder = tmp_path / "into"
+    folder.mkdir(exist_ok=True)
+    return RangedDownload(folder, files, read, streams, "adapter x:1", nice=0)
+
+
+def test_parts_from_parallel_streams_reassemble_and_verify(tmp_path: Path) -> None:
+    paths, files = _sources(tmp_path)
+    download = _download(tmp_path, files, _reader(paths))
+    try:
+        big = download.file("big.bin")
+        big.wait(0, big.size)
+        download.wait_verified()
+        assert (tmp_path / "into" / "big.bin").read_bytes() == paths[1].read_bytes()
+        assert bytes(big.view()) == paths[1].read_bytes()
+        assert bytes(download.file("small.json").view()) == b'{"r": 8}'
+    finally:
+        download.close()
+
+
+def test_a_range_is_readable_before_the_whole_file_is_checked(tmp_path: Path) -> None:
+    paths, files = _sources(tmp_path)
+    release = threading.Event()
+    inner = _reader(paths)
+
+    def held_back(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+        if offset > 0:  # every part but the first waits for the test
+            assert release.wait(30)
+        yield from inner(index, offset, length)
+
+    download = _download(tmp_path, files, held_back)
+    try:
+        big = download.file("big.bin")
+        big.wait(0, 1000)  # the first part is in: usable now
+        assert bytes(big.view()[:1000]) == paths[1].read_bytes()[:1000]
+        verified = threading.Thread(target=download.wait_verified)
+        verified.start()
+        verified.join(0.3)
+        assert verified.is_alive()  # not before the rest arrived and was hashed
+        release.set()
+        verified.join(30)
+        assert not verified.is_alive()
+    finally:
+        release.set()
+        download.close()
+
+
+def test_damaged_bytes_fail_the_check_after_they_were_usable(tmp_path: Path) -> None:
+    paths, files = _sources(tmp_path)
+    size = files[1].size
+    download = _download(tmp_path, files, _reader(paths, damage_at=size - 1))
+    try:
+        download.file("big.bin").wait(0, size)  # every byte arrived, the last one wrong
+        with pytest.raises(DataLoss, match=r"big\.bin: the downloaded bytes have sha256"):
+            download.wait_verified()
+    finally:
+        download.close()
+
+
+def test_a_failed_part_reaches_every_waiter(tmp_path: Path) -> None:
+    paths, files = _sources(tmp_path)
+    inner = _reader(paths)
+
+    def failing(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+        if index == 1 and offset > 0:
+            raise Unavailable("the registry went away")
+        yield from inner(index, offset, length)
+
+    download = _download(tmp_path, files, failing)
+    try:
+        with pytest.raises(Unavailable, match="went away"):
+            download.file("big.bin").wait(0, files[1].size)
+        with pytest.raises(Unavailable, match="went away"):
+            download.wait_verified()
+    finally:
+        download.close()
+
+
+def test_closing_drops_what_still_arrives(tmp_path: Path) -> None:
+    paths, files = _sources(tmp_path)
+    inside = threading.Event()
+    release = threading.Event()
+    inner = _reader(paths)
+
+    def slow(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+        for piece in inner(index, offset, length):
+            if index == 1 and offset > 0:
+                inside.set()
+                assert release.wait(30)
+            yield piece
+
+    download = _download(tmp_path, files, slow, streams=2)
+    assert inside.wait(30)
+    download.close()  # a worker is still receiving: not waited for
+    release.set()
+    big = download.file("big.bin")
+    with pytest.raises(RuntimeError, match="abandoned"):
+        big.wait(0, big.size)
