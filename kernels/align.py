@@ -40,10 +40,17 @@ _BLOCK_B = 64  # blocks per step when writing block_experts
 
 @dataclass(frozen=True)
 class Alignment:
+    """The layout the GEMMs run over (see the module doc). With ``pair_blocks`` nothing was
+    launched: block b is pair b alone, in its first row (``block_m`` 16), ``block_experts`` is
+    topk_ids itself, ``row_slots`` holds the *token* slots and ``enabled`` the slots' flags,
+    which the kernels combine per pair; ``sorted_pair_ids`` is unused."""
+
     sorted_pair_ids: torch.Tensor
     row_slots: torch.Tensor | None
     block_experts: torch.Tensor
     block_m: int
+    enabled: torch.Tensor | None = None
+    pair_blocks: bool = False
 
     @property
     def max_blocks(self) -> int:
@@ -64,7 +71,7 @@ def _pair_experts(topk_ids_ptr, offs, num_pairs):
 
 
 @triton.jit
-def _pair_slots(token_slots_ptr, enabled_ptr, offs, mask, top_k):
+def pair_slots(token_slots_ptr, enabled_ptr, offs, mask, top_k):
     """Effective adapter slot of the pairs ``offs``: -1 without one or if it is disabled."""
     slot = tl.load(token_slots_ptr + offs // top_k, mask=mask, other=-1)
     enabled = tl.load(enabled_ptr + tl.maximum(slot, 0), mask=mask & (slot >= 0), other=0)
@@ -125,7 +132,7 @@ def _scatter_pairs(
     row = tl.atomic_add(cursor_ptr + expert, 1, mask=mask, sem="relaxed")
     tl.store(pair_ids_ptr + row, offs, mask=mask)
     if HAS_LORA:
-        slot = _pair_slots(token_slots_ptr, enabled_ptr, offs, mask, top_k)
+        slot = pair_slots(token_slots_ptr, enabled_ptr, offs, mask, top_k)
         tl.store(row_slots_ptr + row, slot, mask=mask)
 
 
@@ -208,6 +215,24 @@ def _scatter_kernel(
         topk_ids_ptr, token_slots_ptr, enabled_ptr, cursor_ptr, pair_ids_ptr, row_slots_ptr,
         tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P), num_pairs, top_k, HAS_LORA,
     )  # fmt: skip
+
+
+#: Rows of a pair block: the smallest tile tl.dot takes.
+PAIR_BLOCK_M = 16
+
+
+def pair_blocks(
+    topk_ids: torch.Tensor,
+    token_slots: torch.Tensor | None = None,
+    enabled: torch.Tensor | None = None,
+) -> Alignment:
+    """The alignment folded into the GEMMs, for a handful of pairs: no launch, one 16-row
+    block per pair (weights are streamed once per pair anyway when pairs rarely share an
+    expert), so a decode step pays no alignment launch and no sort."""
+    if token_slots is not None and enabled is None:
+        raise ValueError("pair_blocks needs the slots' enabled flags with token_slots")
+    ids = topk_ids.reshape(-1)
+    return Alignment(ids, token_slots, ids, PAIR_BLOCK_M, enabled, pair_blocks=True)
 
 
 def align_pairs(

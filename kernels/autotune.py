@@ -3,9 +3,9 @@
 For every token bucket (the executor's: 1, 2, 4, …, 512 and 4096) a coordinate search starts
 from the heuristic's configuration (or the previous bucket's best, whichever is faster) and
 times, one knob group at a time, a pruned space: BLOCK_M, the w13 tiles, the w2 tiles, then
-where the LoRA shrink runs, the segments per pass and the sum over k. Buckets of at most one
-pair per expert then search the decode kernels' tiles (``MoEConfig.decode``) too, and keep
-whichever path was faster. Each candidate is timed
+where the LoRA shrink runs, the segments per pass and the sum over k. In buckets of at most one
+pair per expert, whether the alignment is folded into the GEMMs (``MoEConfig.decode``) is a
+knob too, tried before the tiles. Each candidate is timed
 as the benchmark times it (CUDA graph replay under do_bench, L2 flushed) on the layer itself
 with random hidden states, routing and adapters. With ``jobs`` > 1 every candidate is first
 compiled by worker processes (``kernels.compile_pool``), so the timing loop waits for no
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import triton.testing
 
-from kernels.configs import MAX_REGISTER_RANK, GemmConfig, MoEConfig, fit_stages, padded_rank
+from kernels.configs import GemmConfig, MoEConfig, fit_stages
 from kernels.forward import fused_moe, layer_shape
-from kernels.heuristic import decode_tiles, heuristic_config
+from kernels.heuristic import heuristic_config
 from kernels.model_shape import LayerShape
 from kernels.reference import moe_forward_reference
 from kernels.synthetic import (
@@ -65,18 +65,9 @@ W2_COMPUTE = [
 ]  # fmt: skip
 
 
-#: The decode kernels' tiles: (block_n, block_k, num_warps, num_stages), for w13 and w2 alike.
-DECODE_TILES = [(8, 256, 4, 3), (16, 256, 4, 3), (16, 128, 4, 4), (32, 128, 4, 4),
-                (8, 512, 4, 2), (16, 512, 8, 2)]  # fmt: skip
-
-
-def decode_candidate(tokens: int, num_experts: int, top_k: int, rank: int) -> bool:
-    """Buckets where the decode kernels may win: at most one pair per expert."""
-    return tokens * top_k <= num_experts and padded_rank(rank) <= MAX_REGISTER_RANK
-
-
-def decode_space() -> list[GemmConfig]:
-    return [GemmConfig(n, k, 1, w, s) for n, k, w, s in DECODE_TILES]
+def decode_candidate(rows_per_expert: float) -> bool:
+    """Buckets where pair blocks (``MoEConfig.decode``) may win: at most one pair per expert."""
+    return rows_per_expert <= 1
 
 
 def block_m_options(rows_per_expert: float) -> list[int]:
@@ -103,23 +94,21 @@ def tile_spaces(block_m: int, group_m: int) -> tuple[list[GemmConfig], list[Gemm
     )
 
 
-def precompile_set(
-    start: MoEConfig, rows_per_expert: float, rank: int, decode: bool = False
-) -> list[MoEConfig]:
+def precompile_set(start: MoEConfig, rows_per_expert: float, rank: int) -> list[MoEConfig]:
     """Configurations whose compilation covers every kernel the search of one bucket may
     launch: each BLOCK_M with every w13 tile paired with a w2 tile (the two GEMMs compile
-    apart, so pairing them covers all their combinations), and with ``decode`` every decode
-    tile."""
-    start = dataclasses.replace(start, decode=False)
+    apart, so pairing them covers all their combinations), with pair blocks too where the
+    bucket may use them."""
+    modes = [False, True] if decode_candidate(rows_per_expert) else [False]
     configs = []
-    if decode:
-        configs += [dataclasses.replace(start, decode=True, w13=g, w2=g) for g in decode_space()]
-    for bm in block_m_options(rows_per_expert):
+    for decode, bm in itertools.product(modes, block_m_options(rows_per_expert)):
         w13_space, w2_space = tile_spaces(bm, start.w13.group_m)
         for w13, w2 in itertools.zip_longest(w13_space, w2_space):
             configs.append(
                 fit_stages(
-                    dataclasses.replace(start, block_m=bm, w13=w13 or start.w13, w2=w2 or start.w2),
+                    dataclasses.replace(
+                        start, block_m=bm, decode=decode, w13=w13 or start.w13, w2=w2 or start.w2
+                    ),
                     2,
                     rank,
                 )
@@ -150,6 +139,8 @@ def search(
                 best, best_us = config, us
 
     consider([dataclasses.replace(best, block_m=bm) for bm in block_m_options(rows_per_expert)])
+    if decode_candidate(rows_per_expert):
+        consider([dataclasses.replace(best, decode=not best.decode)])
     w13_space, w2_space = tile_spaces(best.block_m, best.w13.group_m)
     consider([dataclasses.replace(best, w13=g) for g in w13_space])
     consider([dataclasses.replace(best, w2=g) for g in w2_space])
@@ -174,30 +165,6 @@ def search(
             ]
         )
     return best
-
-
-def search_decode(
-    time_us: Callable[[MoEConfig], float],
-    aligned: MoEConfig,
-    start: MoEConfig,
-    deadline: float,
-) -> MoEConfig:
-    """The decode kernels' tiles, w13 then w2, from ``start`` (a decode configuration);
-    returns it if faster than ``aligned`` (the aligned search's best), else ``aligned``."""
-    best, best_us = aligned, time_us(aligned)
-    current, current_us = start, time_us(start)
-    for w13_step in (True, False):
-        for gemm in decode_space():
-            if time.monotonic() > deadline:
-                break
-            if w13_step:
-                candidate = dataclasses.replace(current, w13=gemm)
-            else:
-                candidate = dataclasses.replace(current, w2=gemm)
-            us = time_us(candidate)
-            if us < current_us:
-                current, current_us = candidate, us
-    return current if current_us < best_us else best
 
 
 @dataclass
@@ -262,13 +229,6 @@ class Timer:
         return relative_error(self.run(config), expected)
 
 
-def decode_start(aligned: MoEConfig, tokens: int, shape: LayerShape) -> MoEConfig:
-    """The heuristic's decode tiles on top of an aligned configuration (kept as the fallback
-    for ranks the decode kernels cannot take)."""
-    w13, w2 = decode_tiles(tokens, shape.hidden, shape.inter, shape.top_k)
-    return dataclasses.replace(aligned, decode=True, w13=w13, w2=w2)
-
-
 @dataclass(frozen=True)
 class AutotuneResult:
     shape: LayerShape
@@ -295,15 +255,8 @@ def autotune(
     shape = layer_shape(layer)
     elem_size = layer.w13.element_size()
     starts = {
-        m: heuristic_config(
-            m, shape.experts, shape.hidden, shape.inter, shape.top_k, elem_size, allow_decode=False
-        )
+        m: heuristic_config(m, shape.experts, shape.hidden, shape.inter, shape.top_k, elem_size)
         for m in buckets
-    }
-    decodes = {
-        m: decode_start(starts[m], m, shape)
-        for m in buckets
-        if decode_candidate(m, shape.experts, shape.top_k, rank)
     }
     if jobs > 1:
         from kernels.compile_pool import CompileJob, compile_all
@@ -311,9 +264,7 @@ def autotune(
         tasks = [
             CompileJob.of(layer, m, rank, num_slots, config)
             for m in buckets
-            for config in precompile_set(
-                starts[m], m * shape.top_k / shape.experts, rank, decode=m in decodes
-            )
+            for config in precompile_set(starts[m], m * shape.top_k / shape.experts, rank)
         ]
         failures = compile_all(tasks, jobs, deadline=began + budget_s / 2)
         log(
@@ -329,15 +280,10 @@ def autotune(
         deadline = time.monotonic() + left / (len(buckets) - index)
         timer = Timer(layer, CellInputs.make(layer, tokens, rank, num_slots))
         start = starts[tokens]
-        if previous is not None and not previous.decode and timer(previous) < timer(start):
+        if previous is not None and timer(previous) < timer(start):
             start = previous
         rows_per_expert = tokens * shape.top_k / shape.experts
         found = search(timer, start, rows_per_expert, rank, deadline, elem_size)
-        if tokens in decodes:
-            begin = decodes[tokens]
-            if previous is not None and previous.decode and timer(previous) < timer(begin):
-                begin = previous
-            found = search_decode(timer, found, begin, deadline)
         complete = complete and time.monotonic() <= deadline
         error = timer.error(found)
         if not error < TOLERANCE:  # never keep a wrong configuration

@@ -63,9 +63,9 @@ class MoEConfig:
         (no (T*k, H) round trip through memory; the order of the k additions varies, so for
         k > 2 the last bit may differ between runs); else w2 stores one row per pair and a
         separate pass sums the k rows in a fixed order (deterministic).
-    decode: run the two per-pair kernels of ``kernels.decode_moe`` instead (no alignment, no
-        MMA blocks: for a handful of pairs); w13's and w2's block_n, block_k, num_warps and
-        num_stages apply, the other fields are kept for ranks the decode kernels cannot take.
+    decode: fold the alignment into the GEMMs: every (token, expert) pair is a 16-row block of
+        its own, its expert read straight from topk_ids (``kernels.align.pair_blocks``), so a
+        decode step with a handful of pairs launches no alignment; block_m is then unused.
     """
 
     block_m: int
@@ -143,20 +143,17 @@ def padded_rank(rank: int) -> int:
 SMEM_BUDGET = 160 * 1024
 
 
-#: Largest padded LoRA rank held in registers by the decode kernels and the fused shrink.
+#: Largest padded LoRA rank a fused shrink holds in registers (and the rank step of the
+#: separate shrink and the expand).
 MAX_REGISTER_RANK = 64
 
 
 def fit_stages(config: MoEConfig, elem_size: int, lora_rank: int = 16) -> MoEConfig:
     """Fit a configuration to the LoRA rank and dtype: ranks above ``MAX_REGISTER_RANK``
-    leave the decode kernels and the fused shrink for the aligned path's separate shrink, and
-    num_stages is lowered where the operand tiles of ``elem_size``-byte elements (fp32: 4)
-    would not fit ``SMEM_BUDGET`` (a fused shrink adds its stacked A tile)."""
+    take the separate shrink, and num_stages is lowered where the operand tiles of
+    ``elem_size``-byte elements (fp32: 4) would not fit ``SMEM_BUDGET`` (a fused shrink adds
+    its stacked A tile)."""
     rp = padded_rank(lora_rank)
-    if config.decode:
-        if rp <= MAX_REGISTER_RANK:
-            return config
-        config = dataclasses.replace(config, decode=False)
     if rp > MAX_REGISTER_RANK:
         config = dataclasses.replace(
             config,
@@ -167,8 +164,6 @@ def fit_stages(config: MoEConfig, elem_size: int, lora_rank: int = 16) -> MoECon
 
     def fit(gemm: GemmConfig, tile_rows: int) -> GemmConfig:
         lora_rows = lora_cols if gemm.fused_shrink else 0
-        # The aligned path's dots need 16 columns (a decode configuration may have fewer).
-        gemm = dataclasses.replace(gemm, block_n=max(gemm.block_n, 16))
         per_stage = (config.block_m + tile_rows + lora_rows) * gemm.block_k * elem_size
         stages = max(2, min(gemm.num_stages, SMEM_BUDGET // per_stage))
         return dataclasses.replace(gemm, num_stages=stages)

@@ -7,10 +7,9 @@ from typing import Literal
 
 import torch
 
-from kernels.align import align_pairs
+from kernels.align import align_pairs, pair_blocks
 from kernels.config_select import ConfigSelector, selector_for
 from kernels.configs import MoEConfig
-from kernels.decode_moe import DecodeLoRA, decode_experts
 from kernels.fused_moe import LoRABuffers, fused_experts
 from kernels.model_shape import LayerShape
 from kernels.reference import moe_forward_reference
@@ -36,35 +35,24 @@ def fused_moe(
 
     Returns (T, H) in hidden's dtype. The routed experts are summed in float32 and the shared
     expert (computed by torch in hidden's dtype) is added before the one final rounding.
-    ``config.decode`` takes the per-pair kernels of ``kernels.decode_moe``, else the aligned
-    grouped GEMMs of ``kernels.fused_moe``.
+    ``config.decode`` runs the GEMMs over one block per pair (``kernels.align.pair_blocks``:
+    no alignment launch), else over the expert-sorted blocks of ``kernels.align.align_pairs``.
     """
     slots = None if lora is None else lora.slots
-    shared = None
-    if layer.shared is not None:
-        shared = shared_expert_forward(hidden, layer.shared, hidden.dtype)
+    token_slots = None if lora is None else lora.token_slots
+    enabled = None if slots is None else slots.enabled
     if config.decode:
-        decode_lora = None
-        if lora is not None and slots is not None:
-            decode_lora = DecodeLoRA(
-                slots.a13, slots.b13, slots.a2, slots.b2, lora.token_slots, slots.enabled
-            )
-        return decode_experts(
-            hidden.contiguous(), layer.w13.contiguous(), layer.w2.contiguous(),
-            layer.b13, layer.b2, layer.activation, layer.swiglu_alpha, layer.swiglu_limit,
-            routing.topk_ids.contiguous(), routing.topk_weights.contiguous(), decode_lora,
-            config.w13, config.w2, addend=shared,
-        )  # fmt: skip
-    alignment = align_pairs(
-        routing.topk_ids,
-        layer.num_experts,
-        config.block_m,
-        token_slots=None if lora is None else lora.token_slots,
-        enabled=None if slots is None else slots.enabled,
-    )
+        alignment = pair_blocks(routing.topk_ids.contiguous(), token_slots, enabled)
+    else:
+        alignment = align_pairs(
+            routing.topk_ids, layer.num_experts, config.block_m, token_slots, enabled
+        )
     buffers = None
     if slots is not None and alignment.row_slots is not None:
         buffers = LoRABuffers(slots.a13, slots.b13, slots.a2, slots.b2, alignment.row_slots)
+    shared = None
+    if layer.shared is not None:
+        shared = shared_expert_forward(hidden, layer.shared, hidden.dtype)
     return fused_experts(
         hidden.contiguous(),
         layer.w13.contiguous(),

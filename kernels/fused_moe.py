@@ -25,9 +25,11 @@ and every sum has a fixed order.
 A block may hold rows of several adapter slots ("segments", numbered by slot). The shrink
 handles up to ``MoEConfig.lora_segments`` segments (in the main loop: ``segments_per_pass``)
 with *one* dot against their A matrices stacked side by side, each row keeping the rank-R slice
-of its own segment (``_collapse``), so x is read once per that many segments. The expand does
-the reverse in one dot per pass: each row's rank-R vector spread over its segment's columns
-(``_stack``) against the segments' B matrices stacked the same way. Ranks above
+of its own segment (``_collapse``), so x is read once per that many segments. The expand of the
+separate shrink's xa does the reverse in one dot per pass: each row's rank-R vector loaded
+into its segment's columns (a masked load) against the segments' B matrices stacked the same
+way; with the shrink fused, xa is in registers and the expand takes one small dot per segment
+(a register tile cannot be re-laid out for free). Ranks above
 ``MAX_REGISTER_RANK`` go 64 at a time (the separate shrink, then the expand from memory), so
 any rank fits in shared memory and registers.
 
@@ -46,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.align import Alignment
+from kernels.align import Alignment, pair_slots
 from kernels.configs import (
     MAX_REGISTER_RANK,
     GemmConfig,
@@ -79,15 +81,32 @@ def _program_tile(num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_segments(row_slots_ptr, row0, BLOCK_M: tl.constexpr, S_P2: tl.constexpr):
-    """The block's row slots, each row's segment (index of its slot among the slots present,
-    -1 without LoRA) and the number of segments."""
-    slot = tl.load(row_slots_ptr + row0 + tl.arange(0, BLOCK_M))
+def _block_pairs(pair_ids_ptr, block, rows, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+    """The pair in each of the block's ``rows`` (-1: padding): the alignment's, or with
+    PAIR_BLOCKS block b is pair b alone, in its first row."""
+    if PAIR_BLOCKS:
+        return tl.where(rows == block * BLOCK_M, block, -1)
+    return tl.load(pair_ids_ptr + rows)
+
+
+@triton.jit
+def _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS: tl.constexpr):
+    """Each row's effective adapter slot (-1: none): the alignment's row_slots, or with
+    PAIR_BLOCKS looked up per pair (``row_slots_ptr`` then holds the token slots)."""
+    if PAIR_BLOCKS:
+        return pair_slots(row_slots_ptr, enabled_ptr, pair, pair >= 0, top_k)
+    return tl.load(row_slots_ptr + rows)
+
+
+@triton.jit
+def _block_segments(slot, S_P2: tl.constexpr):
+    """Each row's segment (index of its slot among the slots present in the rows, -1 without
+    LoRA) and the number of segments."""
     hit = slot[:, None] == tl.arange(0, S_P2)[None, :]
     present = tl.max(hit.to(tl.int32), axis=0)
     index = tl.cumsum(present, 0) - 1
     seg = tl.sum(tl.where(hit, index[None, :], 0), axis=1)
-    return slot, tl.where(slot >= 0, seg, -1), tl.sum(present, axis=0)
+    return tl.where(slot >= 0, seg, -1), tl.sum(present, axis=0)
 
 
 @triton.jit
@@ -109,16 +128,6 @@ def _collapse(xa_stacked, seg, chunk, BLOCK_M: tl.constexpr, NSEG: tl.constexpr,
     target = chunk * NSEG + tl.arange(0, NSEG)
     mine = seg[:, None, None] == target[None, :, None]
     return tl.sum(tl.where(mine, x3, 0.0), axis=1)
-
-
-@triton.jit
-def _stack(xa, seg, chunk, BLOCK_M: tl.constexpr, NSEG: tl.constexpr, RC: tl.constexpr):
-    """(BLOCK_M, RC) → (BLOCK_M, NSEG*RC), the inverse of ``_collapse``: each row's values
-    in the columns of its own segment, zeros elsewhere (selected, so no NaN leaks across)."""
-    x3 = tl.broadcast_to(xa[:, None, :], (BLOCK_M, NSEG, RC))
-    target = chunk * NSEG + tl.arange(0, NSEG)
-    mine = seg[:, None, None] == target[None, :, None]
-    return tl.reshape(tl.where(mine, x3, 0.0), (BLOCK_M, NSEG * RC))
 
 
 @triton.jit
@@ -228,31 +237,72 @@ def _lora_expand(
     expert,
     b_rows,
     col_mask,
-    r0,
     R,
     stride_bs,
     stride_be,
     stride_br,
-    BLOCK_M: tl.constexpr,
+    RP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """acc += each row's xa (BLOCK_M, RP), held in registers, times its slot's B[s, e] rows
+    ``b_rows`` (offsets of the tile's output columns in B): one small dot per segment, with
+    the other rows' xa zeroed. One segment at a time keeps the epilogue's registers to 2-D
+    (BLOCK_M, RP) and (RP, BLOCK_N) tiles, next to the live accumulator."""
+    ranks = tl.arange(0, RP)
+    for j in range(0, n_seg):
+        seg_slot = tl.max(tl.where(seg == j, slot, -1), axis=0).to(tl.int64)
+        b_seg = b_ptr + expert * stride_be + seg_slot * stride_bs
+        b = tl.load(
+            b_seg + ranks[:, None] * stride_br + b_rows[None, :],
+            mask=(ranks < R)[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        mine = tl.where((seg == j)[:, None], xa, 0.0).to(b.dtype)
+        acc = tl.dot(mine, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _lora_expand_stacked(
+    acc,
+    xa_ptr,
+    rows,
+    slot,
+    seg,
+    n_seg,
+    b_ptr,
+    expert,
+    b_rows,
+    col_mask,
+    R,
+    stride_bs,
+    stride_be,
+    stride_br,
     NSEG: tl.constexpr,
+    RP: tl.constexpr,
     RC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """acc += each row's xa (BLOCK_M, RC) (ranks r0..r0+RC) times its slot's B[s, e] rows
-    ``b_rows`` (offsets of the tile's output columns in B). Per pass of NSEG segments one dot:
-    the rows' xa spread over the columns of their segment (``_stack``) against the segments'
-    B columns stacked the same way, so a block of four adapters costs one K = 4·RC dot, not
-    four dots of K = RC with a B load before each."""
+    """acc += each row's xa (from the separate shrink's (rows, RP) buffer) times its slot's
+    B[s, e] rows ``b_rows``: per pass of NSEG segments and RC ranks *one* dot, whose operands
+    are stacked straight from memory: column c of the xa tile is rank r0 + c % RC of the row
+    where the row belongs to segment c // RC, else 0 (a masked load), against the segments'
+    B columns stacked the same way. Four adapters in a block cost one K = 4·RC dot."""
+    cols = tl.arange(0, NSEG * RC)
     for chunk in range(0, tl.cdiv(n_seg, NSEG)):
-        col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, r0, R, NSEG, RC)
-        b = tl.load(
-            b_ptr + expert * stride_be + col_slot[:, None] * stride_bs
-            + col_rank[:, None] * stride_br + b_rows[None, :],
-            mask=col_ok[:, None] & col_mask[None, :],
-            other=0.0,
-        )  # fmt: skip
-        stacked = _stack(xa, seg, chunk, BLOCK_M, NSEG, RC).to(b.dtype)
-        acc = tl.dot(stacked, b, acc, input_precision=PRECISION)
+        for r0 in tl.static_range(0, RP, RC):
+            col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, r0, R, NSEG, RC)
+            b = tl.load(
+                b_ptr + expert * stride_be + col_slot[:, None] * stride_bs
+                + col_rank[:, None] * stride_br + b_rows[None, :],
+                mask=col_ok[:, None] & col_mask[None, :],
+                other=0.0,
+            )  # fmt: skip
+            mine = seg[:, None] == (chunk * NSEG + cols // RC)[None, :]
+            stacked = tl.load(
+                xa_ptr + rows[:, None] * RP + (r0 + cols % RC)[None, :], mask=mine, other=0.0
+            )
+            acc = tl.dot(stacked.to(b.dtype), b, acc, input_precision=PRECISION)
     return acc
 
 
@@ -309,8 +359,8 @@ def _fused_tile(
             BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
         )  # fmt: skip
     return _lora_expand(
-        acc, xa, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, 0, R,
-        stride_bs, stride_be, stride_br, BLOCK_M, NSEG, RP, PRECISION,
+        acc, xa, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
+        stride_bs, stride_be, stride_br, RP, PRECISION,
     ), xa  # fmt: skip
 
 
@@ -329,7 +379,10 @@ def _gemm_tile(
     b_ptr,
     bias_ptr,
     row_slots_ptr,
+    enabled_ptr,
     row0,
+    pair,
+    top_k,
     expert,
     slot,
     seg,
@@ -347,6 +400,7 @@ def _gemm_tile(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     FUSED_SHRINK: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -378,13 +432,12 @@ def _gemm_tile(
         if HAS_LORA:
             # Loaded after the main loop, so they take no registers while it runs.
             rows = row0 + tl.arange(0, BLOCK_M)
-            slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
-            for r0 in tl.static_range(0, RP, RC):
-                xa_rows = tl.load(xa_ptr + rows[:, None] * RP + r0 + tl.arange(0, RC)[None, :])
-                acc = _lora_expand(
-                    acc, xa_rows, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, r0, R,
-                    stride_bs, stride_be, stride_br, BLOCK_M, NSEG, RC, PRECISION,
-                )  # fmt: skip
+            slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
+            seg, n_seg = _block_segments(slot, S_P2)
+            acc = _lora_expand_stacked(
+                acc, xa_ptr, rows, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
+                stride_bs, stride_be, stride_br, NSEG, RP, RC, PRECISION,
+            )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_bias + out_cols, mask=col_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -398,6 +451,7 @@ def _lora_shrink_kernel(
     xa_ptr,  # (max_rows, RP) out, operand dtype: x·A[s, e]ᵀ per aligned row
     pair_ids_ptr,
     row_slots_ptr,
+    enabled_ptr,  # PAIR_BLOCKS: the slots' enabled flags (row_slots_ptr: token slots)
     block_experts_ptr,
     K,
     top_k,
@@ -407,6 +461,7 @@ def _lora_shrink_kernel(
     stride_ae,
     stride_ar,
     GATHER: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # the alignment's block
     SUB_M: tl.constexpr,  # rows per program: a part of a block
     BLOCK_K: tl.constexpr,
@@ -425,10 +480,11 @@ def _lora_shrink_kernel(
         return
     row0 = block * BLOCK_M + (pid % (BLOCK_M // SUB_M)) * SUB_M
     rows = row0 + tl.arange(0, SUB_M)
-    slot, seg, n_seg = _block_segments(row_slots_ptr, row0, SUB_M, S_P2)
+    pair = _block_pairs(pair_ids_ptr, block, rows, BLOCK_M, PAIR_BLOCKS)
+    slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
+    seg, n_seg = _block_segments(slot, S_P2)
     if GATHER:
-        pair = tl.load(pair_ids_ptr + rows)
-        x_row_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+        x_row_ptrs = x_ptr + (tl.maximum(pair, 0) // top_k).to(tl.int64) * stride_x
     else:
         x_row_ptrs = x_ptr + rows.to(tl.int64) * stride_x
     for r0 in tl.static_range(0, RP, RC):
@@ -451,8 +507,9 @@ def _w13_kernel(
     b_ptr,  # (S, E, 2I, R) LoRA B13
     out_ptr,  # (max_rows, I) activation, aligned row order
     pair_ids_ptr,
-    row_slots_ptr,
-    block_experts_ptr,
+    row_slots_ptr,  # PAIR_BLOCKS: the token slots
+    enabled_ptr,  # PAIR_BLOCKS: the slots' enabled flags, or unused
+    block_experts_ptr,  # PAIR_BLOCKS: topk_ids, the expert of each pair
     clear_ptr,  # float32 buffer zeroed on the side (the w2 sum), or unused
     clear_numel,
     clear_per_program,
@@ -479,6 +536,7 @@ def _w13_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     FUSED_SHRINK: tl.constexpr,  # implies HAS_LORA
+    PAIR_BLOCKS: tl.constexpr,  # every block is one pair, in its first row (no alignment)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -506,12 +564,13 @@ def _w13_kernel(
         return
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ids_ptr + rows)
+    pair = _block_pairs(pair_ids_ptr, pid_m, rows, BLOCK_M, PAIR_BLOCKS)
     x_row_mask = pair >= 0
-    x_row_ptrs = x_ptr + (pair // top_k).to(tl.int64) * stride_xt
+    x_row_ptrs = x_ptr + (tl.maximum(pair, 0) // top_k).to(tl.int64) * stride_xt
     if FUSED_SHRINK:
         # The rows' adapter segments; x·Aᵀ comes from the first tile's main loop.
-        slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+        slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
+        seg, n_seg = _block_segments(slot, S_P2)
     else:
         slot, seg, n_seg = pair, pair, 0  # unused: the tile reads them after its main loop
     xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
@@ -529,9 +588,10 @@ def _w13_kernel(
         acc, xa = _gemm_tile(
             tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), xa, tile == first,
             x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask,
-            a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, row0, expert, slot, seg, n_seg, H, R,
+            a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair, top_k,
+            expert, slot, seg, n_seg, H, R,
             stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
-            stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK,
+            stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
             BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, PRECISION,
         )  # fmt: skip
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -556,8 +616,9 @@ def _w2_kernel(
     b_ptr,  # (S, E, H, R) LoRA B2
     out_ptr,  # ATOMIC_SUM: (T, H) fp32 zeroed by _w13_kernel; else (T*k, H), row per pair
     pair_ids_ptr,
-    row_slots_ptr,
-    block_experts_ptr,
+    row_slots_ptr,  # PAIR_BLOCKS: the token slots
+    enabled_ptr,  # PAIR_BLOCKS: the slots' enabled flags, or unused
+    block_experts_ptr,  # PAIR_BLOCKS: topk_ids, the expert of each pair
     topk_weights_ptr,  # (T*k,) fp32
     num_blocks,
     H,
@@ -580,6 +641,7 @@ def _w2_kernel(
     HAS_LORA: tl.constexpr,
     FUSED_SHRINK: tl.constexpr,  # implies HAS_LORA
     ATOMIC_SUM: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,  # every block is one pair, in its first row (no alignment)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -599,7 +661,7 @@ def _w2_kernel(
         return
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ids_ptr + rows)
+    pair = _block_pairs(pair_ids_ptr, pid_m, rows, BLOCK_M, PAIR_BLOCKS)
     valid = pair >= 0
     # Padding rows of the activation were written by _w13_kernel (finite): no mask needed.
     x_row_mask = rows >= 0
@@ -611,7 +673,8 @@ def _w2_kernel(
         out_rows = out_ptr + pair.to(tl.int64) * stride_out
     if FUSED_SHRINK:
         # The rows' adapter segments; x·Aᵀ comes from the first tile's main loop.
-        slot, seg, n_seg = _block_segments(row_slots_ptr, row0, BLOCK_M, S_P2)
+        slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
+        seg, n_seg = _block_segments(slot, S_P2)
     else:
         slot, seg, n_seg = pair, pair, 0  # unused: the tile reads them after its main loop
     xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
@@ -624,9 +687,10 @@ def _w2_kernel(
         acc, xa = _gemm_tile(
             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), xa, tile == first,
             x_row_ptrs, x_row_mask, w_cols, cols, col_mask,
-            a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, row0, expert, slot, seg, n_seg,
+            a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair, top_k,
+            expert, slot, seg, n_seg,
             inter, R, stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
-            stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK,
+            stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
             BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, PRECISION,
         )  # fmt: skip
         acc *= routed_weight[:, None]
@@ -704,10 +768,11 @@ def lora_shrink_stage(
     xa = torch.empty((alignment.max_blocks * block_m, rp), dtype=x.dtype, device=x.device)
     block_k = _SHRINK_BLOCK_K if x.element_size() == 2 else _SHRINK_BLOCK_K // 2
     _lora_shrink_kernel[(alignment.max_blocks * (block_m // sub_m),)](
-        x, lora_a, xa, alignment.sorted_pair_ids, lora.row_slots, alignment.block_experts,
-        x.shape[1], top_k, lora_a.shape[2],
+        x, lora_a, xa, alignment.sorted_pair_ids, lora.row_slots, _enabled(alignment),
+        alignment.block_experts, x.shape[1], top_k, lora_a.shape[2],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        GATHER=gather, BLOCK_M=block_m, SUB_M=sub_m, BLOCK_K=block_k,
+        GATHER=gather, PAIR_BLOCKS=alignment.pair_blocks,
+        BLOCK_M=block_m, SUB_M=sub_m, BLOCK_K=block_k,
         NSEG=max(1, min(config.lora_segments, _SHRINK_STACK // rc)), RP=rp, RC=rc, S_P2=s_p2,
         PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3,
     )  # fmt: skip
@@ -757,6 +822,11 @@ def _lora_args(
     return _LoRAArgs(lora_a, xa, lora_b, lora.row_slots, rank, rp, rc, s_p2, nseg, fused)
 
 
+def _enabled(alignment: Alignment) -> torch.Tensor:
+    """The enabled flags pair blocks read, or a placeholder the kernels do not read."""
+    return alignment.enabled if alignment.enabled is not None else alignment.block_experts
+
+
 def _grid(alignment: Alignment, num_tiles: int, gemm: GemmConfig) -> tuple[int]:
     return (alignment.max_blocks * triton.cdiv(num_tiles, gemm.tiles_per_program),)
 
@@ -791,7 +861,7 @@ def w13_stage(
     clear_per_program = triton.cdiv(triton.cdiv(clear_numel, grid[0]), _CLEAR_BLOCK)
     _w13_kernel[grid](
         hidden, w13, bias, la.a, la.xa, la.b, act,
-        alignment.sorted_pair_ids, la.row_slots, alignment.block_experts,
+        alignment.sorted_pair_ids, la.row_slots, _enabled(alignment), alignment.block_experts,
         clear if clear is not None else act, clear_numel, clear_per_program * _CLEAR_BLOCK,
         max_blocks, h, inter, top_k, la.rank, alpha, limit,
         hidden.stride(0), w13.stride(0), w13.stride(1), bias.stride(0),
@@ -800,6 +870,7 @@ def w13_stage(
         act.stride(0),
         ACTIVATION=0 if activation is Activation.SILU else 1,
         HAS_BIAS=b13 is not None, HAS_LORA=lora is not None, FUSED_SHRINK=la.fused,
+        PAIR_BLOCKS=alignment.pair_blocks,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
@@ -832,14 +903,15 @@ def w2_stage(
     bias = b2 if b2 is not None else w2
     _w2_kernel[_grid(alignment, triton.cdiv(h, cfg.block_n), cfg)](
         act, w2, bias, la.a, la.xa, la.b, out,
-        alignment.sorted_pair_ids, la.row_slots, alignment.block_experts, topk_weights,
+        alignment.sorted_pair_ids, la.row_slots, _enabled(alignment), alignment.block_experts,
+        topk_weights,
         alignment.max_blocks, h, inter, top_k, la.rank,
         act.stride(0), w2.stride(0), w2.stride(1), bias.stride(0),
         la.a.stride(0), la.a.stride(1), la.a.stride(2),
         la.b.stride(0), la.b.stride(1), la.b.stride(2), la.b.stride(3),
         out.stride(0),
         HAS_BIAS=b2 is not None, HAS_LORA=lora is not None, FUSED_SHRINK=la.fused,
-        ATOMIC_SUM=config.atomic_sum,
+        ATOMIC_SUM=config.atomic_sum, PAIR_BLOCKS=alignment.pair_blocks,
         BLOCK_M=alignment.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,

@@ -4,11 +4,10 @@ Fitted on the tuned tables (``kernels/configs/*.json``) and on what start-up aut
 for the shape zoo of ``python -m kernels.bench --zoo`` on an H100 (kernels/BENCHMARKS.md), per
 regime of rows per expert (``M * k / E``), written as rules. The regimes:
 
-* a handful of (token, expert) pairs: the decode kernels (``MoEConfig.decode``): no alignment,
-  matrix-vector work per pair, narrow tiles so that every SM keeps loading weights.
-* about one row per expert: weight streaming. Narrow tiles, one per program, so every
+* about one row per expert (decode): weight streaming. Narrow tiles, one per program, so every
   SM keeps loading; deeper K steps for wide H; the w2 shrink fused into its main loop (the
-  separate launch would be a few serial K loops).
+  separate launch would be a few serial K loops); with a handful of pairs the alignment folded
+  into the GEMMs (``MoEConfig.decode``) and both shrinks fused.
 * up to ~48 rows: still streaming, BLOCK_M 16 or 32.
 * beyond: tensor-core bound. 64- then 128-row blocks with wide tiles, one tile per program,
   and a grouped launch order (a block's N tiles together, so its gathered rows stay in L2) for
@@ -56,23 +55,6 @@ def _streaming(num_tokens: int, hidden: int, inter: int, rows_per_expert: float)
     )
 
 
-def _decode_tiles(programs_per_col: int, cols: int, depth: int) -> GemmConfig:
-    """block_n narrow enough for two waves of programs over 132 SMs, block_k deep."""
-    block_n = 16 if programs_per_col * cols // 16 >= 264 else 8
-    return GemmConfig(block_n, 256 if depth >= 2048 else 128, 1, num_warps=4, num_stages=3)
-
-
-def decode_tiles(
-    num_tokens: int, hidden: int, inter: int, top_k: int
-) -> tuple[GemmConfig, GemmConfig]:
-    """The decode kernels' (w13, w2) tiles: w13 runs a program per pair and I tile, w2 one per
-    token and H tile."""
-    return (
-        _decode_tiles(num_tokens * top_k, inter, hidden),
-        _decode_tiles(num_tokens, hidden, inter),
-    )
-
-
 def decode_pays(num_tokens: int, num_experts: int, top_k: int) -> bool:
     """Few pairs, most on experts of their own: no block would share a weight tile."""
     return num_tokens * top_k <= max(top_k, num_experts // 4)
@@ -115,6 +97,11 @@ def heuristic_config(
     # Scalar fp32 atomics cost more than the (T*k, H) round trip once there are millions.
     config = dataclasses.replace(config, atomic_sum=num_tokens * top_k * hidden <= (1 << 22))
     if allow_decode and decode_pays(num_tokens, num_experts, top_k):
-        w13, w2 = decode_tiles(num_tokens, hidden, inter, top_k)
-        config = dataclasses.replace(config, decode=True, w13=w13, w2=w2)
+        # One row per block: a separate shrink launch would cost more than it saves.
+        config = dataclasses.replace(
+            config,
+            decode=True,
+            w13=dataclasses.replace(config.w13, fused_shrink=True),
+            w2=dataclasses.replace(config.w2, fused_shrink=True),
+        )
     return fit_stages(config, elem_size)

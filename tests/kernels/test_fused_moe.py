@@ -248,13 +248,14 @@ def test_fused_matches_reference(
         assert relative_error(expected[False], expected[True]) > 10 * tol
 
 
-#: Cases of the aligned path that the decode kernels (``kernels.decode_moe``) must meet too.
+#: Cases that pair blocks (``MoEConfig.decode``: no alignment, a block per pair) must meet too.
 DECODE_CASES = [
     "one_token",
     "tokens_not_multiple_of_block_m_odd_shapes_fp16",
     "top_k_1_rank_4",
     "top_k_8_fp16",
     "rank_64_fp16",
+    "rank_96_in_two_chunks_fp16",
     "empty_and_disabled_slots",
     "no_token_has_an_adapter",
     "every_token_on_one_expert",
@@ -262,48 +263,45 @@ DECODE_CASES = [
     "qwen2_shared_expert_with_gate_fp16",
     "deepseek_grouped_router_shared_expert",
     "k_not_multiple_of_block_k",
+    "fused_shrink_one_token",
+    "fused_shrink_gpt_oss_biases_disabled_slots",
 ]
 
 
-def _decode_case(name: str, block_n: int, block_k: int) -> Case:
-    """A case cut to a decode batch (a few tokens: the interpreter runs a program per pair)."""
+def _decode_case(name: str) -> Case:
+    """A case cut to a decode batch (a few tokens: the interpreter runs a block per pair)."""
     case = CASES[name]
     tokens = min(case.tokens, 5)
     slots = case.token_slots[:tokens] if case.token_slots is not None else None
-    tiles = (block_n, block_k, 1)
-    return dataclasses.replace(
-        case, tokens=tokens, token_slots=slots, decode=True, w13=tiles, w2=tiles
-    )
+    return dataclasses.replace(case, tokens=tokens, token_slots=slots, decode=True)
 
 
-@pytest.mark.parametrize(
-    ("name", "block_n", "block_k"),
-    [(name, 8, 32) for name in DECODE_CASES]
-    + [("one_token", 16, 64), ("top_k_8_fp16", 16, 64), ("k_not_multiple_of_block_k", 32, 64)],
-)
-def test_decode_matches_reference(name: str, block_n: int, block_k: int) -> None:
-    case = _decode_case(name, block_n, block_k)
+@pytest.mark.parametrize("atomic_sum", [True, False], ids=["atomic_sum", "sum_pass"])
+@pytest.mark.parametrize("name", DECODE_CASES)
+def test_pair_blocks_match_reference(name: str, atomic_sum: bool) -> None:
+    case = _decode_case(name)
     hidden, layer, lora, routing = _inputs(case, seed=11)
     for context in (lora, None):
         expected = moe_forward_reference(hidden, layer, context, routing)
-        got = fused_moe(hidden, layer, context, routing, case.config(atomic_sum=False))
+        got = fused_moe(hidden, layer, context, routing, case.config(atomic_sum))
         assert got.dtype == hidden.dtype and got.shape == hidden.shape
         err = relative_error(got, expected)
         tol = TOLERANCE[case.dtype]
         assert err < tol, f"{name} lora={context is not None}: rel err {err:.2e} ≥ {tol:.0e}"
 
 
-def test_decode_is_deterministic_and_matches_aligned_path() -> None:
-    """The decode kernels sum over k in a fixed order: two runs agree bit for bit."""
-    case = _decode_case("top_k_8_fp16", 16, 32)
+def test_pair_blocks_need_no_alignment_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``decode`` the alignment kernels are never called."""
+
+    def no_alignment(*args: object, **kwargs: object) -> None:
+        raise AssertionError("align_pairs called for a decode configuration")
+
+    monkeypatch.setattr("kernels.forward.align_pairs", no_alignment)
+    case = _decode_case("top_k_8_fp16")
     hidden, layer, lora, routing = _inputs(case, seed=5)
-    first = fused_moe(hidden, layer, lora, routing, case.config(atomic_sum=False))
-    second = fused_moe(hidden, layer, lora, routing, case.config(atomic_sum=False))
-    assert torch.equal(first, second)
-    aligned = fused_moe(
-        hidden, layer, lora, routing, dataclasses.replace(case, decode=False).config(False)
-    )
-    assert relative_error(first, aligned) < TOLERANCE[case.dtype]
+    got = fused_moe(hidden, layer, lora, routing, case.config(atomic_sum=False))
+    expected = moe_forward_reference(hidden, layer, lora, routing)
+    assert relative_error(got, expected) < TOLERANCE[case.dtype]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -15,7 +15,7 @@ from kernels.autotune import autotune
 from kernels.bench import SHAPES as BENCH_SHAPES
 from kernels.bench import ZOO
 from kernels.forward import fused_moe, layer_shape
-from kernels.heuristic import decode_tiles, heuristic_config
+from kernels.heuristic import heuristic_config
 from kernels.reference import moe_forward_reference
 from kernels.synthetic import (
     lora_context,
@@ -67,8 +67,7 @@ def test_decode_real_shapes_bf16(shape: str, tokens: int) -> None:
     layer = random_layer(e, h, i, k, dtype=torch.bfloat16, device="cuda", seed=tokens)
     hidden = random_hidden(tokens, h, dtype=torch.bfloat16, device="cuda")
     routing = random_routing(tokens, e, k, device="cuda")
-    w13, w2 = decode_tiles(tokens, h, i, k)
-    config = dataclasses.replace(heuristic_config(tokens, e, h, i, k), decode=True, w13=w13, w2=w2)
+    config = dataclasses.replace(heuristic_config(tokens, e, h, i, k), decode=True)
     lora = _lora(layer, tokens)
     for context in (lora, None):
         expected = moe_forward_reference(hidden, layer, context, routing)
@@ -78,7 +77,7 @@ def test_decode_real_shapes_bf16(shape: str, tokens: int) -> None:
 
 @pytest.mark.parametrize("name", DECODE_CASES)
 def test_decode_edge_cases_bf16(name: str) -> None:
-    case = dataclasses.replace(_decode_case(name, 16, 64), dtype=torch.bfloat16)
+    case = dataclasses.replace(_decode_case(name), dtype=torch.bfloat16)
     hidden, layer, lora, routing = _inputs(case, seed=3)
     for context in (lora, None):
         expected = moe_forward_reference(hidden, layer, context, routing)
