@@ -1,9 +1,11 @@
-"""One benchmark client process of ``bench_forward`` (not product API).
+"""One benchmark client process of ``bench_forward`` and ``bench_load`` (not product API).
 
 Builds one Forward request as a backend would (bf16 hidden states on the wire, the tokens split
 evenly over its adapters), sends it ``--warmup`` times, prints ``ready``, waits for ``go`` on
-stdin (so that every client of a row starts together), then times ``--iters`` round trips and
-prints one JSON line: latencies, the executor's ``server_time_us``, wall-clock start and end.
+stdin (so that every client of a row starts together), then times ``--iters`` round trips (0:
+until ``stop`` on stdin, as ``bench_load`` does while a load runs) and prints one JSON line:
+latencies, the executor's ``server_time_us``, each call's wall-clock start, and the run's start
+and end.
 ``--target echo`` sends the same bytes to the echo server instead (the transport floor).
 Plain generated stubs, numpy only: a client process starts fast and shares nothing with the
 executor.
@@ -15,6 +17,7 @@ import argparse
 import json
 import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, required=True)
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--adapters", default="", help="comma list of adapter references")
-    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--iters", type=int, default=100, help="0: until 'stop' on stdin")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -132,9 +135,20 @@ def main(argv: list[str] | None = None) -> None:
         print("ready", flush=True)
         if sys.stdin.readline().strip() != "go":
             return
-        latency, server = [], []
+        latency: list[float] = []
+        server: list[int] = []
+        stop = threading.Event()
+
+        def wait_for_stop() -> None:
+            sys.stdin.readline()
+            stop.set()
+
+        if not args.iters:  # until "stop" on stdin
+            threading.Thread(target=wait_for_stop, daemon=True).start()
         start = time.time()
-        for _ in range(args.iters):
+        started: list[float] = []
+        while (len(latency) < args.iters) if args.iters else not stop.is_set():
+            started.append(time.time())
             begin = time.perf_counter()
             server_us = call()
             latency.append(time.perf_counter() - begin)
@@ -142,7 +156,17 @@ def main(argv: list[str] | None = None) -> None:
         end = time.time()
         if stream is not None:
             stream.close()
-    print(json.dumps({"latency_s": latency, "server_us": server, "start": start, "end": end}))
+    print(
+        json.dumps(
+            {
+                "latency_s": latency,
+                "server_us": server,
+                "started": started,
+                "start": start,
+                "end": end,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -5,22 +5,22 @@ E 128) and a PEFT 3D bf16 adapter for it of Qwen3-30B-A3B's size: 48 layers at r
 1.26 GB; by default 2 layers at rank 384 hold the same bytes (the base checkpoint stays small
 enough for a CPU machine). Starts ``moelora-registry`` in its own process (local directory
 backend, then S3 on moto's server) and an executor in this process, uploads the adapter and
-times, for one new adapter each:
+times, on an otherwise idle executor:
 
 * ``upload``: ``RegistryClient.upload`` (what ``adapterctl upload`` does),
-* ``cold``: ``LoadAdapter(to_gpu)`` of a version the executor has never seen: download with
-  streaming sha256 into the disk cache → pack from the memory map into the compute dtype
-  (pinned on CUDA) → host cache → slot copy,
+* ``cold``: ``LoadAdapter(to_gpu)`` of a version the executor has never seen: parallel ranged
+  reads into the disk cache, hashed as they arrive → each layer packed from the memory map as
+  soon as its bytes are in (compute dtype, pinned on CUDA) → checked → host cache → slot copy,
 * ``disk warm``: the same after UnloadAdapter (the disk cache keeps the files; the OS page
   cache too: this is not a cold-disk read),
 * ``host warm``: after evicting the slot only (one host→device copy per layer tensor),
-* stages alone: ``download`` (RegistryClient.download), ``pack`` (``pack_adapter`` of the
-  disk-cache file),
+* stages alone: ``download`` (the executor's ranged download into an empty disk cache, until
+  checked), ``pack`` (``pack_adapter`` of the disk-cache file on a loader thread),
 
-and the p50 of Forward for another, pinned adapter while nothing loads and while the cold
-load runs. Rates are adapter file bytes per second (1 GB = 10^9 bytes). The client is in the
-executor's process (GIL shared), so the Forward figures are pessimistic. ``--small`` is a
-seconds-long smoke run (tests use it).
+then the p50 of Forward for another, pinned adapter from a client process of its own
+(``bench_clients``): idle, while a cold load of a second new version runs, and while that
+version loads again disk-warm (the load's own time is printed too). Rates are adapter file bytes
+per second (1 GB = 10^9 bytes). ``--small`` is a seconds-long smoke run (tests use it).
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ import datetime
 import json
 import os
 import platform
+import select
 import statistics
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,9 +48,12 @@ from executor_service.adapters import Location
 from executor_service.app import ExecutorApp
 from executor_service.client import ExecutorClient
 from executor_service.config import ExecutorSettings
+from executor_service.disk_cache import DiskCache
+from executor_service.loader import Loader, default_threads
 from executor_service.metrics import ExecutorMetrics
 from executor_service.packer import pack_adapter
-from executor_service.runtime import ExecutorRuntime
+from executor_service.registry_source import RegistrySource
+from executor_service.runtime import ExecutorRuntime, download_streams
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
 from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.bench_servers import moto_server, registry_server, write_adapter
@@ -57,6 +62,7 @@ from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
 
 BASE_NAME = "bench-base"
+OTHER = "other:1"
 _GB = 1e9
 
 
@@ -78,8 +84,10 @@ SMALL = Shape(64, 32, 8, 2, layers=2, rank=16)
 class Results:
     nbytes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
-    forward_idle: list[float] = field(default_factory=list)
-    forward_loading: list[float] = field(default_factory=list)
+    #: Forward latencies: idle, during a cold load, during a disk-warm load.
+    forward: dict[str, list[float]] = field(default_factory=dict)
+    #: Seconds of the loads that ran while Forward was measured.
+    loads: dict[str, float] = field(default_factory=dict)
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -88,49 +96,87 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-class _Forwards:
-    """Forward calls for the pinned adapter, in a loop, until stopped."""
+class _ForwardClient:
+    """A ``bench_clients`` process calling Forward for the pinned adapter: ``iters`` calls, or
+    (0) until ``stop``."""
 
-    def __init__(self, client: ExecutorClient, spec: ModelSpec, tokens: int) -> None:
-        self.client = client
-        self.layer = spec.moe_layers[0]
-        self.hidden = torch.randn(tokens, spec.hidden_size, dtype=torch.bfloat16)
-        self.tokens = tokens
-
-    def once(self) -> float:
-        return _timed(
-            lambda: self.client.forward(self.layer, self.hidden, [(self.tokens, "other:1")])
+    def __init__(self, address: str, spec: ModelSpec, tokens: int, iters: int) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "executor_service.bench_clients",
+            f"--address={address}",
+            f"--layer={spec.moe_layers[0]}",
+            f"--tokens={tokens}",
+            f"--hidden={spec.hidden_size}",
+            f"--adapters={OTHER}",
+            f"--iters={iters}",
+            "--warmup=2",
+        ]
+        self._proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
+        assert self._proc.stdout is not None and self._proc.stdin is not None
+        if not select.select([self._proc.stdout], [], [], 600)[0]:
+            self._proc.kill()
+            raise RuntimeError("the Forward client did not finish its warm-up in 600 s")
+        if (line := self._proc.stdout.readline().strip()) != "ready":
+            self._proc.kill()
+            raise RuntimeError(f"the Forward client failed to start (said {line!r})")
 
-    def sample(self, count: int) -> list[float]:
-        return [self.once() for _ in range(count)]
+    def go(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write("go\n")
+        self._proc.stdin.flush()
 
-    def during(self, work: Callable[[], object]) -> tuple[float, list[float]]:
-        """Seconds ``work`` takes in a thread, and the Forward times meanwhile."""
-        seconds: list[float] = []
-        error: list[BaseException] = []
+    def finish(self, stop: bool, since: float = 0.0, until: float = float("inf")) -> list[float]:
+        """The latencies of the calls that overlapped the wall-clock times ``since`` to
+        ``until``, once the calls ended (with ``stop``: ended now)."""
+        assert self._proc.stdin is not None
+        try:
+            if stop:
+                self._proc.stdin.write("stop\n")
+                self._proc.stdin.flush()
+            out, _ = self._proc.communicate(timeout=1800)
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+        if self._proc.returncode != 0:
+            raise RuntimeError(f"the Forward client failed with status {self._proc.returncode}")
+        report = json.loads(out.strip().splitlines()[-1])
+        return [
+            seconds
+            for seconds, started in zip(report["latency_s"], report["started"], strict=True)
+            if started <= until and started + seconds >= since
+        ]
 
-        def run() -> None:
-            try:
-                seconds.append(_timed(work))
-            except BaseException as exc:  # reported below, in the caller's thread
-                error.append(exc)
 
-        thread = threading.Thread(target=run)
-        samples: list[float] = []
-        thread.start()
-        while thread.is_alive():
-            samples.append(self.once())
-        thread.join()
-        if error:
-            raise error[0]
-        return seconds[0], samples
+def _idle(address: str, spec: ModelSpec, tokens: int, iters: int) -> list[float]:
+    client = _ForwardClient(address, spec, tokens, iters)
+    client.go()
+    return client.finish(stop=False)
+
+
+def _during(
+    address: str, spec: ModelSpec, tokens: int, work: Callable[[], object]
+) -> tuple[float, list[float]]:
+    """Seconds ``work`` takes while the Forward client calls in a loop, and its latencies."""
+    client = _ForwardClient(address, spec, tokens, iters=0)
+    client.go()
+    time.sleep(0.2)  # the client is calling before the load starts
+    since = time.time()
+    try:
+        seconds = _timed(work)
+    finally:
+        latency = client.finish(stop=True, since=since, until=time.time())
+    return seconds, latency
 
 
 @contextmanager
 def _executor(
     root: Path, address: str, args: argparse.Namespace, shape: Shape
-) -> Iterator[tuple[ExecutorClient, ExecutorRuntime]]:
+) -> Iterator[tuple[ExecutorClient, ExecutorRuntime, ExecutorSettings]]:
     settings = ExecutorSettings.model_validate(
         {
             "listen": "127.0.0.1:0",
@@ -143,6 +189,9 @@ def _executor(
             "num_slots": 2,
             "max_rank": shape.rank,
             "host_cache_bytes": 8 * 1024**3,
+            "download_streams": args.streams,
+            "load_threads": args.load_threads,
+            "load_nice": args.load_nice,
             "kernel_autotune_seconds": 0.0,  # heuristic kernel configs: start at once
             "metrics_listen": "",
             "drain_seconds": 1.0,
@@ -155,59 +204,88 @@ def _executor(
         with ExecutorClient(app.address, timeout=3600) as client:
             client.wait_until_serving(timeout=3600)
             assert app.runtime is not None
-            yield client, app.runtime
+            yield client, app.runtime, settings
     finally:
         app.drain()
 
 
-def _upload(address: str, root: Path, spec: ModelSpec, name: str) -> tuple[str, float]:
+def _upload(address: str, root: Path, name: str) -> tuple[str, float]:
     with RegistryClient(address, timeout=3600) as registry:
         seconds = _timed(lambda: registry.upload(root / name, name, BASE_NAME, timeout=3600))
     return f"{name}:1", seconds
 
 
 def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: ModelSpec) -> Results:
-    results = Results(nbytes=(root / "cold").stat().st_size)
+    results = Results()
     workdir = root / "registry-local"
     workdir.mkdir()
     with registry_server(workdir, ["--max-rank", str(shape.rank)]) as address:
         with RegistryClient(address, timeout=600) as registry:
             registry.register_base_model(spec.to_proto(BASE_NAME))
-        _upload(address, root, spec, "other")
-        cold, results.seconds["upload"] = _upload(address, root, spec, "cold")
-        with _executor(root, address, args, shape) as (client, runtime):
+        _upload(address, root, "other")
+        cold, results.seconds["upload"] = _upload(address, root, "cold")
+        if args.forwards:
+            _upload(address, root, "second")
+        with _executor(root, address, args, shape) as (client, runtime, settings):
             device = torch.device(args.device)
 
-            def load() -> None:
-                client.load_adapter(cold, to_gpu=True)
-                if device.type == "cuda":  # LoadAdapter returns once the copy is issued
-                    torch.cuda.synchronize(device)
+            def load(ref: str) -> Callable[[], None]:
+                def run() -> None:
+                    client.load_adapter(ref, to_gpu=True)
+                    if device.type == "cuda":  # LoadAdapter returns once the copy is issued
+                        torch.cuda.synchronize(device)
 
-            if args.forwards:
-                client.pin_adapter("other:1")
-                forwards = _Forwards(client, spec, args.tokens)
-                forwards.sample(3)
-                results.forward_idle = forwards.sample(args.forwards)
-                results.seconds["cold"], results.forward_loading = forwards.during(load)
-            else:
-                results.seconds["cold"] = _timed(load)
+                return run
+
+            results.seconds["cold"] = _timed(load(cold))
             client.unload_adapter(cold)
-            results.seconds["disk warm"] = _timed(load)
+            results.seconds["disk warm"] = _timed(load(cold))
             freed = runtime.adapters.free_slot(AdapterRef.parse(cold), timeout=60)
             assert freed.location is Location.HOST, freed.location
-            digest = freed.adapter.digest
-            results.seconds["host warm"] = _timed(load)
-            disk = root / f"disk-{address.rsplit(':', 1)[1]}" / digest.removeprefix("sha256:")
-            files = disk / WEIGHTS_FILE
-            config = json.loads((disk / CONFIG_FILE).read_text())
-            pin = device.type == "cuda"
-            results.seconds["pack"] = _timed(
-                lambda: pack_adapter(config, files, spec, shape.rank, torch.bfloat16, pin=pin)
-            )
-        with RegistryClient(address, timeout=3600) as registry:
-            results.seconds["download"] = _timed(
-                lambda: registry.download(cold, root / "download", timeout=3600)
-            )
+            adapter = freed.adapter
+            results.seconds["host warm"] = _timed(load(cold))
+            streams = download_streams(settings)
+            with RegistryClient(address, timeout=3600, connections=streams) as registry:
+                fresh = DiskCache(root / "download-alone", 8 * 1024**3)
+                source = RegistrySource(registry, address, fresh, streams, settings.load_nice)
+
+                def download() -> None:
+                    files = source.fetch(adapter)
+                    try:
+                        files.finish()
+                    finally:
+                        files.close()
+
+                results.seconds["download"] = _timed(download)
+            folder = settings.disk_cache_dir.expanduser() / adapter.digest.removeprefix("sha256:")
+            config = json.loads((folder / CONFIG_FILE).read_text())
+            loader = Loader(default_threads(settings.load_threads), settings.load_nice)
+            try:
+                results.seconds["pack"] = _timed(
+                    lambda: loader.run(
+                        lambda: pack_adapter(
+                            config,
+                            folder / WEIGHTS_FILE,
+                            spec,
+                            shape.rank,
+                            torch.bfloat16,
+                            pin=device.type == "cuda",
+                        )
+                    )
+                )
+            finally:
+                loader.close()
+            if args.forwards:
+                client.pin_adapter(OTHER)
+                results.forward["idle"] = _idle(client.address, spec, args.tokens, args.forwards)
+                second = "second:1"
+                results.loads["cold"], results.forward["cold"] = _during(
+                    client.address, spec, args.tokens, load(second)
+                )
+                client.unload_adapter(second)
+                results.loads["disk warm"], results.forward["disk warm"] = _during(
+                    client.address, spec, args.tokens, load(second)
+                )
     return results
 
 
@@ -229,8 +307,8 @@ def _measure_s3(root: Path, args: argparse.Namespace, shape: Shape, spec: ModelS
         with registry_server(workdir, flags) as address:
             with RegistryClient(address, timeout=600) as registry:
                 registry.register_base_model(spec.to_proto(BASE_NAME))
-            cold, _ = _upload(address, root, spec, "cold")
-            with _executor(root, address, args, shape) as (client, _runtime):
+            cold, _ = _upload(address, root, "cold")
+            with _executor(root, address, args, shape) as (client, _runtime, _settings):
                 return _timed(lambda: client.load_adapter(cold, to_gpu=True))
 
 
@@ -252,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
         help="Forward calls for the idle p50; 0: no Forward at all",
     )
     parser.add_argument("--backends", default="local,s3", help="comma list: local, s3")
+    parser.add_argument("--streams", type=int, default=0, help="--download-streams (0: auto)")
+    parser.add_argument("--load-threads", type=int, default=0, help="--load-threads (0: auto)")
+    parser.add_argument("--load-nice", type=int, default=10, help="--load-nice")
     args = parser.parse_args(argv)
     shape = SMALL if args.small else FULL
     shape = Shape(
@@ -276,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
         spec = write_base_checkpoint(root / "base", base, dtype=torch.bfloat16)
         write_adapter(root / "other", spec, 16, seed=1)
         nbytes = write_adapter(root / "cold", spec, shape.rank, seed=2)
+        if args.forwards:
+            write_adapter(root / "second", spec, shape.rank, seed=3)
         results = _measure_local(root, args, shape, spec) if "local" in backends else Results()
         results.nbytes = nbytes
         if "s3" in backends:
@@ -290,23 +373,32 @@ def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:
         if device.type == "cuda"
         else f"{platform.machine()}, {os.cpu_count()} cores"
     )
+    streams = download_streams(ExecutorSettings.model_validate({"download_streams": args.streams}))
     print(
         f"\nadapter cold start: {results.nbytes / _GB:.3f} GB adapter ({shape.layers} MoE "
         f"layers, rank {shape.rank}, E {shape.num_experts}, H {shape.hidden_size}, "
         f"I {shape.moe_intermediate_size}, bf16), device {args.device} ({where}), "
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}\n"
+        f"{streams} download streams, {default_threads(args.load_threads)} load threads at "
+        f"nice +{args.load_nice}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}\n"
     )
     print("| step | seconds | GB/s |")
     print("|---|---:|---:|")
     for step, seconds in results.seconds.items():
         print(f"| {step} | {seconds:.3f} | {_rate(results.nbytes, seconds)} |")
-    if results.forward_idle and results.forward_loading:
-        idle = statistics.median(results.forward_idle) * 1e3
-        loading = statistics.median(results.forward_loading) * 1e3
+    idle = results.forward.get("idle")
+    if idle:
+        base = statistics.median(idle) * 1e3
+        parts = [f"{base:.2f} ms idle ({len(idle)} calls)"]
+        for kind in ("cold", "disk warm"):
+            during = results.forward[kind]
+            p50 = statistics.median(during) * 1e3
+            parts.append(
+                f"{p50:.2f} ms while a {kind} load runs ({(p50 / base - 1) * 100:+.0f}%, "
+                f"{len(during)} calls; the load took {results.loads[kind]:.3f} s)"
+            )
         print(
-            f"\nForward p50 of another adapter (T={args.tokens}): {idle:.2f} ms idle, "
-            f"{loading:.2f} ms while the cold load runs ({len(results.forward_loading)} calls, "
-            f"{(loading / idle - 1) * 100:+.0f}%)"
+            f"\nForward p50 of another adapter (T={args.tokens}, client process): "
+            + "; ".join(parts)
         )
 
 

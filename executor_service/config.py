@@ -71,7 +71,7 @@ class ExecutorSettings(ServerSettings):
         ge=0,
         le=64,
         description="parallel ranged reads (each over a connection of its own) that download "
-        "one adapter; 0 = half the CPU cores, 1 to 8",
+        "one adapter; 0 = half the CPU cores, 2 to 8",
     )
     load_threads: int = Field(
         0,
