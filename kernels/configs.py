@@ -43,6 +43,9 @@ class GemmConfig:
         of in a separate launch before it. Pays where the separate launch has few programs or
         its fixed cost dominates (small M, few experts); each program of a block repeats it,
         so at large M it wants many tiles per program.
+    tma: load the weight tiles with the tensor copy engine (a TMA descriptor) where the GPU
+        has one (sm_90+) — w2 only; w13 interleaves gate and up rows, which one descriptor
+        box cannot. Elsewhere pointer loads, with the same result.
     """
 
     block_n: int
@@ -52,6 +55,7 @@ class GemmConfig:
     num_stages: int
     group_m: int = 0
     fused_shrink: bool = False
+    tma: bool = False
 
 
 @dataclass(frozen=True)

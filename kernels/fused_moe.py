@@ -12,7 +12,9 @@ The kernels run over the blocks of ``kernels.align`` (BLOCK_M pairs of one exper
 ``_w2_kernel``: ``y = a W2[e]ᵀ (+ b2) + B2[s,e] xa2``, times the pair's routed weight, either
     atomically added (fp32) into the (T, H) output, so the sum over k needs no (T*k, H)
     buffer, or stored per pair for ``_sum_k_kernel`` (deterministic); the launch configuration
-    chooses (``MoEConfig.atomic_sum``).
+    chooses (``MoEConfig.atomic_sum``). Its weight tiles come by pointer loads or, where the
+    configuration asks (``GemmConfig.tma``) and the GPU has it, through a TMA tensor
+    descriptor (``weight_descriptor``; pointer loads remain the portable path).
 
 Where the LoRA shrink runs is a launch-configuration choice per GEMM (``GemmConfig.fused_shrink``):
 in the separate launch (one read of the block's rows and A matrices per block) or inside the
@@ -25,11 +27,9 @@ and every sum has a fixed order.
 A block may hold rows of several adapter slots ("segments", numbered by slot). The shrink
 handles up to ``MoEConfig.lora_segments`` segments (in the main loop: ``segments_per_pass``)
 with *one* dot against their A matrices stacked side by side, each row keeping the rank-R slice
-of its own segment (``_collapse``), so x is read once per that many segments. The expand of the
-separate shrink's xa does the reverse in one dot per pass: each row's rank-R vector loaded
-into its segment's columns (a masked load) against the segments' B matrices stacked the same
-way; with the shrink fused, xa is in registers and the expand takes one small dot per segment
-(a register tile cannot be re-laid out for free). Ranks above
+of its own segment (``_collapse``), so x is read once per that many segments. The expands take
+one small dot per segment, which keeps the GEMM epilogues' registers free for the accumulator.
+Ranks above
 ``MAX_REGISTER_RANK`` go 64 at a time (the separate shrink, then the expand from memory), so
 any rank fits in shared memory and registers.
 
@@ -42,11 +42,13 @@ dots.
 # (Triton kernels take untyped pointer and constexpr arguments.)
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.align import Alignment, pair_slots
 from kernels.configs import (
@@ -137,6 +139,9 @@ def _main_loop(
     x_row_mask,
     w_cols,
     w_col_mask,
+    w_desc,
+    expert,
+    w_row,
     a_cols,
     a_col_mask,
     K,
@@ -146,11 +151,15 @@ def _main_loop(
     SHRINK_N: tl.constexpr,
     WITH_SHRINK: tl.constexpr,
     EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """acc + x·Wᵀ of one tile in fp32; WITH_SHRINK also x·Aᵀ (BLOCK_M, SHRINK_N) for the
     stacked LoRA A rows ``a_cols``, from the same x tiles. x_row_ptrs (BLOCK_M,), w_cols (BLOCK_N,)
-    and a_cols (SHRINK_N,) point at k = 0 of each row of x, W and A; K is contiguous in all."""
+    and a_cols (SHRINK_N,) point at k = 0 of each row of x, W and A; K is contiguous in all.
+    W_TMA: W comes through the tensor descriptor ``w_desc`` (E, N, K), block (1, BLOCK_N,
+    BLOCK_K), from row ``w_row`` of the expert's (N, K) (the copy engine; rows and K out of
+    range read as zeros), instead of ``w_cols``."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_row_ptrs[:, None] + offs_k[None, :]
     w_ptrs = w_cols[None, :] + offs_k[:, None]
@@ -159,10 +168,14 @@ def _main_loop(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=x_row_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=w_col_mask[None, :], other=0.0)
         else:
             k_mask = offs_k < K - k0
             x = tl.load(x_ptrs, mask=x_row_mask[:, None] & k_mask[None, :], other=0.0)
+        if W_TMA:
+            w = w_desc.load([expert.to(tl.int32), w_row, k0]).reshape(BLOCK_N, BLOCK_K).T
+        elif EVEN_K:
+            w = tl.load(w_ptrs, mask=w_col_mask[None, :], other=0.0)
+        else:
             w = tl.load(w_ptrs, mask=w_col_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
         if WITH_SHRINK:
@@ -244,10 +257,11 @@ def _lora_expand(
     RP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """acc += each row's xa (BLOCK_M, RP), held in registers, times its slot's B[s, e] rows
-    ``b_rows`` (offsets of the tile's output columns in B): one small dot per segment, with
-    the other rows' xa zeroed. One segment at a time keeps the epilogue's registers to 2-D
-    (BLOCK_M, RP) and (RP, BLOCK_N) tiles, next to the live accumulator."""
+    """acc += each row's xa (BLOCK_M, RP) times its slot's B[s, e] rows ``b_rows`` (offsets of
+    the tile's output columns in B): one small dot per segment, with the other rows' xa
+    zeroed. One segment at a time keeps the epilogue's registers to 2-D (BLOCK_M, RP) and
+    (RP, BLOCK_N) tiles next to the live accumulator (a stacked K = segments·RP dot was
+    slower on an H100: its B tile spilled next to a 128×256 accumulator)."""
     ranks = tl.arange(0, RP)
     for j in range(0, n_seg):
         seg_slot = tl.max(tl.where(seg == j, slot, -1), axis=0).to(tl.int64)
@@ -263,50 +277,6 @@ def _lora_expand(
 
 
 @triton.jit
-def _lora_expand_stacked(
-    acc,
-    xa_ptr,
-    rows,
-    slot,
-    seg,
-    n_seg,
-    b_ptr,
-    expert,
-    b_rows,
-    col_mask,
-    R,
-    stride_bs,
-    stride_be,
-    stride_br,
-    NSEG: tl.constexpr,
-    RP: tl.constexpr,
-    RC: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """acc += each row's xa (from the separate shrink's (rows, RP) buffer) times its slot's
-    B[s, e] rows ``b_rows``: per pass of NSEG segments and RC ranks *one* dot, whose operands
-    are stacked straight from memory: column c of the xa tile is rank r0 + c % RC of the row
-    where the row belongs to segment c // RC, else 0 (a masked load), against the segments'
-    B columns stacked the same way. Four adapters in a block cost one K = 4·RC dot."""
-    cols = tl.arange(0, NSEG * RC)
-    for chunk in range(0, tl.cdiv(n_seg, NSEG)):
-        for r0 in tl.static_range(0, RP, RC):
-            col_slot, col_rank, col_ok = _segment_columns(slot, seg, chunk, r0, R, NSEG, RC)
-            b = tl.load(
-                b_ptr + expert * stride_be + col_slot[:, None] * stride_bs
-                + col_rank[:, None] * stride_br + b_rows[None, :],
-                mask=col_ok[:, None] & col_mask[None, :],
-                other=0.0,
-            )  # fmt: skip
-            mine = seg[:, None] == (chunk * NSEG + cols // RC)[None, :]
-            stacked = tl.load(
-                xa_ptr + rows[:, None] * RP + (r0 + cols % RC)[None, :], mask=mine, other=0.0
-            )
-            acc = tl.dot(stacked.to(b.dtype), b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
 def _fused_tile(
     acc,
     xa,
@@ -315,6 +285,8 @@ def _fused_tile(
     x_row_mask,
     w_cols,
     col_mask,
+    w_desc,
+    w_row,
     a_ptr,
     b_ptr,
     b_rows,
@@ -336,6 +308,7 @@ def _fused_tile(
     NSEG: tl.constexpr,
     RP: tl.constexpr,
     EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """acc + x·Wᵀ + LoRA of one tile with the shrink fused: the program's first tile computes
@@ -346,8 +319,8 @@ def _fused_tile(
         col_slot, col_rank, col_ok = _segment_columns(slot, seg, 0, 0, R, NSEG, RP)
         a_cols = a_ptr + expert * stride_ae + col_slot * stride_as + col_rank * stride_ar
         acc, stacked = _main_loop(
-            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, a_cols, col_ok, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, NSEG * RP, True, EVEN_K, PRECISION,
+            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, a_cols, col_ok,
+            K, BLOCK_M, BLOCK_N, BLOCK_K, NSEG * RP, True, EVEN_K, W_TMA, PRECISION,
         )  # fmt: skip
         xa = _collapse(stacked, seg, 0, BLOCK_M, NSEG, RP) + _shrink_rows(
             x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 1, 0, K, R,
@@ -355,8 +328,8 @@ def _fused_tile(
         )  # fmt: skip
     else:
         acc, _ = _main_loop(
-            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_cols, col_mask, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
+            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, w_cols,
+            col_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, W_TMA, PRECISION,
         )  # fmt: skip
     return _lora_expand(
         acc, xa, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
@@ -374,6 +347,8 @@ def _gemm_tile(
     w_cols,
     out_cols,
     col_mask,
+    w_desc,
+    w_row,
     a_ptr,
     xa_ptr,
     b_ptr,
@@ -409,6 +384,7 @@ def _gemm_tile(
     RC: tl.constexpr,
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One output tile of either GEMM: acc + x·Wᵀ (+ LoRA) (+ bias) in fp32, for the weight
@@ -419,25 +395,27 @@ def _gemm_tile(
     b_rows = out_cols * stride_bn
     if FUSED_SHRINK:
         acc, xa = _fused_tile(
-            acc, xa, is_first_tile, x_row_ptrs, x_row_mask, w_cols, col_mask,
+            acc, xa, is_first_tile, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, w_row,
             a_ptr, b_ptr, b_rows, expert, slot, seg, n_seg, K, R,
             stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_br,
-            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, EVEN_K, PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, EVEN_K, W_TMA, PRECISION,
         )  # fmt: skip
     else:
         acc, _ = _main_loop(
-            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_cols, col_mask, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, PRECISION,
+            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, w_cols,
+            col_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, W_TMA, PRECISION,
         )  # fmt: skip
         if HAS_LORA:
             # Loaded after the main loop, so they take no registers while it runs.
             rows = row0 + tl.arange(0, BLOCK_M)
             slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
             seg, n_seg = _block_segments(slot, S_P2)
-            acc = _lora_expand_stacked(
-                acc, xa_ptr, rows, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
-                stride_bs, stride_be, stride_br, NSEG, RP, RC, PRECISION,
-            )  # fmt: skip
+            for r0 in tl.static_range(0, RP, RC):
+                xa_rows = tl.load(xa_ptr + rows[:, None] * RP + r0 + tl.arange(0, RC)[None, :])
+                acc = _lora_expand(
+                    acc, xa_rows, slot, seg, n_seg, b_ptr + r0 * stride_br, expert, b_rows,
+                    col_mask, R - r0, stride_bs, stride_be, stride_br, RC, PRECISION,
+                )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_bias + out_cols, mask=col_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -587,12 +565,12 @@ def _w13_kernel(
         w_cols = w_ptr + expert * stride_we + w13_rows.to(tl.int64) * stride_wn
         acc, xa = _gemm_tile(
             tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), xa, tile == first,
-            x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask,
+            x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask, w_ptr, 0,
             a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair, top_k,
             expert, slot, seg, n_seg, H, R,
             stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
             stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
-            BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, PRECISION,
+            BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, False, PRECISION,
         )  # fmt: skip
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         if ACTIVATION == 0:
@@ -610,6 +588,7 @@ def _w13_kernel(
 def _w2_kernel(
     act_ptr,  # (max_rows, I) activation from _w13_kernel
     w_ptr,  # (E, H, I)
+    w_desc,  # W_TMA: a tensor descriptor of w, block (1, BLOCK_N, BLOCK_K); else unused
     bias_ptr,  # (E, H) or unused
     a_ptr,  # (S, E, R, I) LoRA A2 (FUSED_SHRINK) or unused
     xa_ptr,  # (max_rows, RP) a·A2ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
@@ -652,6 +631,7 @@ def _w2_kernel(
     RC: tl.constexpr,
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     num_tiles = tl.cdiv(H, BLOCK_N)
@@ -686,12 +666,12 @@ def _w2_kernel(
         w_cols = w_ptr + expert * stride_we + cols.to(tl.int64) * stride_wn
         acc, xa = _gemm_tile(
             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), xa, tile == first,
-            x_row_ptrs, x_row_mask, w_cols, cols, col_mask,
+            x_row_ptrs, x_row_mask, w_cols, cols, col_mask, w_desc, tile * BLOCK_N,
             a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair, top_k,
             expert, slot, seg, n_seg,
             inter, R, stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
             stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
-            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
         )  # fmt: skip
         acc *= routed_weight[:, None]
         out_ptrs = out_rows[:, None] + cols[None, :]
@@ -822,6 +802,25 @@ def _lora_args(
     return _LoRAArgs(lora_a, xa, lora_b, lora.row_slots, rank, rp, rc, s_p2, nseg, fused)
 
 
+def tma_available(device: torch.device) -> bool:
+    """Whether the device has the tensor copy engine (Hopper, sm_90, and later); Triton's
+    CPU interpreter emulates it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (9, 0)
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def weight_descriptor(w: torch.Tensor, gemm: GemmConfig) -> TensorDescriptor | None:
+    """A TMA descriptor of expert weights w (E, N, K) for gemm's (1, block_n, block_k) tiles
+    where the configuration asks for one (``GemmConfig.tma``) and the copy engine can take
+    it; None means pointer loads (GPUs before Hopper, rows not 16-byte aligned)."""
+    if not gemm.tma or not tma_available(w.device):
+        return None
+    if (w.stride(1) * w.element_size()) % 16 or w.data_ptr() % 16 or w.stride(2) != 1:
+        return None
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, gemm.block_n, gemm.block_k])
+
+
 def _enabled(alignment: Alignment) -> torch.Tensor:
     """The enabled flags pair blocks read, or a placeholder the kernels do not read."""
     return alignment.enabled if alignment.enabled is not None else alignment.block_experts
@@ -901,8 +900,9 @@ def w2_stage(
     cfg = config.w2
     la = _lora_args(act, "2", False, top_k, alignment, lora, config, cfg)
     bias = b2 if b2 is not None else w2
+    w_desc = weight_descriptor(w2, cfg)
     _w2_kernel[_grid(alignment, triton.cdiv(h, cfg.block_n), cfg)](
-        act, w2, bias, la.a, la.xa, la.b, out,
+        act, w2, w_desc if w_desc is not None else w2, bias, la.a, la.xa, la.b, out,
         alignment.sorted_pair_ids, la.row_slots, _enabled(alignment), alignment.block_experts,
         topk_weights,
         alignment.max_blocks, h, inter, top_k, la.rank,
@@ -915,8 +915,8 @@ def w2_stage(
         BLOCK_M=alignment.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
-        EVEN_K=inter % cfg.block_k == 0, PRECISION=_dot_precision(act.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=inter % cfg.block_k == 0, W_TMA=w_desc is not None,
+        PRECISION=_dot_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels import align
+from kernels import fused_moe as fused_moe_kernels
 from kernels.configs import GemmConfig, MoEConfig
 from kernels.forward import fused_moe, moe_forward
 from kernels.reference import moe_forward_reference
@@ -67,6 +68,7 @@ class Case:
     single_program_align: bool = True
     hidden_scale: float = 1.0
     decode: bool = False
+    w2_tma: bool = False
     extra: dict[str, object] = field(default_factory=dict)
 
     def config(self, atomic_sum: bool) -> MoEConfig:
@@ -86,6 +88,7 @@ class Case:
                 num_stages=2,
                 group_m=self.group_m[1],
                 fused_shrink=self.fused_shrink[1],
+                tma=self.w2_tma,
             ),
             atomic_sum=atomic_sum,
             decode=self.decode,
@@ -177,6 +180,18 @@ CASES = {
     "block_of_128_rows_in_two_shrink_programs": Case(
         tokens=80, experts=2, top_k=2, slots=6, block_m=128, segments=4
     ),
+    # w2's weights through a TMA tensor descriptor (the interpreter emulates the copy engine).
+    "w2_weights_by_tma_fp16": Case(tokens=37, experts=7, top_k=4, dtype=torch.float16, w2_tma=True),
+    "w2_tma_k_and_n_not_multiples_fused_shrink": Case(
+        hidden=96,
+        inter=40,
+        w13=(16, 64, 1),
+        w2=(64, 32, 2),
+        fused_shrink=(False, True),
+        w2_tma=True,
+    ),
+    # Rows of 12 bytes cannot be described: pointer loads take over, same result.
+    "w2_tma_unaligned_rows_fall_back_fp16": Case(inter=6, dtype=torch.float16, w2_tma=True),
     # Launch order: groups of M blocks (GemmConfig.group_m), a last group cut short.
     "grouped_launch_order_fp16": Case(
         tokens=150,
@@ -265,6 +280,7 @@ DECODE_CASES = [
     "k_not_multiple_of_block_k",
     "fused_shrink_one_token",
     "fused_shrink_gpt_oss_biases_disabled_slots",
+    "w2_weights_by_tma_fp16",
 ]
 
 
@@ -302,6 +318,18 @@ def test_pair_blocks_need_no_alignment_launch(monkeypatch: pytest.MonkeyPatch) -
     got = fused_moe(hidden, layer, lora, routing, case.config(atomic_sum=False))
     expected = moe_forward_reference(hidden, layer, lora, routing)
     assert relative_error(got, expected) < TOLERANCE[case.dtype]
+
+
+def test_weight_descriptor_only_where_the_copy_engine_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.zeros((2, 64, 32), dtype=torch.float16)
+    tma = GemmConfig(32, 32, 1, 4, 2, tma=True)
+    assert fused_moe_kernels.weight_descriptor(w, dataclasses.replace(tma, tma=False)) is None
+    assert fused_moe_kernels.weight_descriptor(w[:, :, :6].contiguous(), tma) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not fused_moe_kernels.tma_available(torch.device("cpu"))
+    assert fused_moe_kernels.weight_descriptor(w, tma) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fused_moe_kernels.weight_descriptor(w, tma) is not None
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
