@@ -60,6 +60,13 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class UploadTrailer:
+    """Every file's sha256 (lower-case hex), in the header's order, sent after the bytes."""
+
+    sha256: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ByteRange:
     """Bytes ``offset`` to ``offset + length`` of one file of a version (0: to its end)."""
 

@@ -15,7 +15,7 @@ from moelora.v1 import registry_pb2, registry_pb2_grpc
 from registry_service import messages, metrics
 from registry_service.app import RegistryApp
 from registry_service.config import RegistrySettings
-from registry_service.domain import Chunk
+from registry_service.domain import Chunk, UploadTrailer
 from registry_service.service import Registry
 from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
 from shared.grpc_server import GrpcServer
@@ -196,15 +196,21 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         )
 
 
-def _chunks(requests: Iterator[registry_pb2.UploadAdapterRequest]) -> Iterator[Chunk]:
+def _chunks(
+    requests: Iterator[registry_pb2.UploadAdapterRequest],
+) -> Iterator[Chunk | UploadTrailer]:
     for request in requests:
         kind: Any = request.WhichOneof("payload")
         if kind == "chunk":
             yield messages.chunk_from_proto(request.chunk)
+        elif kind == "trailer":
+            yield UploadTrailer(tuple(request.trailer.sha256))
         elif kind == "header":
             raise InvalidArgument("header repeated: only the first message carries it", "header")
         else:
-            raise InvalidArgument("empty UploadAdapter message: set header or chunk", "payload")
+            raise InvalidArgument(
+                "empty UploadAdapter message: set header, chunk or trailer", "payload"
+            )
 
 
 def create_server(app: RegistryApp, settings: RegistrySettings) -> GrpcServer:

@@ -26,6 +26,7 @@ from registry_service.domain import (
     Page,
     StoredFile,
     UploadHeader,
+    UploadTrailer,
     VersionInfo,
 )
 from registry_service.download import check_range, stream_files
@@ -126,7 +127,9 @@ class Registry:
 
     # -- upload --------------------------------------------------------------------------------
 
-    def upload(self, header: UploadHeader, chunks: Iterable[Chunk], by: str) -> VersionInfo:
+    def upload(
+        self, header: UploadHeader, chunks: Iterable[Chunk | UploadTrailer], by: str
+    ) -> VersionInfo:
         """Receives, validates and stores one adapter version; visible only once
         READY. On any failure the PENDING row becomes FAILED and no blob is
         written unless validation passed."""
@@ -143,6 +146,9 @@ class Registry:
                 beat = time.monotonic()
                 checked_start = False
                 for chunk in chunks:
+                    if isinstance(chunk, UploadTrailer):
+                        spool.expect(chunk)
+                        continue
                     spool.write(chunk)
                     if not checked_start:
                         checked_start = self._check_start(spool, header, spec)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from registry_service.domain import Chunk, DeclaredFile, FileInfo, UploadHeader
+from registry_service.domain import Chunk, DeclaredFile, FileInfo, UploadHeader, UploadTrailer
 from shared.adapter_files import ADAPTER_FILES
 from shared.background_writer import BackgroundWriter
 from shared.errors import InvalidArgument, ResourceExhausted
@@ -25,6 +25,9 @@ MAX_LABELS = 64
 MAX_LABEL_VALUE_CHARS = 256
 #: adapter_config.json is a few hundred bytes; anything near this is not a config.
 MAX_CONFIG_BYTES = 1024 * 1024
+
+#: Spooled bytes flushed to disk while the upload streams, not all at its end.
+_SYNC_EVERY = 64 * 1024 * 1024
 
 _LABEL_KEY = re.compile(r"[A-Za-z0-9._/-]{1,63}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -92,7 +95,8 @@ class _Receiving:
     def __init__(self, declared: DeclaredFile, path: Path, head_limit: int) -> None:
         self.declared = declared
         self.path = path
-        self.writer = BackgroundWriter(path)  # hashes what it writes
+        # Hashes what it writes, and flushes it to disk as it goes: finish() fsyncs the tail.
+        self.writer = BackgroundWriter(path, sync_every=_SYNC_EVERY)
         self.received = 0
         # The first bytes, kept in memory for the checks that run while the rest
         # is still on its way; None once those checks are done.
@@ -111,6 +115,7 @@ class UploadSpool:
         self._files = [_Receiving(f, self._dir / f.path, head_bytes) for f in files]
         self._by_path = {f.declared.path: f for f in self._files}
         self._current = 0
+        self._trailer: UploadTrailer | None = None
 
     def head(self, path: str) -> tuple[bytes, bool] | None:
         """The first bytes of ``path`` received so far (at most ``head_bytes``) and
@@ -124,8 +129,36 @@ class UploadSpool:
         for f in self._files:
             f.head = None
 
+    def expect(self, trailer: UploadTrailer) -> None:
+        """Takes the trailer's sha256 of every file, which ``finish`` checks; it must be the
+        last message and agree with the header's sha256 where that was given."""
+        if self._trailer is not None:
+            raise InvalidArgument("trailer repeated: send it once, last", "trailer")
+        if len(trailer.sha256) != len(self._files):
+            raise InvalidArgument(
+                f"trailer.sha256: {len(trailer.sha256)} values, the header declares "
+                f"{len(self._files)} files",
+                "trailer.sha256",
+            )
+        for f, sha256 in zip(self._files, trailer.sha256, strict=True):
+            if not _SHA256_HEX.fullmatch(sha256):
+                raise InvalidArgument(
+                    f"trailer.sha256: {sha256!r} for {f.declared.path} is not 64 lower-case "
+                    "hex digits",
+                    "trailer.sha256",
+                )
+            if f.declared.sha256 is not None and f.declared.sha256 != sha256:
+                raise InvalidArgument(
+                    f"trailer.sha256: {f.declared.path} is {sha256} in the trailer but "
+                    f"{f.declared.sha256} in the header",
+                    "trailer.sha256",
+                )
+        self._trailer = trailer
+
     def write(self, chunk: Chunk) -> None:
         """Appends one chunk; chunks must come file by file, in order, without gaps."""
+        if self._trailer is not None:
+            raise InvalidArgument("chunk after the trailer: the trailer comes last", "chunk")
         while self._current < len(self._files) and self._complete(self._current):
             self._current += 1
         if chunk.file_index >= len(self._files):
@@ -176,7 +209,7 @@ class UploadSpool:
         """Checks that every file arrived whole with the declared sha256, makes
         the files durable and returns them."""
         done = []
-        for f in self._files:
+        for index, f in enumerate(self._files):
             name = f.declared.path
             if f.received != f.declared.size_bytes:
                 raise InvalidArgument(
@@ -190,6 +223,12 @@ class UploadSpool:
                     f"{name}: sha256 of the bytes received is {digest}, the header says "
                     f"{f.declared.sha256}",
                     "header.files",
+                )
+            if self._trailer is not None and self._trailer.sha256[index] != digest:
+                raise InvalidArgument(
+                    f"{name}: sha256 of the bytes received is {digest}, the trailer says "
+                    f"{self._trailer.sha256[index]}",
+                    "trailer.sha256",
                 )
             done.append(SpooledFile(FileInfo(name, f.received, digest), f.path))
         return done

@@ -1,7 +1,7 @@
-"""Where streamed bytes reach the disk without stalling the stream: a file written and
-hashed (sha256) by a thread of its own through a short queue, so that receiving the next
-chunk overlaps with hashing and writing the last ones (hashlib and file writes release the
-GIL)."""
+"""Where streamed bytes reach the disk without stalling the stream: a file written by one
+thread and hashed (sha256) by another, each through a short queue, so that receiving the next
+chunk, hashing and writing (and flushing to disk) the last ones all overlap (hashlib and file
+writes release the GIL)."""
 
 from __future__ import annotations
 
@@ -9,43 +9,64 @@ import hashlib
 import os
 import queue
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-_DEPTH = 16  # chunks in flight: 16 MiB with 1 MiB chunks
+_DEPTH = 16  # chunks in flight per thread: 16 MiB with 1 MiB chunks
 
 
 class BackgroundWriter:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, sync_every: int = 0) -> None:
+        """``sync_every``: bytes after which the writer flushes what it wrote to disk
+        (fdatasync), so that a final ``close(sync=True)`` has only the tail left; 0: never."""
         self.path = path
-        self._queue: queue.Queue[bytes | None] = queue.Queue(_DEPTH)
+        self._sync_every = sync_every
+        self._unsynced = 0
         self._error: BaseException | None = None
         self._hash = hashlib.sha256()
         self._handle = path.open("wb")
-        self._thread = threading.Thread(target=self._run, name="writer", daemon=True)
-        self._thread.start()
+        self._queues: list[queue.Queue[bytes | None]] = []
+        self._threads: list[threading.Thread] = []
+        for name, work in (("writer", self._write), ("hasher", self._hash.update)):
+            inbox: queue.Queue[bytes | None] = queue.Queue(_DEPTH)
+            thread = threading.Thread(
+                target=self._drain, args=(inbox, work), name=name, daemon=True
+            )
+            self._queues.append(inbox)
+            self._threads.append(thread)
+            thread.start()
 
-    def _run(self) -> None:
-        while (data := self._queue.get()) is not None:
+    def _drain(self, inbox: queue.Queue[bytes | None], work: Callable[[bytes], object]) -> None:
+        while (data := inbox.get()) is not None:
             if self._error is None:
                 try:
-                    self._hash.update(data)
-                    self._handle.write(data)
+                    work(data)
                 except BaseException as exc:
                     self._error = exc  # keep draining so that write() never blocks forever
+
+    def _write(self, data: bytes) -> None:
+        self._handle.write(data)
+        self._unsynced += len(data)
+        if self._sync_every and self._unsynced >= self._sync_every:
+            self._handle.flush()
+            os.fdatasync(self._handle.fileno())
+            self._unsynced = 0
 
     def write(self, data: bytes) -> None:
         if self._error is not None:
             raise self._error
-        self._queue.put(data)
+        for inbox in self._queues:
+            inbox.put(data)
 
     def _stop(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        for inbox, thread in zip(self._queues, self._threads, strict=True):
+            if thread.is_alive():
+                inbox.put(None)
+                thread.join()
 
     def close(self, *, sync: bool = False) -> str:
         """Waits for every byte to be written (and, with ``sync``, to be on disk); returns
-        the lower-case hex sha256 of the bytes written. Raises what the thread ran into."""
+        the lower-case hex sha256 of the bytes written. Raises what the threads ran into."""
         self._stop()
         try:
             if self._error is None and sync and not self._handle.closed:

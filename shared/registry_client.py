@@ -1,9 +1,9 @@
 """A typed client of the AdapterRegistry API: what adapterctl and the executor call.
 
 Every call has a deadline except the streams, which move gigabytes; errors come
-back as shared.errors classes. Uploads send each file's sha256 in the header,
-so the server checks end to end what it received; downloads verify every file
-before it is renamed into place.
+back as shared.errors classes. Uploads hash each file as they send it and send the
+sha256s in a trailer, so the server checks end to end what it received; downloads
+verify every file before it is renamed into place.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from shared.adapter_files import ADAPTER_FILES
 from shared.auth import open_channel
 from shared.background_writer import BackgroundWriter
 from shared.errors import DataLoss, InvalidArgument, from_rpc_error
+from shared.read_ahead import ReadAhead
 from shared.rpc_metadata import WATCH_START_METADATA
 
 #: Upload and download chunks. Measured with grpcio over 127.0.0.1, 512 KiB-1 MiB messages
@@ -73,19 +74,16 @@ def _no_progress(_n: int) -> None:
 class LocalFile:
     path: Path
     size_bytes: int
-    sha256: str
 
 
 def describe_folder(folder: Path) -> list[LocalFile]:
-    """The adapter's two files with sizes and sha256, in upload order."""
+    """The adapter's two files with their sizes, in upload order."""
     files = []
     for name in ADAPTER_FILES:
         path = folder / name
         if not path.is_file():
             raise InvalidArgument(f"{folder}: no {name} (an adapter folder holds {ADAPTER_FILES})")
-        with path.open("rb") as handle:
-            digest = hashlib.file_digest(handle, "sha256").hexdigest()
-        files.append(LocalFile(path, path.stat().st_size, digest))
+        files.append(LocalFile(path, path.stat().st_size))
     return files
 
 
@@ -197,22 +195,32 @@ class RegistryClient:
             labels=labels or {},
             alias=alias,
             files=[
-                registry_pb2.AdapterFile(path=f.path.name, size_bytes=f.size_bytes, sha256=f.sha256)
-                for f in files
+                registry_pb2.AdapterFile(path=f.path.name, size_bytes=f.size_bytes) for f in files
             ],
         )
 
         def requests() -> Iterator[registry_pb2.UploadAdapterRequest]:
             yield registry_pb2.UploadAdapterRequest(header=header)
+            digests = []
             for index, f in enumerate(files):
-                with f.path.open("rb") as handle:
+                # Hashed as it is read, ahead of the sender: the trailer carries the sha256s,
+                # so the files are read once.
+                digest = hashlib.sha256()
+                with (
+                    f.path.open("rb", buffering=0) as handle,
+                    ReadAhead(handle, f.size_bytes, CHUNK_BYTES, digest, str(f.path)) as chunks,
+                ):
                     offset = 0
-                    while data := handle.read(CHUNK_BYTES):
+                    for data in chunks:
                         yield registry_pb2.UploadAdapterRequest(
                             chunk=registry_pb2.FileChunk(file_index=index, offset=offset, data=data)
                         )
                         offset += len(data)
                         progress(len(data))
+                digests.append(digest.hexdigest())
+            yield registry_pb2.UploadAdapterRequest(
+                trailer=registry_pb2.UploadTrailer(sha256=digests)
+            )
 
         response = self._call(
             self._stub.UploadAdapter,

@@ -3,6 +3,7 @@ the problem, and leave nothing behind: no READY row, no blob, no spool file."""
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -203,6 +204,45 @@ def test_stream_protocol_errors(served: Served, tmp_path: Path) -> None:
     _assert_nothing_left(served)
     # Every stream whose header passed left a FAILED record (invisible; gc purges it).
     assert _count(served, VersionStatus.FAILED) == 4
+
+
+def test_trailer_errors_name_the_field(served: Served, tmp_path: Path) -> None:
+    """The trailer carries every file's sha256 after the bytes: checked against them, against
+    the header's where given, and it must come last, once, with one value per file."""
+    folder = write_adapter(tmp_path / "a")
+    header = _header(folder)
+    config, weights = list(_chunks(folder))
+    genuine = [
+        hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        for name in ("adapter_config.json", WEIGHTS)
+    ]
+
+    def trailer(*sha256: str) -> registry_pb2.UploadAdapterRequest:
+        return registry_pb2.UploadAdapterRequest(trailer=registry_pb2.UploadTrailer(sha256=sha256))
+
+    wrong = _raw_upload(served, [header, config, weights, trailer(genuine[0], "1" * 64)])
+    assert wrong.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert wrong.details().startswith(f"{WEIGHTS}: sha256 of the bytes received"), wrong.details()
+    assert "the trailer says " + "1" * 64 in wrong.details()
+    for messages, fragment in [
+        ([header, config, weights, trailer(genuine[0])], "trailer.sha256: 1 values"),
+        ([header, config, weights, trailer(genuine[0], "XYZ")], "trailer.sha256: 'XYZ'"),
+        ([header, config, trailer(*genuine), weights], "chunk after the trailer"),
+        ([header, config, weights, trailer(*genuine), trailer(*genuine)], "trailer repeated"),
+    ]:
+        refused = _raw_upload(served, messages)
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert fragment in refused.details(), refused.details()
+    disagree = _header(folder)
+    disagree.header.files[1].sha256 = "2" * 64
+    refused = _raw_upload(served, [disagree, config, weights, trailer(*genuine)])
+    assert "in the trailer but " + "2" * 64 + " in the header" in refused.details()
+    _assert_nothing_left(served)
+    # A correct trailer is accepted (what RegistryClient.upload sends).
+    with served.channel() as channel:
+        stub = registry_pb2_grpc.AdapterRegistryStub(channel)
+        done = stub.UploadAdapter(iter([header, config, weights, trailer(*genuine)]), timeout=30)
+    assert [f.sha256 for f in done.version.files] == genuine
 
 
 def test_doomed_upload_fails_before_its_weights_arrive(served: Served, tmp_path: Path) -> None:

@@ -451,6 +451,7 @@ class UploadAdapterRequest(_message.Message):
 
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    TRAILER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___UploadHeader:
         """What is being uploaded (first message only)."""
@@ -459,21 +460,53 @@ class UploadAdapterRequest(_message.Message):
     def chunk(self) -> Global___FileChunk:
         """Bytes of one file (every message after the first)."""
 
+    @_builtins.property
+    def trailer(self) -> Global___UploadTrailer:
+        """Every file's sha256, after all chunks (last message, optional)."""
+
     def __init__(
         self,
         *,
         header: Global___UploadHeader | None = ...,
         chunk: Global___FileChunk | None = ...,
+        trailer: Global___UploadTrailer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload", "trailer", b"trailer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload", "trailer", b"trailer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["header", "chunk", "trailer"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___UploadAdapterRequest: _TypeAlias = UploadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UploadTrailer(_message.Message):
+    """The checksums of an upload, sent after its bytes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Lower-case hex SHA-256 of each file, in the order of the header's
+        `files`; checked against the bytes received, and against the header's
+        `sha256` where that was given too.
+        """
+
+    def __init__(
+        self,
+        *,
+        sha256: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadTrailer: _TypeAlias = UploadTrailer  # noqa: Y015
 
 @_typing.final
 class UploadHeader(_message.Message):
@@ -523,7 +556,8 @@ class UploadHeader(_message.Message):
     def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterFile]:
         """Files that follow, in the order their chunks will arrive: exactly
         adapter_config.json and adapter_model.safetensors. `sha256` is optional
-        here; when given it is checked against the bytes received.
+        here (the trailer may carry it instead); when given it is checked
+        against the bytes received.
         """
 
     def __init__(

@@ -168,7 +168,9 @@ class AdapterRegistryServicer:
 
     def UploadAdapter(self, request_iterator, context):
         """Uploads one new adapter version: first a message with `header`, then the
-        files' bytes as `chunk` messages, each file's chunks in order. The
+        files' bytes as `chunk` messages, each file's chunks in order, then
+        optionally a `trailer` with every file's sha256 (so a client can hash
+        while it sends instead of reading its files twice). The
         version becomes visible (READY) only after every byte arrived, every
         checksum matched and the adapter was validated against its base model;
         a failed or cut-off upload leaves no visible version.

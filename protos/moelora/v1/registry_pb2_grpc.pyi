@@ -67,7 +67,9 @@ class AdapterRegistryStub:
     """
     UploadAdapter: _grpc.StreamUnaryMultiCallable[_registry_pb2.UploadAdapterRequest, _registry_pb2.UploadAdapterResponse]
     """Uploads one new adapter version: first a message with `header`, then the
-    files' bytes as `chunk` messages, each file's chunks in order. The
+    files' bytes as `chunk` messages, each file's chunks in order, then
+    optionally a `trailer` with every file's sha256 (so a client can hash
+    while it sends instead of reading its files twice). The
     version becomes visible (READY) only after every byte arrived, every
     checksum matched and the adapter was validated against its base model;
     a failed or cut-off upload leaves no visible version.
@@ -176,7 +178,9 @@ class AdapterRegistryAsyncStub(AdapterRegistryStub):
     """
     UploadAdapter: _aio.StreamUnaryMultiCallable[_registry_pb2.UploadAdapterRequest, _registry_pb2.UploadAdapterResponse]  # type: ignore[assignment]
     """Uploads one new adapter version: first a message with `header`, then the
-    files' bytes as `chunk` messages, each file's chunks in order. The
+    files' bytes as `chunk` messages, each file's chunks in order, then
+    optionally a `trailer` with every file's sha256 (so a client can hash
+    while it sends instead of reading its files twice). The
     version becomes visible (READY) only after every byte arrived, every
     checksum matched and the adapter was validated against its base model;
     a failed or cut-off upload leaves no visible version.
@@ -306,7 +310,9 @@ class AdapterRegistryServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.UploadAdapterResponse, _abc.Awaitable[_registry_pb2.UploadAdapterResponse]]:
         """Uploads one new adapter version: first a message with `header`, then the
-        files' bytes as `chunk` messages, each file's chunks in order. The
+        files' bytes as `chunk` messages, each file's chunks in order, then
+        optionally a `trailer` with every file's sha256 (so a client can hash
+        while it sends instead of reading its files twice). The
         version becomes visible (READY) only after every byte arrived, every
         checksum matched and the adapter was validated against its base model;
         a failed or cut-off upload leaves no visible version.
