@@ -900,7 +900,8 @@ def w2_stage(
     cfg = config.w2
     la = _lora_args(act, "2", False, top_k, alignment, lora, config, cfg)
     bias = b2 if b2 is not None else w2
-    w_desc = weight_descriptor(w2, cfg)
+    # Pair blocks take pointer loads: ptxas (CUDA 13.0, sm_90a) crashed compiling them with TMA.
+    w_desc = None if alignment.pair_blocks else weight_descriptor(w2, cfg)
     _w2_kernel[_grid(alignment, triton.cdiv(h, cfg.block_n), cfg)](
         act, w2, w_desc if w_desc is not None else w2, bias, la.a, la.xa, la.b, out,
         alignment.sorted_pair_ids, la.row_slots, _enabled(alignment), alignment.block_experts,
