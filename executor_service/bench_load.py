@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", default="local,s3", help="comma list: local, s3")
     parser.add_argument("--streams", type=int, default=0, help="--download-streams (0: auto)")
     parser.add_argument("--load-threads", type=int, default=0, help="--load-threads (0: auto)")
-    parser.add_argument("--load-nice", type=int, default=10, help="--load-nice")
+    parser.add_argument("--load-nice", type=int, default=19, help="--load-nice")
     args = parser.parse_args(argv)
     shape = SMALL if args.small else FULL
     shape = Shape(

@@ -81,7 +81,7 @@ class ExecutorSettings(ServerSettings):
         "0 = half the CPU cores",
     )
     load_nice: int = Field(
-        10,
+        19,
         ge=0,
         le=19,
         description="how much lower the CPU priority of downloads, checks and packing runs than "
