@@ -15,8 +15,8 @@ Speed (the cold-start path): a weights file is parsed in place from a copy-on-wr
 (``torch.frombuffer``: no whole-file read, no per-tensor copy), each packed tensor is written
 once, straight into its final buffer in the serving dtype (page-locked when ``pin``), and one
 check on that output catches both NaN/Inf in the input and overflow from the scaling. Weights
-still being downloaded (``Arriving``) are packed layer by layer, in the order the layers lie in
-the file, each as soon as its bytes have arrived.
+still being downloaded (``Arriving``) are packed tensor by tensor, in the order they lie in the
+file, each as soon as its bytes have arrived.
 
 * 3D pairs: ``A.reshape(E, r, in)`` (expert-major rows) and ``B.reshape(out, r, E)`` permuted to
   (E, out, r) (rank-major columns: expert e owns columns e, e+E, ...). gpt_oss's gate_up B rows
@@ -110,10 +110,10 @@ def pack_adapter(
     wait(PREFIX_BYTES, PREFIX_BYTES + header_length(data))
     header = parse_bytes(data)
     layout = inspect_adapter(config, header, spec, max_rank)
-    packing = _Packing(header, data, spec, dtype, pin)
+    packing = _Packing(header, data, wait, spec, dtype, pin)
     layers = {}
-    for index, layer in sorted(layout.layers.items(), key=lambda item: _span(header, item[1])):
-        wait(*_span(header, layer))
+    # In file order: arriving weights come front to back, and each tensor waits for its bytes.
+    for index, layer in sorted(layout.layers.items(), key=lambda item: _start(header, item[1])):
         if only is None or index in only:
             layers[index] = packing.layer(layer)
         else:
@@ -148,13 +148,9 @@ def _buffer(
         return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)), _arrived
 
 
-def _span(header: SafetensorsHeader, layer: LayerLayout) -> tuple[int, int]:
-    """The file bytes holding a layer's tensors (first to last)."""
-    infos = [header.tensors[key] for pair in layer.pairs for key in (pair.a_key, pair.b_key)]
-    return (
-        header.data_start + min(info.begin for info in infos),
-        header.data_start + max(info.end for info in infos),
-    )
+def _start(header: SafetensorsHeader, layer: LayerLayout) -> int:
+    """Where a layer's first tensor lies in the data section."""
+    return min(header.tensors[key].begin for p in layer.pairs for key in (p.a_key, p.b_key))
 
 
 class _Packing:
@@ -164,12 +160,14 @@ class _Packing:
         self,
         header: SafetensorsHeader,
         data: bytes | memoryview,
+        wait: Callable[[int, int], None],
         spec: ModelSpec,
         dtype: torch.dtype,
         pin: bool,
     ) -> None:
         self.header = header
         self.data = data
+        self.wait = wait
         self.spec = spec
         self.dtype = dtype
         self.pin = pin
@@ -237,9 +235,11 @@ class _Packing:
         return a, b
 
     def _tensor(self, key: str) -> torch.Tensor:
-        """One stored tensor, a view of the buffer (bytes are copied per tensor: read-only)."""
+        """One stored tensor, a view of the buffer (bytes are copied per tensor: read-only),
+        once its bytes have arrived."""
         info = self.header.tensors[key]
         start = self.header.data_start + info.begin
+        self.wait(start, start + info.nbytes)
         view = memoryview(self.data)[start : start + info.nbytes]
         # torch.frombuffer wants a writable buffer: copy bytes (the memory map is writable).
         raw = bytearray(view) if view.readonly else view
