@@ -3,7 +3,7 @@
 For every token bucket (the executor's: 1, 2, 4, …, 512 and 4096) a coordinate search starts
 from the heuristic's configuration (or the previous bucket's best, whichever is faster) and
 times, one knob group at a time, a pruned space: BLOCK_M, the w13 tiles, the w2 tiles, then
-where the LoRA shrink runs, the segments per pass, the sum over k and w2's TMA loads. In
+where the LoRA shrink runs, the segments per pass, the sum over k and the TMA loads. In
 buckets of at most one pair per expert, whether the alignment is folded into the GEMMs
 (``MoEConfig.decode``) is a knob too, tried before the tiles. Each candidate is timed
 as the benchmark times it (CUDA graph replay under do_bench, L2 flushed) on the layer itself
@@ -98,7 +98,7 @@ def precompile_set(start: MoEConfig, rows_per_expert: float, rank: int) -> list[
     """Configurations whose compilation covers every kernel the search of one bucket may
     launch: each BLOCK_M with every w13 tile paired with a w2 tile (the two GEMMs compile
     apart, so pairing them covers all their combinations), with pair blocks too where the
-    bucket may use them, and each w2 tile also through a TMA descriptor."""
+    bucket may use them, and each tile also through a TMA descriptor."""
     modes = [False, True] if decode_candidate(rows_per_expert) else [False]
     configs = []
     for decode, bm in itertools.product(modes, block_m_options(rows_per_expert)):
@@ -113,7 +113,12 @@ def precompile_set(start: MoEConfig, rows_per_expert: float, rank: int) -> list[
                     rank,
                 )
             )
-    with_tma = [dataclasses.replace(c, w2=dataclasses.replace(c.w2, tma=True)) for c in configs]
+    with_tma = [
+        dataclasses.replace(
+            c, w13=dataclasses.replace(c.w13, tma=True), w2=dataclasses.replace(c.w2, tma=True)
+        )
+        for c in configs
+    ]
     return list(dict.fromkeys(configs + with_tma))
 
 
@@ -154,6 +159,7 @@ def search(
             + [dataclasses.replace(best, lora_segments=s) for s in (1, 2, 4)]
         )
     consider([dataclasses.replace(best, atomic_sum=not best.atomic_sum)])
+    consider([dataclasses.replace(best, w13=dataclasses.replace(best.w13, tma=not best.w13.tma))])
     consider([dataclasses.replace(best, w2=dataclasses.replace(best.w2, tma=not best.w2.tma))])
     if not _streaming(best.block_m):
         consider(

@@ -44,8 +44,8 @@ class GemmConfig:
         its fixed cost dominates (small M, few experts); each program of a block repeats it,
         so at large M it wants many tiles per program.
     tma: load the weight tiles with the tensor copy engine (a TMA descriptor) where the GPU
-        has one (sm_90+) — w2 only; w13 interleaves gate and up rows, which one descriptor
-        box cannot. Elsewhere pointer loads, with the same result.
+        has one (sm_90+); for w13 one box holds the tile's gate rows and its up rows. Elsewhere
+        pointer loads, with the same result.
     """
 
     block_n: int

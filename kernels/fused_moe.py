@@ -157,9 +157,11 @@ def _main_loop(
     """acc + x·Wᵀ of one tile in fp32; WITH_SHRINK also x·Aᵀ (BLOCK_M, SHRINK_N) for the
     stacked LoRA A rows ``a_cols``, from the same x tiles. x_row_ptrs (BLOCK_M,), w_cols (BLOCK_N,)
     and a_cols (SHRINK_N,) point at k = 0 of each row of x, W and A; K is contiguous in all.
-    W_TMA: W comes through the tensor descriptor ``w_desc`` (E, N, K), block (1, BLOCK_N,
+    W_TMA (0: pointer loads; else the descriptor's rank): W comes through the tensor
+    descriptor ``w_desc`` (E, N, K), block (1, BLOCK_N,
     BLOCK_K), from row ``w_row`` of the expert's (N, K) (the copy engine; rows and K out of
-    range read as zeros), instead of ``w_cols``."""
+    range read as zeros), instead of ``w_cols``; for W13 (E, 2, I, K) with block (1, 2,
+    BLOCK_N / 2, BLOCK_K): gate rows w_row.. then up rows w_row.."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_row_ptrs[:, None] + offs_k[None, :]
     w_ptrs = w_cols[None, :] + offs_k[:, None]
@@ -171,7 +173,9 @@ def _main_loop(
         else:
             k_mask = offs_k < K - k0
             x = tl.load(x_ptrs, mask=x_row_mask[:, None] & k_mask[None, :], other=0.0)
-        if W_TMA:
+        if W_TMA == 4:  # W13 as (E, 2, I, K): gate rows, then up rows
+            w = w_desc.load([expert.to(tl.int32), 0, w_row, k0]).reshape(BLOCK_N, BLOCK_K).T
+        elif W_TMA == 3:
             w = w_desc.load([expert.to(tl.int32), w_row, k0]).reshape(BLOCK_N, BLOCK_K).T
         elif EVEN_K:
             w = tl.load(w_ptrs, mask=w_col_mask[None, :], other=0.0)
@@ -479,6 +483,8 @@ def _lora_shrink_kernel(
 def _w13_kernel(
     x_ptr,  # (T, H) hidden states
     w_ptr,  # (E, 2I, H)
+    w_desc,  # W_TMA: a tensor descriptor of w seen as (E, 2, I, H), block (1, 2, BLOCK_N,
+    # BLOCK_K); else unused
     bias_ptr,  # (E, 2I) or unused
     a_ptr,  # (S, E, R, H) LoRA A13 (FUSED_SHRINK) or unused
     xa_ptr,  # (max_rows, RP) x·A13ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
@@ -525,6 +531,7 @@ def _w13_kernel(
     RC: tl.constexpr,
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
     CLEAR_BLOCK: tl.constexpr,
 ):
@@ -553,25 +560,33 @@ def _w13_kernel(
         slot, seg, n_seg = pair, pair, 0  # unused: the tile reads them after its main loop
     xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
 
-    # Tile columns interleave gate and up: column c is gate (c even) or up (c odd) of
-    # intermediate index n0 + c // 2, i.e. row (n0 + c // 2) + (c % 2) * I of W13.
+    # Pointer loads: tile columns interleave gate and up, column c is gate (c even) or up
+    # (c odd) of intermediate index n0 + c // 2, i.e. row (n0 + c // 2) + (c % 2) * I of W13.
+    # TMA: one box of W13 seen as (E, 2, I, H) holds gate rows n0.. then up rows n0..: the
+    # columns are [gate | up] halves.
     cols = tl.arange(0, 2 * BLOCK_N)
     first = pid_n * TILES_PER_PROGRAM
     for tile in range(first, tl.minimum(first + TILES_PER_PROGRAM, num_tiles)):
         n0 = tile * BLOCK_N
-        inter_idx = n0 + cols // 2
-        w13_rows = inter_idx + (cols % 2) * inter
+        if W_TMA:
+            inter_idx = n0 + cols % BLOCK_N
+            w13_rows = inter_idx + (cols // BLOCK_N) * inter
+        else:
+            inter_idx = n0 + cols // 2
+            w13_rows = inter_idx + (cols % 2) * inter
         col_mask = inter_idx < inter
         w_cols = w_ptr + expert * stride_we + w13_rows.to(tl.int64) * stride_wn
         acc, xa = _gemm_tile(
             tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), xa, tile == first,
-            x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask, w_ptr, 0,
+            x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask, w_desc, n0,
             a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair, top_k,
             expert, slot, seg, n_seg, H, R,
             stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
             stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
-            BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, False, PRECISION,
+            BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
         )  # fmt: skip
+        if W_TMA:
+            acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1))
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         if ACTIVATION == 0:
             act = gate * tl.sigmoid(gate) * up
@@ -811,14 +826,26 @@ def tma_available(device: torch.device) -> bool:
 
 
 def weight_descriptor(w: torch.Tensor, gemm: GemmConfig) -> TensorDescriptor | None:
-    """A TMA descriptor of expert weights w (E, N, K) for gemm's (1, block_n, block_k) tiles
-    where the configuration asks for one (``GemmConfig.tma``) and the copy engine can take
-    it; None means pointer loads (GPUs before Hopper, rows not 16-byte aligned)."""
+    """A TMA descriptor of expert weights w (E, N, K), or (E, 2, I, K) for W13, for gemm's
+    (1, [2,] block_n, block_k) tiles where the configuration asks for one
+    (``GemmConfig.tma``) and the copy engine can take it; None means pointer loads (GPUs
+    before Hopper, strides not 16-byte aligned)."""
     if not gemm.tma or not tma_available(w.device):
         return None
-    if (w.stride(1) * w.element_size()) % 16 or w.data_ptr() % 16 or w.stride(2) != 1:
+    aligned = all(stride * w.element_size() % 16 == 0 for stride in w.stride()[:-1])
+    if not aligned or w.data_ptr() % 16 or w.stride(-1) != 1:
         return None
-    return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, gemm.block_n, gemm.block_k])
+    box = [1] * (w.dim() - 2) + [gemm.block_n, gemm.block_k]
+    if w.dim() == 4:
+        box[1] = 2
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), box)
+
+
+def w13_descriptor(w13: torch.Tensor, gemm: GemmConfig) -> TensorDescriptor | None:
+    """``weight_descriptor`` of W13 (E, 2I, H) seen as (E, 2, I, H): one box holds a tile's
+    gate rows and its up rows."""
+    e, two_i, h = w13.shape
+    return weight_descriptor(w13.view(e, 2, two_i // 2, h), gemm)
 
 
 def _enabled(alignment: Alignment) -> torch.Tensor:
@@ -857,9 +884,11 @@ def w13_stage(
     bias = b13 if b13 is not None else w13
     grid = _grid(alignment, triton.cdiv(inter, cfg.block_n), cfg)
     clear_numel = 0 if clear is None else clear.numel()
+    # Pair blocks take pointer loads: ptxas (CUDA 13.0, sm_90a) crashed compiling them with TMA.
+    w_desc = None if alignment.pair_blocks else w13_descriptor(w13, cfg)
     clear_per_program = triton.cdiv(triton.cdiv(clear_numel, grid[0]), _CLEAR_BLOCK)
     _w13_kernel[grid](
-        hidden, w13, bias, la.a, la.xa, la.b, act,
+        hidden, w13, w_desc if w_desc is not None else w13, bias, la.a, la.xa, la.b, act,
         alignment.sorted_pair_ids, la.row_slots, _enabled(alignment), alignment.block_experts,
         clear if clear is not None else act, clear_numel, clear_per_program * _CLEAR_BLOCK,
         max_blocks, h, inter, top_k, la.rank, alpha, limit,
@@ -873,7 +902,8 @@ def w13_stage(
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
-        EVEN_K=h % cfg.block_k == 0, PRECISION=_dot_precision(hidden.dtype),
+        EVEN_K=h % cfg.block_k == 0, W_TMA=0 if w_desc is None else 4,
+        PRECISION=_dot_precision(hidden.dtype),
         CLEAR_BLOCK=_CLEAR_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return act
@@ -916,7 +946,7 @@ def w2_stage(
         BLOCK_M=alignment.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
-        EVEN_K=inter % cfg.block_k == 0, W_TMA=w_desc is not None,
+        EVEN_K=inter % cfg.block_k == 0, W_TMA=0 if w_desc is None else 3,
         PRECISION=_dot_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 

@@ -63,17 +63,19 @@ def decode_pays(num_tokens: int, num_experts: int, top_k: int) -> bool:
 def _compute(num_experts: int, rows_per_expert: float) -> MoEConfig:
     group_m = 1 if num_experts >= 64 else (8 if num_experts >= 16 else 0)
     # From ~128 rows per expert the 128-row blocks won on every zoo shape but GPT-OSS-120B.
+    # w13 through TMA won or tied on every shape measured at M = 512 and 4096 (H100); w2
+    # through TMA lost on some (kernels/BENCHMARKS.md), so only autotuning turns it on.
     if rows_per_expert < 128:
         return MoEConfig(
             block_m=64,
             lora_segments=4,
-            w13=GemmConfig(64, 64, 1, 4, 4, group_m),
+            w13=GemmConfig(64, 64, 1, 4, 4, group_m, tma=True),
             w2=GemmConfig(128, 64, 1, 4, 4, group_m),
         )
     return MoEConfig(
         block_m=128,
         lora_segments=4,
-        w13=GemmConfig(128, 64, 1, 8, 3, group_m),
+        w13=GemmConfig(128, 64, 1, 8, 3, group_m, tma=True),
         w2=GemmConfig(256, 64, 1, 8, 3, group_m),
     )
 

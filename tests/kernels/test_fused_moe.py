@@ -69,6 +69,7 @@ class Case:
     hidden_scale: float = 1.0
     decode: bool = False
     w2_tma: bool = False
+    w13_tma: bool = False
     extra: dict[str, object] = field(default_factory=dict)
 
     def config(self, atomic_sum: bool) -> MoEConfig:
@@ -81,6 +82,7 @@ class Case:
                 num_stages=2,
                 group_m=self.group_m[0],
                 fused_shrink=self.fused_shrink[0],
+                tma=self.w13_tma,
             ),
             w2=GemmConfig(
                 *self.w2,
@@ -189,6 +191,28 @@ CASES = {
         w2=(64, 32, 2),
         fused_shrink=(False, True),
         w2_tma=True,
+    ),
+    # w13's gate and up rows in one box of W13 seen as (E, 2, I, H); I not a multiple of the
+    # tile, so the last box reads zeros past I (not the up rows).
+    "w13_and_w2_by_tma_fp16": Case(
+        tokens=37,
+        experts=7,
+        top_k=4,
+        inter=40,
+        dtype=torch.float16,
+        w13=(16, 32, 2),
+        w13_tma=True,
+        w2_tma=True,
+    ),
+    "w13_tma_fused_shrink_gpt_oss_biases": Case(
+        router=RouterSpec(RouterKind.TOPK_SOFTMAX, top_k=4, renormalize=True),
+        top_k=4,
+        activation=Activation.GPT_OSS,
+        biases=True,
+        hidden_scale=4.0,
+        inter=48,
+        fused_shrink=(True, True),
+        w13_tma=True,
     ),
     # Rows of 12 bytes cannot be described: pointer loads take over, same result.
     "w2_tma_unaligned_rows_fall_back_fp16": Case(inter=6, dtype=torch.float16, w2_tma=True),
