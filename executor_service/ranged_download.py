@@ -65,6 +65,7 @@ class RangedDownload:
     ) -> None:
         self._read = read
         self._nice = nice
+        self._stopped = threading.Event()
         self._files: list[ArrivingFile] = []
         try:
             for f in files:
@@ -77,7 +78,6 @@ class RangedDownload:
         self._by_path = {f.path: arriving for f, arriving in zip(files, self._files, strict=True)}
         self._lock = threading.Lock()
         self._parts = _parts(files, streams)
-        self._stopped = threading.Event()
         for n in range(max(1, min(streams, len(self._parts)))):
             threading.Thread(target=self._work, name=f"download-{n}", daemon=True).start()
 

@@ -173,13 +173,31 @@ class RegistrySource:
                 ms=round((time.perf_counter() - start) * 1000, 1),
             )
             if download.file(WEIGHTS_FILE).size <= self._disk.budget_bytes:
-                self._disk.commit(adapter, partial)  # else too big to keep: dropped at close
+                self._keep(adapter, partial)  # else too big to keep: dropped at close
 
         def close() -> None:
             download.close()
             self._disk.discard(partial)  # nothing left there once committed
 
         return AdapterFiles(config, download.file(WEIGHTS_FILE), finish, close)
+
+    def _keep(self, adapter: ResolvedAdapter, partial: Path) -> None:
+        """Moves a checked download into the disk cache, making room on a full volume (the
+        files are allocated, but the entry's small version file may not fit). With nothing
+        left to evict it keeps nothing: the load goes on, from the download."""
+        while True:
+            try:
+                self._disk.commit(adapter, partial)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                if not self._disk.shed():
+                    log_event(
+                        log, "disk_cache_not_kept", logging.WARNING,
+                        adapter=adapter.label, error=exc.strerror,
+                    )  # fmt: skip
+                    return
 
     def cached(self) -> list[ResolvedAdapter]:
         return [entry.adapter for entry in self._disk.entries()]
