@@ -12,9 +12,10 @@ Qwen3-30B-A3B's MoE shape (48 layers, 128 experts, H 2048, I 768); rank 13
 makes it 1.02 GB. The base model is registered from its config alone (the
 registry needs the spec, not the weights). Each server is a separate
 ``moelora-registry`` process; the client is RegistryClient, i.e. what
-adapterctl does: upload = client sha256 pass + streaming 1 MiB chunks + server
-spool/validate/blob write/commit; download = server sha256 check + streaming +
-client sha256 and write. Presigned = one HTTP GET straight from the blob store.
+adapterctl does: upload = 1 MiB chunks hashed as they are sent (sha256s in the
+trailer) + server spool (hashed, written, flushed)/validate/blob write/commit;
+download = one stream hashed by the server as it sends + client sha256 and write.
+Presigned = one HTTP GET straight from the blob store.
 Needs the dev extra (moto) for the S3 rows.
 """
 
