@@ -6,15 +6,19 @@ The kernels run over the blocks of ``kernels.align`` (BLOCK_M pairs of one exper
     per block (a program per 64 rows), into a small (rows, R) buffer in the operand dtype; run
     on the hidden states with A13 before w13 and on the activation with A2 before w2.
 ``_w13_kernel``: ``g_u = x W13[e]ᵀ (+ b13) + B13[s,e] xa13``, then the activation, stored as
-    the (rows, I) intermediate ``a`` in the aligned row order. Gate and up columns are
-    interleaved in one tile (gate column i next to up column i), so one dot yields both and
-    the activation runs in the epilogue: the (rows, 2I) pre-activation never goes to memory.
+    the (rows, I) intermediate ``a`` in the aligned row order. Gate and up columns share one
+    tile (interleaved with pointer loads; [gate | up] halves when one TMA box of W13 seen as
+    (E, 2, I, H) brings both), so one dot yields both and the activation runs in the epilogue:
+    the (rows, 2I) pre-activation never goes to memory.
 ``_w2_kernel``: ``y = a W2[e]ᵀ (+ b2) + B2[s,e] xa2``, times the pair's routed weight, either
     atomically added (fp32) into the (T, H) output, so the sum over k needs no (T*k, H)
     buffer, or stored per pair for ``_sum_k_kernel`` (deterministic); the launch configuration
-    chooses (``MoEConfig.atomic_sum``). Its weight tiles come by pointer loads or, where the
-    configuration asks (``GemmConfig.tma``) and the GPU has it, through a TMA tensor
-    descriptor (``weight_descriptor``; pointer loads remain the portable path).
+    chooses (``MoEConfig.atomic_sum``).
+
+Both GEMMs load their weight tiles by pointers or, where the configuration asks
+(``GemmConfig.tma``) and the GPU has a copy engine, through a TMA tensor descriptor
+(``weight_descriptor``; pointer loads remain the portable path). With ``Alignment.pair_blocks``
+(decode) every block is one pair, read straight from topk_ids: no alignment launch.
 
 Where the LoRA shrink runs is a launch-configuration choice per GEMM (``GemmConfig.fused_shrink``):
 in the separate launch (one read of the block's rows and A matrices per block) or inside the
@@ -29,9 +33,8 @@ handles up to ``MoEConfig.lora_segments`` segments (in the main loop: ``segments
 with *one* dot against their A matrices stacked side by side, each row keeping the rank-R slice
 of its own segment (``_collapse``), so x is read once per that many segments. The expands take
 one small dot per segment, which keeps the GEMM epilogues' registers free for the accumulator.
-Ranks above
-``MAX_REGISTER_RANK`` go 64 at a time (the separate shrink, then the expand from memory), so
-any rank fits in shared memory and registers.
+Ranks above ``MAX_REGISTER_RANK`` go 64 at a time (the separate shrink, then the expand from
+memory), so any rank fits in shared memory and registers.
 
 Dtypes: bf16/fp16 operands with fp32 accumulation (the rank-R vectors and ``a`` are rounded
 to the operand dtype before their dots, as in every fused MoE); fp32 operands use exact IEEE
@@ -158,10 +161,10 @@ def _main_loop(
     stacked LoRA A rows ``a_cols``, from the same x tiles. x_row_ptrs (BLOCK_M,), w_cols (BLOCK_N,)
     and a_cols (SHRINK_N,) point at k = 0 of each row of x, W and A; K is contiguous in all.
     W_TMA (0: pointer loads; else the descriptor's rank): W comes through the tensor
-    descriptor ``w_desc`` (E, N, K), block (1, BLOCK_N,
-    BLOCK_K), from row ``w_row`` of the expert's (N, K) (the copy engine; rows and K out of
-    range read as zeros), instead of ``w_cols``; for W13 (E, 2, I, K) with block (1, 2,
-    BLOCK_N / 2, BLOCK_K): gate rows w_row.. then up rows w_row.."""
+    descriptor ``w_desc`` (E, N, K), block (1, BLOCK_N, BLOCK_K), from row ``w_row`` of the
+    expert's (N, K) (the copy engine; rows and K out of range read as zeros), instead of
+    ``w_cols``; for W13 (E, 2, I, K) with block (1, 2, BLOCK_N / 2, BLOCK_K): gate rows
+    w_row.. then up rows w_row.."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_row_ptrs[:, None] + offs_k[None, :]
     w_ptrs = w_cols[None, :] + offs_k[:, None]
@@ -392,10 +395,10 @@ def _gemm_tile(
     PRECISION: tl.constexpr,
 ):
     """One output tile of either GEMM: acc + x·Wᵀ (+ LoRA) (+ bias) in fp32, for the weight
-    rows ``out_cols`` (W13's interleaved gate/up rows, or W2's columns). With the shrink fused
-    the first tile of the program computes ``xa`` (passed on to later tiles); else the rows'
-    xa comes from the separate shrink launch, RC ranks at a time. Returns the tile and
-    ``xa``."""
+    rows ``out_cols`` (W13's gate/up rows in the tile's order, or W2's columns). With the
+    shrink fused the first tile of the program computes ``xa`` (passed on to later tiles);
+    else the rows' xa comes from the separate shrink launch, RC ranks at a time. Returns the
+    tile and ``xa``."""
     b_rows = out_cols * stride_bn
     if FUSED_SHRINK:
         acc, xa = _fused_tile(

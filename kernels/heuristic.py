@@ -87,10 +87,8 @@ def heuristic_config(
     inter: int,
     top_k: int,
     elem_size: int = 2,
-    allow_decode: bool = True,
 ) -> MoEConfig:
-    """A reasonable configuration for a shape nobody tuned (``allow_decode=False``: one of
-    the aligned path)."""
+    """A reasonable configuration for a shape nobody tuned."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 48:
         config = _streaming(num_tokens, hidden, inter, rows_per_expert)
@@ -98,7 +96,7 @@ def heuristic_config(
         config = _compute(num_experts, rows_per_expert)
     # Scalar fp32 atomics cost more than the (T*k, H) round trip once there are millions.
     config = dataclasses.replace(config, atomic_sum=num_tokens * top_k * hidden <= (1 << 22))
-    if allow_decode and decode_pays(num_tokens, num_experts, top_k):
+    if decode_pays(num_tokens, num_experts, top_k):
         # One row per block: a separate shrink launch would cost more than it saves.
         config = dataclasses.replace(
             config,

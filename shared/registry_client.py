@@ -30,7 +30,8 @@ from shared.rpc_metadata import WATCH_START_METADATA
 #: Upload and download chunks. Measured with grpcio over 127.0.0.1, 512 KiB-1 MiB messages
 #: stream 2-3x faster than 4 MiB ones (large messages are reassembled and copied again).
 CHUNK_BYTES = 1024 * 1024
-#: gRPC messages up to this size; chunks are 4 MiB, versions a few KiB.
+#: gRPC messages up to this size; chunks are at most 4 MiB (the registry's limit), versions a
+#: few KiB.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 #: Reads that meet a connection just lost (UNAVAILABLE) are tried again by gRPC itself: a

@@ -238,7 +238,6 @@ def test_search_tries_pair_blocks_where_pairs_are_few() -> None:
 def test_decode_only_for_few_pairs() -> None:
     assert decode_pays(1, 128, 8) and decode_pays(1, 8, 2) and not decode_pays(8, 8, 2)
     assert heuristic_config(1, 128, 2048, 768, 8).decode
-    assert not heuristic_config(1, 128, 2048, 768, 8, allow_decode=False).decode
     assert not heuristic_config(64, 128, 2048, 768, 8).decode
     assert decode_candidate(1.0) and not decode_candidate(1.5)
     # Ranks above the register limit keep pair blocks but take the separate shrink.
