@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import mmap
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -167,13 +168,36 @@ class CpuPackDevice:
         return self._stored.host(key)
 
     def empty(self, shape: Sequence[int]) -> torch.Tensor:
-        return torch.empty(tuple(shape), dtype=self._dtype, pin_memory=self._pin)
+        if self._pin:
+            return torch.empty(tuple(shape), dtype=self._dtype, pin_memory=True)
+        return _huge_paged(shape, self._dtype)
 
     def host(self, packed: torch.Tensor) -> torch.Tensor:
         return packed
 
     def end_layer(self) -> None:
         pass
+
+
+def _huge_paged(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor; a large one in an anonymous mapping of its own that asks
+    for transparent huge pages. The pack writes each output once, into fresh memory: with 4 KiB
+    pages the first-touch page faults cost about three times the writing itself (measured on
+    the 2-core VM: 630 MB written into fresh memory 287 ms, into memory already touched 74 ms,
+    into fresh 2 MiB pages 109 ms). The mapping is unmapped when the tensor is freed."""
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+    if advice is None or nbytes < _HUGE_PAGE_BYTES:
+        return torch.empty(tuple(shape), dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a kernel without them: ordinary pages
+        region.madvise(advice)
+    return torch.frombuffer(region, dtype=dtype, count=count).reshape(tuple(shape))
+
+
+#: Below this a tensor is allocated as usual (a huge page is 2 MiB on x86-64).
+_HUGE_PAGE_BYTES = 4 << 20
 
 
 @functools.cache
@@ -204,9 +228,10 @@ class CudaPackDevice:
             if len(stored.data)
             else torch.empty(0, dtype=torch.uint8)
         )
-        self._staging = [
-            torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)
-        ]
+        with torch.cuda.device(device):  # page-locked for this device's context
+            self._staging = [
+                torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+            ]
         #: The event after the last copy out of each staging buffer (None: never used).
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
@@ -249,10 +274,9 @@ class CudaPackDevice:
         info = self._stored.header.tensors[key]
         dtype = TORCH_DTYPES[info.dtype]
         buffer, offset = self._placed[key]
-        raw = buffer[offset : offset + info.nbytes]
-        if offset % dtype.itemsize:  # safetensors does not align tensors of mixed dtypes
-            raw = raw.clone()
-        return raw.view(dtype).reshape(info.shape)
+        # offset is a multiple of the itemsize: a run starts at a tensor, and an adapter's
+        # tensors share one dtype (inspect_adapter refuses others).
+        return buffer[offset : offset + info.nbytes].view(dtype).reshape(info.shape)
 
     def empty(self, shape: Sequence[int]) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=self._dtype, device=self._device)

@@ -7,8 +7,8 @@ arriving are read only where they have arrived; NaN/Inf and overflow are refused
 
 GPU (marked ``gpu``): a CUDA pack equals the CPU pack bit for bit for 3D, 2D and gpt_oss
 adapters in every serving dtype, through staging buffers smaller than a tensor, from arriving
-weights and from a file whose tensors are not aligned; it refuses the same adapters with the
-same messages; and it keeps about one layer on the device.
+weights and from a file whose tensors lie off their alignment; it refuses the same adapters
+with the same messages; and it keeps about one layer on the device.
 
 Self-contained (synthetic adapters, no transformers or PEFT), so that it also runs where only
 torch is installed: ``pytest --noconftest -m gpu tests/executor/test_packing.py``.
