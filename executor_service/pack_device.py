@@ -6,7 +6,8 @@ packed tensors as the host cache keeps them:
 
 * ``CpuPackDevice``: stored tensors are views of the weights buffer (a memory map, or a file
   still arriving: each tensor waits for its own bytes), and the packed buffers are the host
-  tensors themselves (page-locked when asked), so every byte is written once.
+  tensors themselves (page-locked when asked, else large ones on transparent huge pages, which
+  halve the cost of writing into fresh memory), so every byte is written once.
 * ``CudaPackDevice``: at the start of each layer its stored bytes go host→device through two
   small reusable page-locked staging buffers, chunk by chunk (one filled from the memory map
   while the other's copy runs; each chunk waits for its bytes when the file is still
