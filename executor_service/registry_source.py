@@ -25,11 +25,13 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from http import HTTPStatus
+from http.client import HTTPException
 from pathlib import Path
 
 from executor_service.disk_cache import DiskCache
-from executor_service.ranged_download import RangedDownload, RangeReader, RemoteFile
+from executor_service.ranged_download import Part, RangedDownload, RangeReader, RemoteFile
 from executor_service.sources import AdapterFiles, ResolvedAdapter, check_digest, parse_config
 from moelora.v1 import registry_pb2
 from shared.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
@@ -45,7 +47,8 @@ from shared.errors import (
 )
 from shared.logs import log_event
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient, WatchStream, read_url_range
+from shared.registry_client import RegistryClient, WatchStream
+from shared.url_ranges import HttpStatusError, UrlRangeReader
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +62,19 @@ class RegistrySource:
     """Resolves and fetches adapters from the registry at ``address`` (see the module doc)."""
 
     def __init__(
-        self, client: RegistryClient, address: str, disk: DiskCache, streams: int, nice: int
+        self,
+        client: RegistryClient,
+        address: str,
+        disk: DiskCache,
+        streams: int,
+        nice: int,
+        urls: UrlRangeReader | None = None,
     ) -> None:
         """``streams``: parallel ranged reads per download (``client`` should have as many
-        connections); ``nice``: how much lower the download threads' CPU priority is."""
+        connections); ``nice``: how much lower the download threads' CPU priority is;
+        ``urls``: reads presigned URLs (default: plain trust, ``client``'s timeout)."""
         self.client = client
+        self.urls = urls or UrlRangeReader(timeout=client.timeout)
         self.address = address
         self._disk = disk
         self._streams = streams
@@ -247,9 +258,11 @@ class RegistrySource:
         return _remote(version), self._stream_reader(adapter, ref), "stream"
 
     def _stream_reader(self, adapter: ResolvedAdapter, ref: str) -> RangeReader:
-        def read(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+        def read(part: Part) -> None:
             try:
-                yield from self.client.read_range(ref, index, offset, length)
+                for at, data in self.client.read_range(ref, part.index, part.offset, part.length):
+                    if not part.write(at, data):
+                        return
             except _UNREACHABLE as exc:
                 raise self._unreachable(adapter, exc) from None
 
@@ -260,14 +273,20 @@ class RegistrySource:
     ) -> RangeReader:
         links = [f.url for f in urls.files]
 
-        def read(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+        def read(part: Part) -> None:
+            where = f"adapter {adapter.label}: the blob store behind {self.address}"
             try:
-                yield from read_url_range(links[index], offset, length, timeout=self.client.timeout)
-            except OSError as exc:  # urllib's errors, HTTP ones included
-                raise Unavailable(
-                    f"adapter {adapter.label}: the blob store behind {self.address} failed "
-                    f"({exc}); retry"
-                ) from None
+                self.urls.read_into(
+                    links[part.index], part.offset, part.receive_view(), part.arrived
+                )
+            except HttpStatusError as exc:
+                if exc.status == HTTPStatus.NOT_FOUND:  # as DownloadAdapter says of it
+                    raise DataLoss(
+                        f"{where} has lost the blob of file {part.index} ({exc})"
+                    ) from None
+                raise Unavailable(f"{where} refused a ranged read ({exc}); retry") from None
+            except (OSError, HTTPException) as exc:
+                raise Unavailable(f"{where} failed ({exc!r}); retry") from None
 
         return read
 
