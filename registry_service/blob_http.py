@@ -20,6 +20,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import sys
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -146,8 +147,18 @@ class _Server(ThreadingHTTPServer):
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         if self._tls is not None:  # the handshake runs here, in the connection's thread
+            request.settimeout(_IDLE_SECONDS)  # a client that never says hello lets go
             request = self._tls.wrap_socket(request, server_side=True)
         super().finish_request(request, client_address)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client gone mid-transfer (a load cancelled, a connection cut, a failed TLS
+        # handshake) is routine: one line, not the stdlib's traceback on stderr.
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            log_event(log, "blob_http_connection_lost", client=client_address[0], error=repr(error))
+        else:
+            log_event(log, "blob_http_internal_error", logging.ERROR, exc_info=True)
 
     def track(self, connection: socket.socket, open_: bool) -> None:
         with self._lock:
