@@ -48,7 +48,7 @@ from shared.errors import (
 from shared.logs import log_event
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient, WatchStream
-from shared.url_ranges import HttpStatusError, UrlRangeReader
+from shared.url_ranges import HttpStatusError, UrlRangeReader, UrlUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,10 @@ EventType = registry_pb2.AdapterEventType
 
 #: Errors that mean "the registry did not answer", as opposed to an answer that says no.
 _UNREACHABLE = (Unavailable, DeadlineExceeded)
+#: After presigned URLs could not be connected to (say a registry whose --http-public-url
+#: names a host executors cannot reach), downloads take the DownloadAdapter stream this long
+#: before URLs are tried again.
+_URLS_RETRY_SECONDS = 300.0
 
 
 class RegistrySource:
@@ -85,6 +89,8 @@ class RegistrySource:
         self._watching = False
         #: None until we know whether the blob store presigns URLs.
         self._presign: bool | None = None
+        #: Until when (time.monotonic) URLs are not used because they could not be reached.
+        self._urls_unreachable_until = 0.0
 
     # -- AdapterSource -------------------------------------------------------------------
 
@@ -245,11 +251,12 @@ class RegistrySource:
         mean "not reachable" become Unavailable naming the adapter."""
         ref = f"{adapter.name}@{adapter.digest}"
         try:
-            if self._presign is not False:
+            if self._presign is not False and time.monotonic() >= self._urls_unreachable_until:
                 try:
                     urls = self.client.download_urls(ref)
                     self._presign = True
-                    return _remote(urls.version), self._url_reader(adapter, urls), "presigned"
+                    reader = self._url_reader(adapter, urls, self._stream_reader(adapter, ref))
+                    return _remote(urls.version), reader, "presigned"
                 except FailedPrecondition:
                     self._presign = False  # the local-directory store: the stream from now on
             version = self.client.get(ref)
@@ -269,8 +276,13 @@ class RegistrySource:
         return read
 
     def _url_reader(
-        self, adapter: ResolvedAdapter, urls: registry_pb2.GetDownloadUrlsResponse
+        self,
+        adapter: ResolvedAdapter,
+        urls: registry_pb2.GetDownloadUrlsResponse,
+        stream: RangeReader,
     ) -> RangeReader:
+        """Reads parts over the URLs; a part whose URL cannot be connected to is read from
+        ``stream`` instead (and URLs rest for a while: see ``_URLS_RETRY_SECONDS``)."""
         links = [f.url for f in urls.files]
 
         def read(part: Part) -> None:
@@ -279,6 +291,14 @@ class RegistrySource:
                 self.urls.read_into(
                     links[part.index], part.offset, part.receive_view(), part.arrived
                 )
+            except UrlUnreachable as exc:  # before any byte of the part: nothing to undo
+                self._urls_unreachable_until = time.monotonic() + _URLS_RETRY_SECONDS
+                log_event(
+                    log, "blob_urls_unreachable", logging.WARNING,
+                    adapter=adapter.label, error=str(exc), stream_seconds=_URLS_RETRY_SECONDS,
+                    hint="the registry's --http-public-url must name a host executors reach",
+                )  # fmt: skip
+                stream(part)
             except HttpStatusError as exc:
                 if exc.status == HTTPStatus.NOT_FOUND:  # as DownloadAdapter says of it
                     raise DataLoss(

@@ -39,6 +39,11 @@ def tls_context(root_certificates: bytes | None) -> ssl.SSLContext:
     return context
 
 
+class UrlUnreachable(ConnectionError):
+    """No connection could be made to the URL's host (refused, unknown name, timed out): the
+    URL itself is likely wrong for this client, as opposed to a transfer that failed."""
+
+
 class HttpStatusError(Exception):
     """The server answered a status other than the range (``status``, its first words)."""
 
@@ -61,8 +66,9 @@ class UrlRangeReader:
     def read_into(self, url: str, offset: int, into: memoryview, arrived: Arrived) -> None:
         """Receives bytes ``offset`` to ``offset + len(into)`` of ``url``'s object into
         ``into``, calling ``arrived(at, n)`` after each step; returns early when it says False.
-        Raises HttpStatusError for an answer that is not the range, ConnectionError when the
-        body ends short, OSError and http.client.HTTPException for the transport's failures."""
+        Raises UrlUnreachable when no connection can be made, HttpStatusError for an answer
+        that is not the range, ConnectionError when the body ends short, OSError and
+        http.client.HTTPException for the transport's other failures."""
         if not into:
             return
         parts = urlsplit(url)
@@ -135,8 +141,18 @@ class UrlRangeReader:
 
     def _connect(self, origin: tuple[str, str]) -> http.client.HTTPConnection:
         scheme, netloc = origin
+        connection: http.client.HTTPConnection
         if scheme == "https":
-            return http.client.HTTPSConnection(netloc, timeout=self._timeout, context=self._ssl)
-        if scheme == "http":
-            return http.client.HTTPConnection(netloc, timeout=self._timeout)
-        raise ValueError(f"not an http(s) URL: {scheme}://{netloc}")
+            connection = http.client.HTTPSConnection(
+                netloc, timeout=self._timeout, context=self._ssl
+            )
+        elif scheme == "http":
+            connection = http.client.HTTPConnection(netloc, timeout=self._timeout)
+        else:
+            raise ValueError(f"not an http(s) URL: {scheme}://{netloc}")
+        try:
+            connection.connect()  # here, so that failing to connect is told apart
+        except (OSError, http.client.HTTPException) as exc:
+            connection.close()
+            raise UrlUnreachable(f"cannot connect to {scheme}://{netloc}: {exc}") from exc
+        return connection

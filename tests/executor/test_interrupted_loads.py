@@ -15,6 +15,7 @@ nothing on disk).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -47,6 +48,7 @@ from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
 from tests.conftest import free_port, wait_for
+from tests.registry.conftest import registry_settings, serve_registry
 
 BASE = "tiny"
 STREAMS = 2
@@ -207,6 +209,37 @@ def test_a_cut_connection_leaves_no_entry_and_the_next_load_succeeds(
     other = proxy if path == "urls" else setup.http_proxy
     assert cut.bytes_from_server >= setup.nbytes
     assert other.bytes_from_server < setup.nbytes // 10
+
+
+def test_urls_nobody_answers_fall_back_to_the_stream(
+    setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A registry whose blob URLs name a host the executor cannot connect to (a wrong
+    --http-public-url) makes downloads slower, not impossible: parts go over the stream."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    registry = serve_registry(registry_settings(tmp_path, http_public_url=nobody, max_rank=8))
+    try:
+        with RegistryClient(registry.address, timeout=10, connections=STREAMS) as client:
+            client.register_base_model(setup.spec.to_proto(BASE))
+            client.upload(setup.adapter, "a", BASE)
+            assert client.download_urls("a:1").files[0].url.startswith(nobody)
+            disk = DiskCache(tmp_path / "disk", 10**9)
+            source = _source(client, registry.address, disk)
+            adapter = source.resolve(AdapterRef.parse("a:1"))
+            with caplog.at_level(logging.WARNING, logger="executor_service.registry_source"):
+                files = _fetched(source, adapter)
+            assert isinstance(files.weights, Path)
+            assert files.weights.read_bytes() == (setup.adapter / WEIGHTS_FILE).read_bytes()
+            assert "blob_urls_unreachable" in caplog.messages
+            # URLs rest for a while: the next download does not try them again.
+            disk.remove(adapter.digest)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="executor_service.registry_source"):
+                assert isinstance(_fetched(source, adapter).weights, Path)
+            assert "blob_urls_unreachable" not in caplog.messages
+    finally:
+        registry.server.drain()
+        registry.app.close()
 
 
 _CHILD = """
