@@ -83,12 +83,15 @@ class AdapterStats:
 
 @dataclass(frozen=True)
 class PackSettings:
-    """What adapters are packed for: the base model, the slots' rank, the compute dtype."""
+    """What adapters are packed for: the base model, the slots' rank, the compute dtype, and
+    where: the executor's device (on CUDA the packing runs on the GPU)."""
 
     spec: ModelSpec
     base_model_name: str
     max_rank: int
     dtype: torch.dtype
+    #: Where the packing runs: the executor's device.
+    device: torch.device
     #: MoE layers this executor serves: only those are packed (None: all).
     layers: frozenset[int] | None = None
 
@@ -391,6 +394,7 @@ class AdapterManager:
                         pack.dtype,
                         pack.layers,
                         pin=self.host.pin_memory,
+                        device=pack.device,
                     )
                 )
             except InvalidArgument as exc:

@@ -10,12 +10,14 @@ times, on an otherwise idle executor:
 * ``upload``: ``RegistryClient.upload`` (what ``adapterctl upload`` does),
 * ``cold``: ``LoadAdapter(to_gpu)`` of a version the executor has never seen: parallel ranged
   reads into the disk cache, hashed as they arrive → each layer packed from the memory map as
-  soon as its bytes are in (compute dtype, pinned on CUDA) → checked → host cache → slot copy,
+  soon as its bytes are in (compute dtype; on CUDA packed on the GPU and copied back into
+  pinned memory) → checked → host cache → slot copy,
 * ``disk warm``: the same after UnloadAdapter (the disk cache keeps the files; the OS page
   cache too: this is not a cold-disk read),
 * ``host warm``: after evicting the slot only (one host→device copy per layer tensor),
 * stages alone: ``download`` (the executor's ranged download into an empty disk cache, until
-  checked), ``pack`` (``pack_adapter`` of the disk-cache file on a loader thread),
+  checked), ``pack`` (``pack_adapter`` of the disk-cache file on a loader thread, on the
+  executor's device; with ``--device cuda`` also ``pack on the CPU``, as a CPU executor packs),
 
 then the p50 of Forward for another, pinned adapter from a client process of its own
 (``bench_clients``): idle, while a cold load of a second new version runs, and while that
@@ -260,19 +262,24 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
             folder = settings.disk_cache_dir.expanduser() / adapter.digest.removeprefix("sha256:")
             config = json.loads((folder / CONFIG_FILE).read_text())
             loader = Loader(default_threads(settings.load_threads), settings.load_nice)
-            try:
-                results.seconds["pack"] = _timed(
-                    lambda: loader.run(
-                        lambda: pack_adapter(
-                            config,
-                            folder / WEIGHTS_FILE,
-                            spec,
-                            shape.rank,
-                            torch.bfloat16,
-                            pin=device.type == "cuda",
-                        )
+
+            def pack(where: torch.device) -> Callable[[], object]:
+                return lambda: loader.run(
+                    lambda: pack_adapter(
+                        config,
+                        folder / WEIGHTS_FILE,
+                        spec,
+                        shape.rank,
+                        torch.bfloat16,
+                        pin=device.type == "cuda",
+                        device=where,
                     )
                 )
+
+            try:
+                results.seconds["pack"] = _timed(pack(device))
+                if device.type == "cuda":  # what the GPU's pack saves
+                    results.seconds["pack on the CPU"] = _timed(pack(torch.device("cpu")))
             finally:
                 loader.close()
             if args.forwards:

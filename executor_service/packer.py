@@ -1,26 +1,32 @@
 """Where PEFT adapters are packed into the executor's slot layout.
 
-``pack_adapter`` validates with ``shared.adapter_format.inspect_adapter`` and
-``check_finite``, then builds, per adapted MoE layer and on the CPU, the tensors the slot
-manager copies into ``kernels.LoRASlots`` (zero-padding the rank to the slot's):
+``pack_adapter`` validates with ``shared.adapter_format.inspect_adapter`` and builds, per
+adapted MoE layer, the tensors the slot manager copies into ``kernels.LoRASlots``
+(zero-padding the rank to the slot's):
 
     a13 (E, r13, H)    b13 (E, 2I, r13)   rows [gate; up]
     a2  (E, r2, I)     b2  (E, H, r2)
 
 so that for a token x routed to expert e: ``g_u += b13[e] @ (a13[e] @ x)`` and
 ``y += b2[e] @ (a2[e] @ act(g_u))``. The LoRA scaling (alpha/r, or alpha/sqrt(r) with rslora)
-is folded into B in float32 before the cast to the serving dtype.
+is folded into B in float32 before the one rounding to the serving dtype.
 
-Speed (the cold-start path): a weights file is parsed in place from a copy-on-write memory map
-(``torch.frombuffer``: no whole-file read, no per-tensor copy), each packed tensor is written
-once, straight into its final buffer in the serving dtype (page-locked when ``pin``), and one
-check on that output catches both NaN/Inf in the input and overflow from the scaling. Weights
-still being downloaded (``Arriving``) are packed tensor by tensor, in the order they lie in the
-file, each as soon as its bytes have arrived.
+Where the arithmetic runs is the ``device`` argument (``pack_device.py``): the executor packs
+where it computes. On the CPU each packed tensor is written once, straight into its host
+buffer; on a CUDA device the stored bytes go to the GPU through pinned staging, the packing
+runs there on a side stream, and each packed layer comes back into page-locked host tensors.
+The same ops run on either device, so the results are bit-identical. Either way the weights
+file is parsed in place (a copy-on-write memory map, or a file still arriving: packed in file
+order, waiting for the bytes it needs), and one check on each packed tensor catches both
+NaN/Inf in the input and overflow from the scaling.
 
 * 3D pairs: ``A.reshape(E, r, in)`` (expert-major rows) and ``B.reshape(out, r, E)`` permuted to
-  (E, out, r) (rank-major columns: expert e owns columns e, e+E, ...). gpt_oss's gate_up B rows
-  are interleaved like its weights, so they are de-interleaved (even rows gate, odd rows up).
+  (E, out, r) (rank-major columns: expert e owns columns e, e+E, ...). That permutation is a
+  transpose of B seen as (out·r, E) into (E, out·r), done a band of B's rows at a time: a
+  blocked transpose into a scratch that stays in cache, then the scaling from there (the
+  strided gather straight from B ran at a third of the speed on the CPU). gpt_oss's gate_up B
+  rows are interleaved like its weights, so they are de-interleaved (even rows gate, odd rows
+  up).
 * 2D pairs: gate_proj and up_proj go block-diagonally into one w13 LoRA — A rows
   [A_gate; A_up], B columns [B_gate | 0] for the gate rows and [0 | B_up] for the up rows, rank
   r_gate + r_up, as PEFT does on load; experts of lower rank are zero-padded to the layer's.
@@ -28,14 +34,19 @@ file, each as soon as its bytes have arrived.
 
 from __future__ import annotations
 
-import mmap
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from executor_service.pack_device import (
+    PackDevice,
+    StoredTensors,
+    open_weights,
+    pack_device,
+)
 from shared.adapter_format import (
     LayerLayout,
     LoRAPair,
@@ -50,13 +61,6 @@ from shared.safetensors_header import (
     header_length,
     parse_bytes,
 )
-
-_TORCH_DTYPES = {
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-}
 
 
 @dataclass(frozen=True)
@@ -100,24 +104,32 @@ def pack_adapter(
     dtype: torch.dtype,
     only: frozenset[int] | None = None,
     pin: bool = False,
+    device: torch.device | str = "cpu",
 ) -> PackedAdapter:
     """Check a PEFT adapter (adapter_config.json parsed, adapter_model.safetensors as bytes,
-    a path or arriving) against ``spec`` and pack it, into page-locked memory when ``pin``;
-    ``only``: pack just those layers (a layer-sharded executor), though the whole adapter is
-    checked. Raises InvalidArgument naming the tensor."""
-    data, wait = _buffer(weights)
+    a path or arriving) against ``spec`` and pack it on ``device`` (the CPU, or a CUDA device)
+    into host tensors: page-locked when ``pin`` or when packed on CUDA. ``only``: pack just
+    those layers (a layer-sharded executor), though the whole adapter is checked. Raises
+    InvalidArgument naming the tensor."""
+    if isinstance(weights, bytes | memoryview | Path):
+        data, wait = open_weights(weights)
+    else:
+        data, wait = weights.view(), weights.wait
     wait(0, PREFIX_BYTES)
     wait(PREFIX_BYTES, PREFIX_BYTES + header_length(data))
     header = parse_bytes(data)
     layout = inspect_adapter(config, header, spec, max_rank)
-    packing = _Packing(header, data, wait, spec, dtype, pin)
+    stored = StoredTensors(header, data, wait)
+    work = pack_device(torch.device(device), stored, dtype, pin)
+    packing = _Packing(stored, work, spec, dtype)
     layers = {}
-    # In file order: arriving weights come front to back, and each tensor waits for its bytes.
-    for index, layer in sorted(layout.layers.items(), key=lambda item: _start(header, item[1])):
-        if only is None or index in only:
-            layers[index] = packing.layer(layer)
-        else:
-            packing.check_finite(layer)
+    with work.running():
+        # In file order: arriving weights come front to back, and each waits for its bytes.
+        for index, layer in sorted(layout.layers.items(), key=lambda item: _start(header, item[1])):
+            if only is None or index in only:
+                layers[index] = packing.layer(layer)
+            else:
+                packing.check_finite(layer)
     nbytes = sum(
         tensor.numel() * tensor.element_size()
         for layer in layers.values()
@@ -127,69 +139,62 @@ def pack_adapter(
     return PackedAdapter(layers=layers, rank=layout.rank, nbytes=nbytes)
 
 
-def _arrived(_begin: int, _end: int) -> None:
-    pass
-
-
-def _buffer(
-    weights: bytes | memoryview | Path | Arriving,
-) -> tuple[bytes | memoryview, Callable[[int, int], None]]:
-    """The weights as a buffer, and the wait for a range of it. A file is memory-mapped
-    copy-on-write (writable as torch.frombuffer wants, never written, so nothing is copied);
-    the map is unmapped when the last tensor viewing it is gone, not closed here, since a
-    traceback may hold one."""
-    if isinstance(weights, bytes | memoryview):
-        return weights, _arrived
-    if not isinstance(weights, Path):
-        return weights.view(), weights.wait
-    with weights.open("rb") as handle:
-        if handle.seek(0, 2) == 0:
-            return b"", _arrived
-        return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)), _arrived
-
-
 def _start(header: SafetensorsHeader, layer: LayerLayout) -> int:
     """Where a layer's first tensor lies in the data section."""
     return min(header.tensors[key].begin for p in layer.pairs for key in (p.a_key, p.b_key))
 
 
+def _keys(layout: LayerLayout) -> list[str]:
+    return [key for pair in layout.pairs for key in (pair.a_key, pair.b_key)]
+
+
+@dataclass(frozen=True)
+class _Check:
+    """A packed tensor whose finiteness is read once the layer's work is done."""
+
+    name: str
+    pairs: list[LoRAPair]
+    #: ``a_key`` or ``b_key``: which stored tensor of each pair fed it.
+    key: str
+    #: A 0-dim bool tensor on the work device: every value finite.
+    finite: torch.Tensor
+
+
 class _Packing:
-    """Packs the layers of one adapter from its parsed buffer."""
+    """Packs the layers of one adapter from its stored tensors on a pack device."""
 
     def __init__(
-        self,
-        header: SafetensorsHeader,
-        data: bytes | memoryview,
-        wait: Callable[[int, int], None],
-        spec: ModelSpec,
-        dtype: torch.dtype,
-        pin: bool,
+        self, stored: StoredTensors, work: PackDevice, spec: ModelSpec, dtype: torch.dtype
     ) -> None:
-        self.header = header
-        self.data = data
-        self.wait = wait
+        self.stored = stored
+        self.work = work
         self.spec = spec
         self.dtype = dtype
-        self.pin = pin
 
     def layer(self, layout: LayerLayout) -> PackedLayer:
         h, i, e = self.spec.hidden_size, self.spec.moe_intermediate_size, self.spec.num_experts
         w13 = [pair for pair in layout.pairs if pair.projection is not Projection.DOWN]
         w2 = [pair for pair in layout.pairs if pair.projection is Projection.DOWN]
         deinterleave = self.spec.type.gate_up_interleaved
-        a13, b13 = self._fill(w13, layout.w13_rank, h, 2 * i, e, deinterleave, ("a13", "b13"))
-        a2, b2 = self._fill(w2, layout.w2_rank, i, h, e, False, ("a2", "b2"))
+        checks: list[_Check] = []
+        self.work.begin_layer(_keys(layout))
+        a13, b13 = self._fill(w13, layout.w13_rank, h, 2 * i, e, deinterleave, "13", checks)
+        a2, b2 = self._fill(w2, layout.w2_rank, i, h, e, False, "2", checks)
+        self.work.end_layer()
+        # Read after the layer's work finished: on a GPU, one wait per layer.
+        for check in checks:
+            if not bool(check.finite):
+                self._refuse(check)
         return PackedLayer(a13=a13, b13=b13, a2=a2, b2=b2)
 
     def check_finite(self, layout: LayerLayout) -> None:
         """The check packing makes, for a layer that is not packed."""
-        for pair in layout.pairs:
-            for key in (pair.a_key, pair.b_key):
-                if not bool(torch.isfinite(self._tensor(key)).all()):
-                    raise InvalidArgument(f"tensor {key} contains NaN or Inf values")
-
-    def _empty(self, *shape: int) -> torch.Tensor:
-        return torch.empty(shape, dtype=self.dtype, pin_memory=self.pin)
+        self.work.begin_layer(_keys(layout))
+        flags = [(key, _finite(self.work.tensor(key))) for key in _keys(layout)]
+        self.work.end_layer()
+        for key, finite in flags:
+            if not bool(finite):
+                raise InvalidArgument(f"tensor {key} contains NaN or Inf values")
 
     def _fill(
         self,
@@ -199,21 +204,26 @@ class _Packing:
         fan_out: int,
         num_experts: int,
         deinterleave: bool,
-        names: tuple[str, str],
+        suffix: str,
+        checks: list[_Check],
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A (E, rank, fan_in) and B (E, fan_out, rank) of one packed projection."""
+        """A (E, rank, fan_in) and B (E, fan_out, rank) of one packed projection, as host
+        tensors (written once the layer ends); their checks appended to ``checks``."""
         if not rank:
             return None, None
-        a = self._empty(num_experts, rank, fan_in)
-        b = self._empty(num_experts, fan_out, rank)
+        a = self.work.empty((num_experts, rank, fan_in))
+        b = self.work.empty((num_experts, fan_out, rank))
         if len(pairs) == 1 and pairs[0].expert is None:  # 3D: one pair covers every expert
             pair = pairs[0]
-            a.copy_(self._tensor(pair.a_key).reshape(num_experts, pair.rank, fan_in))
-            stored = self._tensor(pair.b_key)
-            factor = stored.reshape(stored.shape[0], pair.rank, num_experts).permute(2, 0, 1)
-            if deinterleave:
-                factor = torch.cat((factor[:, 0::2], factor[:, 1::2]), dim=1)
-            _scaled_into(b, factor, pair.scaling)
+            a.copy_(self.work.tensor(pair.a_key).reshape(num_experts, pair.rank, fan_in))
+            _gather_b(
+                b,
+                self.work.tensor(pair.b_key),
+                num_experts,
+                deinterleave,
+                pair.scaling,
+                self.work.band_bytes,
+            )
         else:
             a.zero_()
             b.zero_()
@@ -224,65 +234,83 @@ class _Packing:
                     slice(None) if pair.expert is None else slice(pair.expert, pair.expert + 1)
                 )
                 ranks = slice(pair.rank_offset, pair.rank_offset + pair.rank)
-                a[experts, ranks] = self._tensor(pair.a_key)
+                a[experts, ranks] = self.work.tensor(pair.a_key)
                 _scaled_into(
                     b[experts, rows.get(pair.projection, slice(None)), ranks],
-                    self._tensor(pair.b_key),
+                    self.work.tensor(pair.b_key),
                     pair.scaling,
                 )
-        self._check(a, pairs, names[0], "a_key")
-        self._check(b, pairs, names[1], "b_key")
-        return a, b
+        checks.append(_Check(f"a{suffix}", pairs, "a_key", _finite(a)))
+        checks.append(_Check(f"b{suffix}", pairs, "b_key", _finite(b)))
+        return self.work.host(a), self.work.host(b)
 
-    def _tensor(self, key: str) -> torch.Tensor:
-        """One stored tensor, a view of the buffer (bytes are copied per tensor: read-only),
-        once its bytes have arrived."""
-        info = self.header.tensors[key]
-        start = self.header.data_start + info.begin
-        self.wait(start, start + info.nbytes)
-        view = memoryview(self.data)[start : start + info.nbytes]
-        # torch.frombuffer wants a writable buffer: copy bytes (the memory map is writable).
-        raw = bytearray(view) if view.readonly else view
-        if not info.nbytes:
-            return torch.empty(info.shape, dtype=_TORCH_DTYPES[info.dtype])
-        return torch.frombuffer(raw, dtype=_TORCH_DTYPES[info.dtype]).reshape(info.shape)
-
-    def _check(self, packed: torch.Tensor, pairs: list[LoRAPair], name: str, key: str) -> None:
+    def _refuse(self, check: _Check) -> None:
         """Non-finite output means a non-finite input (named) or an overflow of the cast."""
-        # A reduction, as NaN propagates through min/max: many times faster than isfinite.
-        if bool(torch.isfinite(torch.stack(torch.aminmax(packed))).all()):
-            return
-        for pair in pairs:
-            tensor_key = getattr(pair, key)
-            if not bool(torch.isfinite(self._tensor(tensor_key)).all()):
-                raise InvalidArgument(f"tensor {tensor_key} contains NaN or Inf values")
+        for pair in check.pairs:
+            key = getattr(pair, check.key)
+            if not bool(_finite(self.stored.host(key))):
+                raise InvalidArgument(f"tensor {key} contains NaN or Inf values")
         raise InvalidArgument(
-            f"adapter LoRA {name} overflows {str(self.dtype).removeprefix('torch.')} once scaled"
+            f"adapter LoRA {check.name} overflows {str(self.dtype).removeprefix('torch.')} "
+            "once scaled"
         )
 
 
+def _finite(tensor: torch.Tensor) -> torch.Tensor:
+    """Whether every value is finite, as a 0-dim bool tensor on the tensor's device (no wait).
+    A reduction, as NaN propagates through min/max: many times faster than isfinite."""
+    if not tensor.numel():
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    return torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
+
+
+def _gather_b(
+    out: torch.Tensor,
+    stored: torch.Tensor,
+    num_experts: int,
+    deinterleave: bool,
+    scaling: float,
+    band_bytes: int,
+) -> None:
+    """out (E, rows, r) ← scaling·B for a 3D B stored (rows, r·E): out[e, o, k] = B[o, k·E + e].
+
+    Seen as matrices, B is (rows·r, E) and out (E, rows·r): a transpose. Each band of B's rows
+    (``band_bytes`` of them) is transposed into a scratch laid out as out's band (torch copies
+    a 2D transpose in cache-sized blocks), which ``_scaled_into`` then scales into place while
+    it is still in cache. gpt_oss (``deinterleave``): packed rows [gate; up] are B's even rows,
+    then its odd ones."""
+    rows, columns = stored.shape
+    rank = columns // num_experts
+    half = rows // 2
+    # (first packed row, B's rows that go there)
+    parts = [(0, stored[0::2]), (half, stored[1::2])] if deinterleave else [(0, stored)]
+    step = max(1, min(rows, band_bytes // max(1, columns * stored.element_size())))
+    scratch = torch.empty(step * columns, dtype=stored.dtype, device=stored.device)
+    for first, source in parts:
+        for start in range(0, source.shape[0], step):
+            band = source[start : start + step]
+            count = band.shape[0]
+            transposed = scratch[: count * columns].view(num_experts, count * rank)
+            # A view where the band's rows are adjacent; de-interleaved rows are copied.
+            transposed.copy_(band.reshape(count * rank, num_experts).t())
+            _scaled_into(
+                out[:, first + start : first + start + count],
+                transposed.view(num_experts, count, rank),
+                scaling,
+            )
+
+
 def _scaled_into(out: torch.Tensor, factor: torch.Tensor, scaling: float) -> None:
-    """out (E', rows, r) ← scaling·factor, as if computed in float32 and rounded once to out's
-    dtype, a band of rows at a time: a 3D B is a transposing gather (stride E), several times
-    faster when a band's source rows stay in the CPU's cache.
+    """out ← scaling·factor (factor broadcast to out's shape), as if computed in float32 and
+    rounded once to out's dtype.
 
-    One pass (gather, scale, round) when out has factor's dtype: torch computes a reduced
-    float type in float32 and rounds once. When out is float32, the widening copy is exact and
-    the scaling follows in place. Otherwise (narrowing) the band goes through float32."""
+    One op (scale, round) when out has factor's dtype: torch multiplies a reduced float type in
+    float32 and rounds once. When out is float32, the widening copy is exact and the scaling
+    follows in place. Otherwise (narrowing) the values go through float32."""
     factor = factor.expand(out.shape)  # a 2D pair's (rows, r) fills one expert's (1, rows, r)
-    rows = factor.shape[1]
-    row_bytes = max(1, factor[:, :1].numel() * factor.element_size())
-    step = max(1, _BAND_BYTES // row_bytes)
-    for start in range(0, rows, step):
-        band = slice(start, start + step)
-        if out.dtype == factor.dtype:
-            torch.mul(factor[:, band], scaling, out=out[:, band])
-        elif out.dtype == torch.float32:
-            out[:, band].copy_(factor[:, band]).mul_(scaling)
-        else:
-            out[:, band].copy_(factor[:, band].to(torch.float32, copy=True).mul_(scaling))
-
-
-#: Source bytes of one band of ``_scaled_into``: about a core's share of the L2 cache (measured:
-#: 0.4-0.8 MB bands gather 1.7x faster than 2 MB float32 ones).
-_BAND_BYTES = 512 << 10
+    if out.dtype == factor.dtype:
+        torch.mul(factor, scaling, out=out)
+    elif out.dtype == torch.float32:
+        out.copy_(factor).mul_(scaling)
+    else:
+        out.copy_(factor.to(torch.float32, copy=True).mul_(scaling))

@@ -213,6 +213,7 @@ def build_runtime(
             max_rank=settings.max_rank,
             dtype=where.dtype,
             layers=frozenset(model.layers),
+            device=where.device,
         ),
         host=HostCache(settings.host_cache_bytes, pin_memory=where.device.type == "cuda"),
         slots=SlotManager(buffers, LRUPolicy()),

@@ -3,9 +3,11 @@
 For every token bucket (the executor's: 1, 2, 4, …, 512 and 4096) a coordinate search starts
 from the heuristic's configuration (or the previous bucket's best, whichever is faster) and
 times, one knob group at a time, a pruned space: BLOCK_M, the w13 tiles, the w2 tiles, then
-where the LoRA shrink runs, the segments per pass, the sum over k and the TMA loads. In
-buckets of at most one pair per expert, whether the alignment is folded into the GEMMs
-(``MoEConfig.decode``) is a knob too, tried before the tiles. Each candidate is timed
+where the LoRA shrink runs, the segments per pass, the sum over k, the TMA loads, the launch
+order, then persistent programs and w2's split K (``program_knobs``). In buckets of at most
+one pair per expert, whether the alignment is folded into the GEMMs (``MoEConfig.decode``) is
+a knob too, tried before the tiles. ``refine`` times only the last group around given
+configurations (a shipped table made before those knobs existed). Each candidate is timed
 as the benchmark times it (CUDA graph replay under do_bench, L2 flushed) on the layer itself
 with random hidden states, routing and adapters. With ``jobs`` > 1 every candidate is first
 compiled by worker processes (``kernels.compile_pool``), so the timing loop waits for no
@@ -65,6 +67,12 @@ W2_COMPUTE = [
 ]  # fmt: skip
 
 
+#: Programs per multiprocessor tried for persistent launches (0: a program per tile).
+PERSISTENT_OPTIONS = (0, 1, 2)
+#: w2 K parts tried where the sum is atomic and the GEMMs stream weights.
+SPLIT_K_OPTIONS = (1, 2, 4)
+
+
 def decode_candidate(rows_per_expert: float) -> bool:
     """Buckets where pair blocks (``MoEConfig.decode``) may win: at most one pair per expert."""
     return rows_per_expert <= 1
@@ -119,7 +127,44 @@ def precompile_set(start: MoEConfig, rows_per_expert: float, rank: int) -> list[
         )
         for c in configs
     ]
-    return list(dict.fromkeys(configs + with_tma))
+    # Split K is a kernel variant of its own (a constexpr). Persistent programs are too, but
+    # they are searched last and rarely win (kernels/BENCHMARKS.md): they compile while
+    # timing, if the budget gets that far, rather than double the compile set.
+    split = [
+        dataclasses.replace(c, atomic_sum=True, w2=dataclasses.replace(c.w2, split_k=parts))
+        for c in configs
+        for parts in SPLIT_K_OPTIONS[1:]
+        if _streaming(c.block_m)
+    ]
+    return list(dict.fromkeys(configs + with_tma + split))
+
+
+def program_knobs(best: MoEConfig, knob: str) -> list[MoEConfig]:
+    """Variants of ``best`` in one knob of how programs are laid out: with tensor-core tiles
+    "w13" / "w2" persistent programs per multiprocessor; with streaming tiles and the atomic
+    sum "split_k", w2's K parts (measured on an H200: persistent programs won 15-20% on
+    grouped GEMMs at M = 4096 and split K a few % at most at M = 1-8)."""
+    if _streaming(best.block_m):
+        if knob != "split_k" or not best.atomic_sum:
+            return []
+        return [
+            dataclasses.replace(best, w2=dataclasses.replace(best.w2, split_k=parts))
+            for parts in SPLIT_K_OPTIONS
+        ]
+    if knob == "split_k":
+        return []
+    if knob == "w13":
+        return [
+            dataclasses.replace(best, w13=dataclasses.replace(best.w13, persistent=p))
+            for p in PERSISTENT_OPTIONS
+        ]
+    return [
+        dataclasses.replace(best, w2=dataclasses.replace(best.w2, persistent=p))
+        for p in PERSISTENT_OPTIONS
+    ]
+
+
+PROGRAM_KNOBS = ("w13", "w2", "split_k")
 
 
 def search(
@@ -172,6 +217,8 @@ def search(
                 for g in (0, 1, 8)
             ]
         )
+    for knob in PROGRAM_KNOBS:
+        consider(program_knobs(best, knob))
     return best
 
 
@@ -306,3 +353,33 @@ def autotune(
         del timer
     seconds = time.monotonic() - began
     return AutotuneResult(shape, rank, best, seconds, timed, complete)
+
+
+def refine(
+    layer: MoELayerWeights,
+    rank: int,
+    configs: dict[int, MoEConfig],
+    *,
+    num_slots: int = 8,
+    log: Callable[[str], None] = print,
+) -> dict[int, MoEConfig]:
+    """``configs`` (bucket → configuration, e.g. a shipped table's rows) with the program
+    layout knobs (``program_knobs``) searched around each: the rest of the configuration is
+    kept. A variant is kept only if faster and within ``TOLERANCE`` of the reference."""
+    elem_size = layer.w13.element_size()
+    refined = {}
+    for tokens, start in sorted(configs.items()):
+        timer = Timer(layer, CellInputs.make(layer, tokens, rank, num_slots))
+        best = fit_stages(start, elem_size, rank)
+        for knob in PROGRAM_KNOBS:
+            for candidate in program_knobs(best, knob):
+                candidate = fit_stages(candidate, elem_size, rank)
+                if timer(candidate) < timer(best) and timer.error(candidate) < TOLERANCE:
+                    best = candidate
+        refined[tokens] = best
+        log(
+            f"refine {layer_shape(layer).key} r={rank} M={tokens}: {timer(best):.1f} µs "
+            f"(was {timer(fit_stages(start, elem_size, rank)):.1f})"
+        )
+        del timer
+    return refined

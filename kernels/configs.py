@@ -46,6 +46,12 @@ class GemmConfig:
     tma: load the weight tiles with the tensor copy engine (a TMA descriptor) where the GPU
         has one (sm_90+); for w13 one box holds the tile's gate rows and its up rows. Elsewhere
         pointer loads, with the same result.
+    split_k: w2 only, with ``MoEConfig.atomic_sum``: the reduction over I is cut into this
+        many parts, each a program that adds its share into the sum (more programs to stream
+        the weights when there are few tiles: decode). Ignored without the atomic sum.
+    persistent: launch this many programs per multiprocessor (0: one program per piece of
+        work), each looping over the (block, N program) work in the launch order: no program
+        launch and retirement per tile, and a program's next tile follows its last at once.
     """
 
     block_n: int
@@ -56,6 +62,8 @@ class GemmConfig:
     group_m: int = 0
     fused_shrink: bool = False
     tma: bool = False
+    split_k: int = 1
+    persistent: int = 0
 
 
 @dataclass(frozen=True)

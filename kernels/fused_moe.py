@@ -45,12 +45,14 @@ dots.
 # (Triton kernels take untyped pointer and constexpr arguments.)
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.align import Alignment, pair_slots
@@ -70,12 +72,22 @@ _SHRINK_STACK = 128  # widest stacked A operand (segments × ranks) of the shrin
 
 
 @triton.jit
-def _program_tile(num_m, num_n, GROUP_M: tl.constexpr):
-    """(M block, N program) of this program of a 1-D grid, in grouped order: the programs of
-    GROUP_M consecutive blocks (all their N programs, block index fastest) run next to each
+def _wait_for_inputs(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL) a kernel is launched while the one before it
+    still runs: wait here for that kernel's writes (everything this one reads comes from it
+    or earlier), then let the next kernel launch in turn. Its programs start once all of
+    ours have, so they take no place from ours; they overlap our last wave's tail."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _program_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """(M block, N program) of program ``pid`` of a 1-D grid, in grouped order: the programs
+    of GROUP_M consecutive blocks (all their N programs, block index fastest) run next to each
     other, so a block's rows and an expert's weight tiles are reused from L2 while they are
     there. GROUP_M = 0: one group of all blocks."""
-    pid = tl.program_id(0)
     if GROUP_M == 0:
         return pid % num_m, pid // num_m
     per_group = GROUP_M * num_n
@@ -145,6 +157,7 @@ def _main_loop(
     w_desc,
     expert,
     w_row,
+    k_base,
     a_cols,
     a_col_mask,
     K,
@@ -159,10 +172,11 @@ def _main_loop(
 ):
     """acc + x·Wᵀ of one tile in fp32; WITH_SHRINK also x·Aᵀ (BLOCK_M, SHRINK_N) for the
     stacked LoRA A rows ``a_cols``, from the same x tiles. x_row_ptrs (BLOCK_M,), w_cols (BLOCK_N,)
-    and a_cols (SHRINK_N,) point at k = 0 of each row of x, W and A; K is contiguous in all.
+    and a_cols (SHRINK_N,) point at the first k (``k_base``) of each row of x, W and A; K (the
+    length of the reduction from there) is contiguous in all.
     W_TMA (0: pointer loads; else the descriptor's rank): W comes through the tensor
-    descriptor ``w_desc`` (E, N, K), block (1, BLOCK_N, BLOCK_K), from row ``w_row`` of the
-    expert's (N, K) (the copy engine; rows and K out of range read as zeros), instead of
+    descriptor ``w_desc`` (E, N, K), block (1, BLOCK_N, BLOCK_K), from row ``w_row``, column
+    ``k_base`` of the expert's (N, K) (the copy engine; out of range reads as zeros), instead of
     ``w_cols``; for W13 (E, 2, I, K) with block (1, 2, BLOCK_N / 2, BLOCK_K): gate rows
     w_row.. then up rows w_row.."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -177,9 +191,11 @@ def _main_loop(
             k_mask = offs_k < K - k0
             x = tl.load(x_ptrs, mask=x_row_mask[:, None] & k_mask[None, :], other=0.0)
         if W_TMA == 4:  # W13 as (E, 2, I, K): gate rows, then up rows
-            w = w_desc.load([expert.to(tl.int32), 0, w_row, k0]).reshape(BLOCK_N, BLOCK_K).T
+            w = w_desc.load([expert.to(tl.int32), 0, w_row, k_base + k0])
+            w = w.reshape(BLOCK_N, BLOCK_K).T
         elif W_TMA == 3:
-            w = w_desc.load([expert.to(tl.int32), w_row, k0]).reshape(BLOCK_N, BLOCK_K).T
+            w = w_desc.load([expert.to(tl.int32), w_row, k_base + k0])
+            w = w.reshape(BLOCK_N, BLOCK_K).T
         elif EVEN_K:
             w = tl.load(w_ptrs, mask=w_col_mask[None, :], other=0.0)
         else:
@@ -294,6 +310,7 @@ def _fused_tile(
     col_mask,
     w_desc,
     w_row,
+    k_base,
     a_ptr,
     b_ptr,
     b_rows,
@@ -326,8 +343,9 @@ def _fused_tile(
         col_slot, col_rank, col_ok = _segment_columns(slot, seg, 0, 0, R, NSEG, RP)
         a_cols = a_ptr + expert * stride_ae + col_slot * stride_as + col_rank * stride_ar
         acc, stacked = _main_loop(
-            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, a_cols, col_ok,
-            K, BLOCK_M, BLOCK_N, BLOCK_K, NSEG * RP, True, EVEN_K, W_TMA, PRECISION,
+            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, k_base,
+            a_cols, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, NSEG * RP, True, EVEN_K, W_TMA,
+            PRECISION,
         )  # fmt: skip
         xa = _collapse(stacked, seg, 0, BLOCK_M, NSEG, RP) + _shrink_rows(
             x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 1, 0, K, R,
@@ -335,8 +353,8 @@ def _fused_tile(
         )  # fmt: skip
     else:
         acc, _ = _main_loop(
-            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, w_cols,
-            col_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, W_TMA, PRECISION,
+            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, k_base,
+            w_cols, col_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, W_TMA, PRECISION,
         )  # fmt: skip
     return _lora_expand(
         acc, xa, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
@@ -356,6 +374,7 @@ def _gemm_tile(
     col_mask,
     w_desc,
     w_row,
+    k_base,
     a_ptr,
     xa_ptr,
     b_ptr,
@@ -395,24 +414,26 @@ def _gemm_tile(
     PRECISION: tl.constexpr,
 ):
     """One output tile of either GEMM: acc + x·Wᵀ (+ LoRA) (+ bias) in fp32, for the weight
-    rows ``out_cols`` (W13's gate/up rows in the tile's order, or W2's columns). With the
-    shrink fused the first tile of the program computes ``xa`` (passed on to later tiles);
-    else the rows' xa comes from the separate shrink launch, RC ranks at a time. Returns the
-    tile and ``xa``."""
+    rows ``out_cols`` (W13's gate/up rows in the tile's order, or W2's columns), over K
+    columns from ``k_base`` (w2's split K: every part adds its share of the product, the
+    first part the bias and, from the separate shrink, the LoRA; a fused shrink's partial
+    x·Aᵀ of the part goes through B — the expand is linear). With the shrink fused the first
+    tile of the program computes ``xa`` (passed on to later tiles); else the rows' xa comes
+    from the separate shrink launch, RC ranks at a time. Returns the tile and ``xa``."""
     b_rows = out_cols * stride_bn
     if FUSED_SHRINK:
         acc, xa = _fused_tile(
             acc, xa, is_first_tile, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, w_row,
-            a_ptr, b_ptr, b_rows, expert, slot, seg, n_seg, K, R,
+            k_base, a_ptr, b_ptr, b_rows, expert, slot, seg, n_seg, K, R,
             stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_br,
             BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, EVEN_K, W_TMA, PRECISION,
         )  # fmt: skip
     else:
         acc, _ = _main_loop(
-            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, w_cols,
-            col_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, W_TMA, PRECISION,
+            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, k_base,
+            w_cols, col_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, W_TMA, PRECISION,
         )  # fmt: skip
-        if HAS_LORA:
+        if HAS_LORA and k_base == 0:  # split K: the first part adds the whole LoRA
             # Loaded after the main loop, so they take no registers while it runs.
             rows = row0 + tl.arange(0, BLOCK_M)
             slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
@@ -423,7 +444,7 @@ def _gemm_tile(
                     acc, xa_rows, slot, seg, n_seg, b_ptr + r0 * stride_br, expert, b_rows,
                     col_mask, R - r0, stride_bs, stride_be, stride_br, RC, PRECISION,
                 )  # fmt: skip
-    if HAS_BIAS:
+    if HAS_BIAS and k_base == 0:
         bias = tl.load(bias_ptr + expert * stride_bias + out_cols, mask=col_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     return acc, xa
@@ -455,9 +476,11 @@ def _lora_shrink_kernel(
     RC: tl.constexpr,  # ranks per pass: the accumulator is (SUB_M, NSEG*RC)
     S_P2: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per SUB_M rows of a block: its segments are only those of its rows, and
     the register tile stays (SUB_M, NSEG*RC) whatever the rank."""
+    _wait_for_inputs(PDL)
     pid = tl.program_id(0)
     block = pid // (BLOCK_M // SUB_M)
     expert = tl.load(block_experts_ptr + block).to(tl.int64)
@@ -480,6 +503,117 @@ def _lora_shrink_kernel(
         )  # fmt: skip
         out = xa_ptr + rows[:, None] * RP + r0 + tl.arange(0, RC)[None, :]
         tl.store(out, xa.to(xa_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _w13_work(
+    pid,
+    x_ptr,  # (T, H) hidden states
+    w_ptr,  # (E, 2I, H)
+    w_desc,  # W_TMA: a tensor descriptor of w seen as (E, 2, I, H), block (1, 2, BLOCK_N,
+    # BLOCK_K); else unused
+    bias_ptr,  # (E, 2I) or unused
+    a_ptr,  # (S, E, R, H) LoRA A13 (FUSED_SHRINK) or unused
+    xa_ptr,  # (max_rows, RP) x·A13ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
+    b_ptr,  # (S, E, 2I, R) LoRA B13
+    out_ptr,  # (max_rows, I) activation, aligned row order
+    pair_ids_ptr,
+    row_slots_ptr,  # PAIR_BLOCKS: the token slots
+    enabled_ptr,  # PAIR_BLOCKS: the slots' enabled flags, or unused
+    block_experts_ptr,  # PAIR_BLOCKS: topk_ids, the expert of each pair
+    num_blocks,
+    H,
+    inter,
+    top_k,
+    R,
+    alpha,
+    limit,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_bias,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_om,
+    ACTIVATION: tl.constexpr,  # 0 silu, 1 gpt_oss
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    FUSED_SHRINK: tl.constexpr,  # implies HAS_LORA
+    PAIR_BLOCKS: tl.constexpr,  # every block is one pair, in its first row (no alignment)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NSEG: tl.constexpr,
+    RP: tl.constexpr,
+    RC: tl.constexpr,
+    S_P2: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program ``pid``'s work of ``_w13_kernel``: its N tiles of one block."""
+    num_tiles = tl.cdiv(inter, BLOCK_N)
+    num_n = tl.cdiv(num_tiles, TILES_PER_PROGRAM)
+    pid_m, pid_n = _program_tile(pid, num_blocks, num_n, GROUP_M)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if expert >= 0:  # else a padding block
+        row0 = pid_m * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        pair = _block_pairs(pair_ids_ptr, pid_m, rows, BLOCK_M, PAIR_BLOCKS)
+        x_row_mask = pair >= 0
+        x_row_ptrs = x_ptr + (tl.maximum(pair, 0) // top_k).to(tl.int64) * stride_xt
+        if FUSED_SHRINK:
+            # The rows' adapter segments; x·Aᵀ comes from the first tile's main loop.
+            slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
+            seg, n_seg = _block_segments(slot, S_P2)
+        else:
+            slot, seg, n_seg = pair, pair, 0  # unused: the tile reads them after its main loop
+        xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
+
+        # Pointer loads: tile columns interleave gate and up, column c is gate (c even) or up
+        # (c odd) of intermediate index n0 + c // 2, i.e. row (n0 + c // 2) + (c % 2) * I of W13.
+        # TMA: one box of W13 seen as (E, 2, I, H) holds gate rows n0.. then up rows n0..: the
+        # columns are [gate | up] halves.
+        cols = tl.arange(0, 2 * BLOCK_N)
+        first = pid_n * TILES_PER_PROGRAM
+        for tile in range(first, tl.minimum(first + TILES_PER_PROGRAM, num_tiles)):
+            n0 = tile * BLOCK_N
+            if W_TMA:
+                inter_idx = n0 + cols % BLOCK_N
+                w13_rows = inter_idx + (cols // BLOCK_N) * inter
+            else:
+                inter_idx = n0 + cols // 2
+                w13_rows = inter_idx + (cols % 2) * inter
+            col_mask = inter_idx < inter
+            w_cols = w_ptr + expert * stride_we + w13_rows.to(tl.int64) * stride_wn
+            acc, xa = _gemm_tile(
+                tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), xa, tile == first,
+                x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask, w_desc, n0, 0,
+                a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair, top_k,
+                expert, slot, seg, n_seg, H, R,
+                stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
+                stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
+                BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
+            )  # fmt: skip
+            if W_TMA:
+                acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1))
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            if ACTIVATION == 0:
+                act = gate * tl.sigmoid(gate) * up
+            else:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+                act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+            out_cols = n0 + tl.arange(0, BLOCK_N)
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + out_cols[None, :]
+            tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=(out_cols < inter)[None, :])
 
 
 @triton.jit
@@ -537,7 +671,10 @@ def _w13_kernel(
     W_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
     CLEAR_BLOCK: tl.constexpr,
+    PERSISTENT: tl.constexpr,  # a program per SM (or so) loops over the work
+    PDL: tl.constexpr,
 ):
+    _wait_for_inputs(PDL)
     # The w2 kernel may add into a zeroed fp32 buffer; clearing it here saves a memset launch.
     clear_start = tl.program_id(0) * clear_per_program
     clear_end = tl.minimum(clear_start + clear_per_program, clear_numel)
@@ -545,61 +682,134 @@ def _w13_kernel(
         offs = c0 + tl.arange(0, CLEAR_BLOCK)
         tl.store(clear_ptr + offs, 0.0, mask=offs < clear_end)
 
-    num_tiles = tl.cdiv(inter, BLOCK_N)
-    pid_m, pid_n = _program_tile(num_blocks, tl.cdiv(num_tiles, TILES_PER_PROGRAM), GROUP_M)
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    row0 = pid_m * BLOCK_M
-    rows = row0 + tl.arange(0, BLOCK_M)
-    pair = _block_pairs(pair_ids_ptr, pid_m, rows, BLOCK_M, PAIR_BLOCKS)
-    x_row_mask = pair >= 0
-    x_row_ptrs = x_ptr + (tl.maximum(pair, 0) // top_k).to(tl.int64) * stride_xt
-    if FUSED_SHRINK:
-        # The rows' adapter segments; x·Aᵀ comes from the first tile's main loop.
-        slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
-        seg, n_seg = _block_segments(slot, S_P2)
+    num_work = num_blocks * tl.cdiv(tl.cdiv(inter, BLOCK_N), TILES_PER_PROGRAM)
+    if PERSISTENT:
+        for pid in range(tl.program_id(0), num_work, tl.num_programs(0)):
+            _w13_work(
+                pid, x_ptr, w_ptr, w_desc, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr, pair_ids_ptr,
+                row_slots_ptr, enabled_ptr, block_experts_ptr, num_blocks, H, inter, top_k, R,
+                alpha, limit, stride_xt, stride_we, stride_wn, stride_bias, stride_as, stride_ae,
+                stride_ar, stride_bs, stride_be, stride_bn, stride_br, stride_om, ACTIVATION,
+                HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K,
+                TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
+            )  # fmt: skip
     else:
-        slot, seg, n_seg = pair, pair, 0  # unused: the tile reads them after its main loop
-    xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-
-    # Pointer loads: tile columns interleave gate and up, column c is gate (c even) or up
-    # (c odd) of intermediate index n0 + c // 2, i.e. row (n0 + c // 2) + (c % 2) * I of W13.
-    # TMA: one box of W13 seen as (E, 2, I, H) holds gate rows n0.. then up rows n0..: the
-    # columns are [gate | up] halves.
-    cols = tl.arange(0, 2 * BLOCK_N)
-    first = pid_n * TILES_PER_PROGRAM
-    for tile in range(first, tl.minimum(first + TILES_PER_PROGRAM, num_tiles)):
-        n0 = tile * BLOCK_N
-        if W_TMA:
-            inter_idx = n0 + cols % BLOCK_N
-            w13_rows = inter_idx + (cols // BLOCK_N) * inter
-        else:
-            inter_idx = n0 + cols // 2
-            w13_rows = inter_idx + (cols % 2) * inter
-        col_mask = inter_idx < inter
-        w_cols = w_ptr + expert * stride_we + w13_rows.to(tl.int64) * stride_wn
-        acc, xa = _gemm_tile(
-            tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), xa, tile == first,
-            x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask, w_desc, n0,
-            a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair, top_k,
-            expert, slot, seg, n_seg, H, R,
-            stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
-            stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
-            BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
+        pid = tl.program_id(0)
+        _w13_work(
+            pid, x_ptr, w_ptr, w_desc, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr, pair_ids_ptr,
+            row_slots_ptr, enabled_ptr, block_experts_ptr, num_blocks, H, inter, top_k, R,
+            alpha, limit, stride_xt, stride_we, stride_wn, stride_bias, stride_as, stride_ae,
+            stride_ar, stride_bs, stride_be, stride_bn, stride_br, stride_om, ACTIVATION,
+            HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K,
+            TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
         )  # fmt: skip
-        if W_TMA:
-            acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1))
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-        if ACTIVATION == 0:
-            act = gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _w2_work(
+    pid,
+    act_ptr,  # (max_rows, I) activation from _w13_kernel
+    w_ptr,  # (E, H, I)
+    w_desc,  # W_TMA: a tensor descriptor of w, block (1, BLOCK_N, BLOCK_K); else unused
+    bias_ptr,  # (E, H) or unused
+    a_ptr,  # (S, E, R, I) LoRA A2 (FUSED_SHRINK) or unused
+    xa_ptr,  # (max_rows, RP) a·A2ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
+    b_ptr,  # (S, E, H, R) LoRA B2
+    out_ptr,  # ATOMIC_SUM: (T, H) fp32 zeroed by _w13_kernel; else (T*k, H), row per pair
+    pair_ids_ptr,
+    row_slots_ptr,  # PAIR_BLOCKS: the token slots
+    enabled_ptr,  # PAIR_BLOCKS: the slots' enabled flags, or unused
+    block_experts_ptr,  # PAIR_BLOCKS: topk_ids, the expert of each pair
+    topk_weights_ptr,  # (T*k,) fp32
+    num_blocks,
+    H,
+    inter,
+    k_split,  # SPLIT_K > 1: K columns per part, a multiple of BLOCK_K
+    top_k,
+    R,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_bias,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_out,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    FUSED_SHRINK: tl.constexpr,  # implies HAS_LORA
+    ATOMIC_SUM: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,  # every block is one pair, in its first row (no alignment)
+    SPLIT_K: tl.constexpr,  # parts of K, each a program adding its share (implies ATOMIC_SUM)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NSEG: tl.constexpr,
+    RP: tl.constexpr,
+    RC: tl.constexpr,
+    S_P2: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program ``pid``'s work of ``_w2_kernel``: its N tiles of one block (one part of K)."""
+    num_tiles = tl.cdiv(H, BLOCK_N)
+    # Split K: the parts of one tile are neighbouring programs, so its rows stay in L2.
+    k_base = (pid % SPLIT_K) * k_split
+    k_len = inter
+    if SPLIT_K > 1:
+        k_len = tl.minimum(k_split, inter - k_base)
+    num_n = tl.cdiv(num_tiles, TILES_PER_PROGRAM)
+    pid_m, pid_n = _program_tile(pid // SPLIT_K, num_blocks, num_n, GROUP_M)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if expert >= 0:  # else a padding block
+        row0 = pid_m * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        pair = _block_pairs(pair_ids_ptr, pid_m, rows, BLOCK_M, PAIR_BLOCKS)
+        valid = pair >= 0
+        # Padding rows of the activation were written by _w13_kernel (finite): no mask needed.
+        x_row_mask = rows >= 0
+        x_row_ptrs = act_ptr + rows.to(tl.int64) * stride_am + k_base
+        routed_weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
+        if ATOMIC_SUM:
+            out_rows = out_ptr + (pair // top_k).to(tl.int64) * stride_out
         else:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            act = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-        out_cols = n0 + tl.arange(0, BLOCK_N)
-        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + out_cols[None, :]
-        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=(out_cols < inter)[None, :])
+            out_rows = out_ptr + pair.to(tl.int64) * stride_out
+        if FUSED_SHRINK:
+            # The rows' adapter segments; x·Aᵀ comes from the first tile's main loop.
+            slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
+            seg, n_seg = _block_segments(slot, S_P2)
+        else:
+            slot, seg, n_seg = pair, pair, 0  # unused: the tile reads them after its main loop
+        xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
+
+        first = pid_n * TILES_PER_PROGRAM
+        for tile in range(first, tl.minimum(first + TILES_PER_PROGRAM, num_tiles)):
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_mask = cols < H
+            w_cols = w_ptr + expert * stride_we + cols.to(tl.int64) * stride_wn + k_base
+            acc, xa = _gemm_tile(
+                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), xa, tile == first,
+                x_row_ptrs, x_row_mask, w_cols, cols, col_mask, w_desc, tile * BLOCK_N, k_base,
+                a_ptr + k_base, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair,
+                top_k, expert, slot, seg, n_seg, k_len, R,
+                stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
+                stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
+                BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
+            )  # fmt: skip
+            acc *= routed_weight[:, None]
+            out_ptrs = out_rows[:, None] + cols[None, :]
+            out_mask = valid[:, None] & col_mask[None, :]
+            if ATOMIC_SUM:
+                tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+            else:
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -620,6 +830,7 @@ def _w2_kernel(
     num_blocks,
     H,
     inter,
+    k_split,  # SPLIT_K > 1: K columns per part, a multiple of BLOCK_K
     top_k,
     R,
     stride_am,
@@ -639,6 +850,7 @@ def _w2_kernel(
     FUSED_SHRINK: tl.constexpr,  # implies HAS_LORA
     ATOMIC_SUM: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,  # every block is one pair, in its first row (no alignment)
+    SPLIT_K: tl.constexpr,  # parts of K, each a program adding its share (implies ATOMIC_SUM)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -651,53 +863,33 @@ def _w2_kernel(
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,  # a program per SM (or so) loops over the work
+    PDL: tl.constexpr,
 ):
-    num_tiles = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = _program_tile(num_blocks, tl.cdiv(num_tiles, TILES_PER_PROGRAM), GROUP_M)
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    row0 = pid_m * BLOCK_M
-    rows = row0 + tl.arange(0, BLOCK_M)
-    pair = _block_pairs(pair_ids_ptr, pid_m, rows, BLOCK_M, PAIR_BLOCKS)
-    valid = pair >= 0
-    # Padding rows of the activation were written by _w13_kernel (finite): no mask needed.
-    x_row_mask = rows >= 0
-    x_row_ptrs = act_ptr + rows.to(tl.int64) * stride_am
-    routed_weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
-    if ATOMIC_SUM:
-        out_rows = out_ptr + (pair // top_k).to(tl.int64) * stride_out
+    _wait_for_inputs(PDL)
+    num_work = num_blocks * tl.cdiv(tl.cdiv(H, BLOCK_N), TILES_PER_PROGRAM) * SPLIT_K
+    if PERSISTENT:
+        for pid in range(tl.program_id(0), num_work, tl.num_programs(0)):
+            _w2_work(
+                pid, act_ptr, w_ptr, w_desc, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr, pair_ids_ptr,
+                row_slots_ptr, enabled_ptr, block_experts_ptr, topk_weights_ptr, num_blocks, H,
+                inter, k_split, top_k, R, stride_am, stride_we, stride_wn, stride_bias, stride_as,
+                stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br, stride_out,
+                HAS_BIAS, HAS_LORA, FUSED_SHRINK, ATOMIC_SUM, PAIR_BLOCKS, SPLIT_K, BLOCK_M,
+                BLOCK_N, BLOCK_K, TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA,
+                PRECISION,
+            )  # fmt: skip
     else:
-        out_rows = out_ptr + pair.to(tl.int64) * stride_out
-    if FUSED_SHRINK:
-        # The rows' adapter segments; x·Aᵀ comes from the first tile's main loop.
-        slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
-        seg, n_seg = _block_segments(slot, S_P2)
-    else:
-        slot, seg, n_seg = pair, pair, 0  # unused: the tile reads them after its main loop
-    xa = tl.zeros((BLOCK_M, RP), dtype=tl.float32)
-
-    first = pid_n * TILES_PER_PROGRAM
-    for tile in range(first, tl.minimum(first + TILES_PER_PROGRAM, num_tiles)):
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < H
-        w_cols = w_ptr + expert * stride_we + cols.to(tl.int64) * stride_wn
-        acc, xa = _gemm_tile(
-            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), xa, tile == first,
-            x_row_ptrs, x_row_mask, w_cols, cols, col_mask, w_desc, tile * BLOCK_N,
-            a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair, top_k,
-            expert, slot, seg, n_seg,
-            inter, R, stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
-            stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
-            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
+        pid = tl.program_id(0)
+        _w2_work(
+            pid, act_ptr, w_ptr, w_desc, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr, pair_ids_ptr,
+            row_slots_ptr, enabled_ptr, block_experts_ptr, topk_weights_ptr, num_blocks, H,
+            inter, k_split, top_k, R, stride_am, stride_we, stride_wn, stride_bias, stride_as,
+            stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br, stride_out,
+            HAS_BIAS, HAS_LORA, FUSED_SHRINK, ATOMIC_SUM, PAIR_BLOCKS, SPLIT_K, BLOCK_M,
+            BLOCK_N, BLOCK_K, TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA,
+            PRECISION,
         )  # fmt: skip
-        acc *= routed_weight[:, None]
-        out_ptrs = out_rows[:, None] + cols[None, :]
-        out_mask = valid[:, None] & col_mask[None, :]
-        if ATOMIC_SUM:
-            tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
-        else:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -709,8 +901,10 @@ def _sum_k_kernel(
     TOP_K: tl.constexpr,
     HAS_ADDEND: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t] = Σ_j y[t, j] (+ addend[t]) in fp32, in a fixed order: deterministic."""
+    _wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -772,7 +966,8 @@ def lora_shrink_stage(
         GATHER=gather, PAIR_BLOCKS=alignment.pair_blocks,
         BLOCK_M=block_m, SUB_M=sub_m, BLOCK_K=block_k,
         NSEG=max(1, min(config.lora_segments, _SHRINK_STACK // rc)), RP=rp, RC=rc, S_P2=s_p2,
-        PRECISION=_dot_precision(x.dtype), num_warps=4, num_stages=3,
+        PRECISION=_dot_precision(x.dtype), PDL=pdl(x.device), launch_pdl=pdl(x.device),
+        num_warps=4, num_stages=3,
     )  # fmt: skip
     return xa
 
@@ -820,11 +1015,22 @@ def _lora_args(
     return _LoRAArgs(lora_a, xa, lora_b, lora.row_slots, rank, rp, rc, s_p2, nseg, fused)
 
 
+def pdl(device: torch.device) -> bool:
+    """Whether kernels launch with programmatic dependent launch: Hopper (sm_90) and later
+    (the interpreter cannot run its instructions)."""
+    return device.type == "cuda" and _capability(device.index) >= (9, 0)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def tma_available(device: torch.device) -> bool:
     """Whether the device has the tensor copy engine (Hopper, sm_90, and later); Triton's
     CPU interpreter emulates it."""
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (9, 0)
+        return _capability(device.index) >= (9, 0)
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -856,8 +1062,28 @@ def _enabled(alignment: Alignment) -> torch.Tensor:
     return alignment.enabled if alignment.enabled is not None else alignment.block_experts
 
 
-def _grid(alignment: Alignment, num_tiles: int, gemm: GemmConfig) -> tuple[int]:
-    return (alignment.max_blocks * triton.cdiv(num_tiles, gemm.tiles_per_program),)
+def _grid(
+    alignment: Alignment, num_tiles: int, gemm: GemmConfig, parts: int, device: torch.device
+) -> tuple[int]:
+    """A program per (block, N program, K part), or with ``gemm.persistent`` that many
+    programs per multiprocessor, each looping over the work."""
+    work = alignment.max_blocks * triton.cdiv(num_tiles, gemm.tiles_per_program) * parts
+    if gemm.persistent:
+        return (min(work, gemm.persistent * _multiprocessors(device)),)
+    return (work,)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessors; the interpreter pretends to have 2, so that the tests'
+    persistent programs loop."""
+    if device.type != "cuda":
+        return 2
+    return _cuda_multiprocessors(device.index)
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def w13_stage(
@@ -885,7 +1111,7 @@ def w13_stage(
     cfg = config.w13
     la = _lora_args(hidden, "13", True, top_k, alignment, lora, config, cfg)
     bias = b13 if b13 is not None else w13
-    grid = _grid(alignment, triton.cdiv(inter, cfg.block_n), cfg)
+    grid = _grid(alignment, triton.cdiv(inter, cfg.block_n), cfg, 1, hidden.device)
     clear_numel = 0 if clear is None else clear.numel()
     # Pair blocks take pointer loads: ptxas (CUDA 13.0, sm_90a) crashed compiling them with TMA.
     w_desc = None if alignment.pair_blocks else w13_descriptor(w13, cfg)
@@ -907,9 +1133,20 @@ def w13_stage(
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
         EVEN_K=h % cfg.block_k == 0, W_TMA=0 if w_desc is None else 4,
         PRECISION=_dot_precision(hidden.dtype),
-        CLEAR_BLOCK=_CLEAR_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CLEAR_BLOCK=_CLEAR_BLOCK, PERSISTENT=cfg.persistent > 0,
+        PDL=pdl(hidden.device), launch_pdl=pdl(hidden.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return act
+
+
+def _split_k(inter: int, gemm: GemmConfig, atomic_sum: bool) -> tuple[int, int]:
+    """(parts, K columns per part) of w2's reduction: ``gemm.split_k`` parts of whole
+    BLOCK_K steps where the sum is atomic (the parts add into it), else one."""
+    parts = gemm.split_k if atomic_sum else 1
+    k_split = triton.cdiv(triton.cdiv(inter, parts), gemm.block_k) * gemm.block_k
+    parts = min(parts, triton.cdiv(inter, k_split))  # no part without columns
+    return parts, k_split
 
 
 def w2_stage(
@@ -935,33 +1172,41 @@ def w2_stage(
     bias = b2 if b2 is not None else w2
     # Pair blocks take pointer loads: ptxas (CUDA 13.0, sm_90a) crashed compiling them with TMA.
     w_desc = None if alignment.pair_blocks else weight_descriptor(w2, cfg)
-    _w2_kernel[_grid(alignment, triton.cdiv(h, cfg.block_n), cfg)](
+    split_k, k_split = _split_k(inter, cfg, config.atomic_sum)
+    _w2_kernel[_grid(alignment, triton.cdiv(h, cfg.block_n), cfg, split_k, act.device)](
         act, w2, w_desc if w_desc is not None else w2, bias, la.a, la.xa, la.b, out,
         alignment.sorted_pair_ids, la.row_slots, _enabled(alignment), alignment.block_experts,
         topk_weights,
-        alignment.max_blocks, h, inter, top_k, la.rank,
+        alignment.max_blocks, h, inter, k_split, top_k, la.rank,
         act.stride(0), w2.stride(0), w2.stride(1), bias.stride(0),
         la.a.stride(0), la.a.stride(1), la.a.stride(2),
         la.b.stride(0), la.b.stride(1), la.b.stride(2), la.b.stride(3),
         out.stride(0),
         HAS_BIAS=b2 is not None, HAS_LORA=lora is not None, FUSED_SHRINK=la.fused,
-        ATOMIC_SUM=config.atomic_sum, PAIR_BLOCKS=alignment.pair_blocks,
+        ATOMIC_SUM=config.atomic_sum, PAIR_BLOCKS=alignment.pair_blocks, SPLIT_K=split_k,
         BLOCK_M=alignment.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
         EVEN_K=inter % cfg.block_k == 0, W_TMA=0 if w_desc is None else 3,
-        PRECISION=_dot_precision(act.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=_dot_precision(act.dtype), PERSISTENT=cfg.persistent > 0,
+        PDL=pdl(act.device), launch_pdl=pdl(act.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
-def sum_over_k(y: torch.Tensor, top_k: int, addend: torch.Tensor | None) -> torch.Tensor:
-    """(T*k, H) pair rows → (T, H) Σ_j (+ addend), summed in float32, in y's dtype."""
+def sum_over_k(
+    y: torch.Tensor, top_k: int, addend: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """(T*k, H) pair rows → (T, H) Σ_j (+ addend), summed in float32, rounded once to
+    ``dtype``. With k = 1 it is the final cast of the atomic sum (a Triton launch, so that it
+    too starts early under PDL)."""
     rows, h = y.shape
-    out = torch.empty((rows // top_k, h), dtype=y.dtype, device=y.device)
+    out = torch.empty((rows // top_k, h), dtype=dtype, device=y.device)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_k_kernel[(rows // top_k, triton.cdiv(h, block_h))](
         y, addend if addend is not None else y, out, h,
         TOP_K=top_k, HAS_ADDEND=addend is not None, BLOCK_H=block_h,
+        PDL=pdl(y.device), launch_pdl=pdl(y.device),
     )  # fmt: skip
     return out
 
@@ -995,10 +1240,8 @@ def fused_experts(
         acc = torch.empty((t, h), dtype=torch.float32, device=hidden.device)
         act = w13_stage(*args, clear=acc)
         w2_stage(act, w2, b2, topk_weights, alignment, lora, config, acc)
-        if addend is not None:
-            acc += addend
-        return acc.to(hidden.dtype)
+        return sum_over_k(acc, 1, addend, hidden.dtype)
     act = w13_stage(*args, clear=None)
     y = torch.empty((t * top_k, h), dtype=hidden.dtype, device=hidden.device)
     w2_stage(act, w2, b2, topk_weights, alignment, lora, config, y)
-    return sum_over_k(y, top_k, addend)
+    return sum_over_k(y, top_k, addend, hidden.dtype)

@@ -8,6 +8,10 @@ with ``--table`` into the shipped table of this GPU, ``kernels/configs/<GPU name
 first rank's configurations also serve the base model (rank 0). The layer is random: the
 timings depend on the shape, not on the values.
 
+``--refine`` searches only the program-layout knobs (persistent programs, w2's split K;
+``kernels.autotune.refine``) around the rows this GPU's shipped table already has for
+``--ranks`` (and the shapes given; without any, every shape in the table), and writes them.
+
 The table of the earlier tuner (a from-scratch search, then ``--around-table`` stages) was made
 by the version of this file at commit 02b4e9d; see kernels/BENCHMARKS.md.
 """
@@ -21,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.autotune import BUCKETS, autotune
+from kernels.autotune import BUCKETS, autotune, refine
 from kernels.bench import SHAPES, SLOTS, ZOO, default_cache_dir
 from kernels.config_cache import ConfigCache
-from kernels.configs import MoEConfig, config_path, device_name, shape_key
+from kernels.configs import MoEConfig, config_path, device_name, load_table, shape_key
 from kernels.model_shape import LayerShape, shape_from_checkpoint
 from kernels.synthetic import random_layer
 
@@ -50,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--table", action="store_true", help="write the shipped GPU table")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    parser.add_argument(
+        "--refine", action="store_true", help="search the program-layout knobs around the table"
+    )
     args = parser.parse_args(argv)
+    if args.refine:
+        return refine_table(args.shapes, args.zoo, {int(r) for r in args.ranks.split(",")})
     shapes = [(SHAPES | ZOO)[key] for key in args.shapes.split(",") if key]
     if args.zoo:
         shapes += list(ZOO.values())
@@ -85,6 +94,29 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     where = config_path(gpu) if args.table else cache.directory
     print(f"written to {where}")
+    return 0
+
+
+def refine_table(names: str, zoo: bool, ranks: set[int]) -> int:
+    """``--refine``: the (shape, rank) rows of this GPU's table of ``ranks`` (and of the
+    shapes named, if any)."""
+    device = torch.device("cuda")
+    gpu = device_name(device)
+    wanted = {(SHAPES | ZOO)[key] for key in names.split(",") if key}
+    if zoo:
+        wanted |= set(ZOO.values())
+    table = load_table(gpu)
+    for key, configs in table.items():
+        fields = dict(part.split("=") for part in key.split(","))
+        shape = LayerShape(int(fields["E"]), int(fields["H"]), int(fields["I"]), int(fields["k"]))
+        rank = int(fields["r"])
+        if rank not in ranks or (wanted and not any(shape.key == w.key for w in wanted)):
+            continue
+        layer = random_layer(shape.experts, shape.hidden, shape.inter, shape.top_k, device=device)
+        store_in_table(config_path(gpu), shape, rank, refine(layer, rank, configs, num_slots=SLOTS))
+        del layer
+        torch.cuda.empty_cache()
+    print(f"written to {config_path(gpu)}")
     return 0
 
 

@@ -28,6 +28,7 @@ from kernels.config_cache import ConfigCache
 from kernels.config_select import AUTOTUNED, HEURISTIC, TABLE, ConfigSelector
 from kernels.configs import (
     SMEM_BUDGET,
+    GemmConfig,
     MoEConfig,
     fit_stages,
     load_table,
@@ -179,14 +180,50 @@ def test_search_finds_the_minimum_of_its_space() -> None:
     best = search(time_us, start, 16.0, 16, deadline=time.monotonic() + 60)
     assert _cost(best) == min(map(_cost, timed)) < _cost(start)
     assert best.block_m == 32 and best.w13.block_n == 64 and best.w2.block_n == 32
-    # Every tile combination the search launched was compiled ahead by the precompile set.
-    covered = precompile_set(start, 16.0, 16)
-    w13s = {(c.block_m, dataclasses.replace(c.w13, num_stages=0)) for c in covered}
-    w2s = {(c.block_m, dataclasses.replace(c.w2, num_stages=0)) for c in covered}
+    _assert_precompiled(timed, start, 16.0)
+
+
+def _kernel(gemm: GemmConfig) -> GemmConfig:
+    """What selects a compiled kernel, less what the search leaves to compile while timing
+    (the launch order and persistent programs, searched last); the stages are fitted at
+    launch."""
+    return dataclasses.replace(gemm, num_stages=0, persistent=0, group_m=0)
+
+
+def _assert_precompiled(timed: list[MoEConfig], start: MoEConfig, rows_per_expert: float) -> None:
+    """Every kernel the search launched was compiled ahead by the precompile set."""
+    covered = precompile_set(start, rows_per_expert, 16)
+    w13s = {(c.block_m, _kernel(c.w13)) for c in covered}
+    w2s = {(c.block_m, _kernel(c.w2)) for c in covered}
     for config in timed:
         if config.w2.fused_shrink == start.w2.fused_shrink:
-            assert (config.block_m, dataclasses.replace(config.w13, num_stages=0)) in w13s
-            assert (config.block_m, dataclasses.replace(config.w2, num_stages=0)) in w2s
+            assert (config.block_m, _kernel(config.w13)) in w13s
+            assert (config.block_m, _kernel(config.w2)) in w2s
+
+
+def test_search_tries_persistent_programs_and_split_k() -> None:
+    """Tensor-core tiles: persistent programs per GEMM; streaming tiles with the atomic sum:
+    w2's split K. Each wins here where its made-up cost says so."""
+    start = heuristic_config(4096, 128, 2048, 768, 8)
+    timed: list[MoEConfig] = []
+
+    def persistent_w2_wins(config: MoEConfig) -> float:
+        timed.append(config)
+        return _cost(config) - 3 * min(config.w2.persistent, 1) - config.w2.split_k
+
+    best = search(persistent_w2_wins, start, 256.0, 16, deadline=time.monotonic() + 60)
+    assert best.w2.persistent > 0 and best.w13.persistent == 0
+    assert {c.w13.persistent for c in timed} == {0, 1, 2}
+    assert {c.w2.split_k for c in timed} == {1}
+    _assert_precompiled(timed, start, 256.0)
+    timed.clear()
+    start = heuristic_config(8, 128, 2048, 768, 8)
+    best = search(persistent_w2_wins, start, 0.5, 16, deadline=time.monotonic() + 60)
+    assert best.w2.split_k == 4 and best.atomic_sum
+    assert {c.w2.persistent for c in timed} == {0}
+    covered = precompile_set(start, 0.5, 16)
+    assert {c.w2.split_k for c in covered} == {1, 2, 4}
+    assert all(c.atomic_sum for c in covered if c.w2.split_k > 1)
 
 
 def test_search_stops_at_its_deadline() -> None:

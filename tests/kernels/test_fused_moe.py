@@ -70,6 +70,8 @@ class Case:
     decode: bool = False
     w2_tma: bool = False
     w13_tma: bool = False
+    split_k: int = 1  # w2's (with the atomic sum)
+    persistent: tuple[int, int] = (0, 0)  # w13, w2: programs per multiprocessor (here 2)
     extra: dict[str, object] = field(default_factory=dict)
 
     def config(self, atomic_sum: bool) -> MoEConfig:
@@ -83,6 +85,7 @@ class Case:
                 group_m=self.group_m[0],
                 fused_shrink=self.fused_shrink[0],
                 tma=self.w13_tma,
+                persistent=self.persistent[0],
             ),
             w2=GemmConfig(
                 *self.w2,
@@ -91,6 +94,8 @@ class Case:
                 group_m=self.group_m[1],
                 fused_shrink=self.fused_shrink[1],
                 tma=self.w2_tma,
+                split_k=self.split_k,
+                persistent=self.persistent[1],
             ),
             atomic_sum=atomic_sum,
             decode=self.decode,
@@ -216,6 +221,45 @@ CASES = {
     ),
     # Rows of 12 bytes cannot be described: pointer loads take over, same result.
     "w2_tma_unaligned_rows_fall_back_fp16": Case(inter=6, dtype=torch.float16, w2_tma=True),
+    # w2's reduction cut into parts that add into the atomic sum (GemmConfig.split_k):
+    # even parts; an uneven last part with the fused shrink (each part expands its share),
+    # biases (the first part adds them) and TMA; more parts asked than K steps.
+    "w2_split_k_fp16": Case(
+        tokens=37, experts=7, top_k=4, inter=96, dtype=torch.float16, w2=(32, 32, 1), split_k=3
+    ),
+    "w2_split_k_uneven_fused_shrink_biases_tma": Case(
+        router=RouterSpec(RouterKind.TOPK_SOFTMAX, top_k=4, renormalize=True),
+        top_k=4,
+        activation=Activation.GPT_OSS,
+        biases=True,
+        hidden_scale=4.0,
+        inter=80,
+        w2=(32, 32, 2),
+        fused_shrink=(True, True),
+        w2_tma=True,
+        split_k=2,
+    ),
+    "w2_split_k_separate_shrink_more_parts_than_steps": Case(
+        inter=40, rank=16, w2=(32, 32, 1), split_k=4
+    ),
+    # Persistent programs (the interpreter has 2 multiprocessors): each loops over several
+    # (block, N program) pieces of work, padding blocks among them; with TMA, the fused
+    # shrink, several tiles per program, split K, and the grouped launch order.
+    "persistent_programs_fp16": Case(
+        tokens=37, experts=7, top_k=4, dtype=torch.float16, persistent=(1, 2), w13_tma=True
+    ),
+    "persistent_fused_shrink_tiles_split_k_grouped": Case(
+        tokens=40,
+        experts=5,
+        inter=64,
+        w13=(16, 32, 2),
+        w2=(16, 32, 2),
+        fused_shrink=(True, True),
+        group_m=(2, 3),
+        split_k=2,
+        persistent=(3, 1),
+        w2_tma=True,
+    ),
     # Launch order: groups of M blocks (GemmConfig.group_m), a last group cut short.
     "grouped_launch_order_fp16": Case(
         tokens=150,
@@ -305,6 +349,9 @@ DECODE_CASES = [
     "fused_shrink_one_token",
     "fused_shrink_gpt_oss_biases_disabled_slots",
     "w2_weights_by_tma_fp16",
+    "w2_split_k_fp16",
+    "w2_split_k_uneven_fused_shrink_biases_tma",
+    "persistent_programs_fp16",
 ]
 
 

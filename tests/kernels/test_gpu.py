@@ -86,6 +86,29 @@ def test_decode_edge_cases_bf16(name: str) -> None:
         assert err < TOLERANCE[torch.bfloat16], f"{name}: rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize(("shape", "tokens"), [("qwen3", 4096), ("gpt_oss", 512), ("mixtral", 1)])
+def test_persistent_and_split_k_at_real_shapes(shape: str, tokens: int, split_k: int) -> None:
+    """Persistent programs loop over many tiles at real sizes (a wave of 132 programs cannot
+    hold the work); w2's K split into parts that add into the atomic sum."""
+    e, h, i, k = SHAPES[shape]
+    layer = random_layer(e, h, i, k, dtype=torch.bfloat16, device="cuda")
+    hidden = random_hidden(tokens, h, dtype=torch.bfloat16, device="cuda")
+    routing = random_routing(tokens, e, k, device="cuda")
+    base = heuristic_config(tokens, e, h, i, k)
+    config = dataclasses.replace(
+        base,
+        atomic_sum=True,
+        w13=dataclasses.replace(base.w13, persistent=1),
+        w2=dataclasses.replace(base.w2, persistent=2, split_k=split_k),
+    )
+    lora = _lora(layer, tokens)
+    for context in (lora, None):
+        expected = moe_forward_reference(hidden, layer, context, routing)
+        err = relative_error(fused_moe(hidden, layer, context, routing, config), expected)
+        assert err < TOLERANCE[torch.bfloat16], f"{shape} M={tokens}: rel err {err:.2e}"
+
+
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
 def test_rank_384_at_a_real_shape(tokens: int) -> None:
     """Large ranks go 64 at a time (they once asked for 532 KB of shared memory)."""

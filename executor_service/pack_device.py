@@ -1,0 +1,309 @@
+"""Where an adapter's packing arithmetic runs: on the CPU, or on the executor's CUDA device.
+
+``packer.py`` decides what is computed (reshape A, gather and scale B, check); a
+``PackDevice`` supplies the stored tensors on the device that computes, buffers there, and the
+packed tensors as the host cache keeps them:
+
+* ``CpuPackDevice``: stored tensors are views of the weights buffer (a memory map, or a file
+  still arriving: each tensor waits for its own bytes), and the packed buffers are the host
+  tensors themselves (page-locked when asked, else large ones on transparent huge pages, which
+  halve the cost of writing into fresh memory), so every byte is written once.
+* ``CudaPackDevice``: at the start of each layer its stored bytes go host→device through two
+  small reusable page-locked staging buffers, chunk by chunk (one filled from the memory map
+  while the other's copy runs; each chunk waits for its bytes when the file is still
+  arriving); the packing runs on a side stream (one per device, so that the caching allocator
+  reuses its blocks from one pack to the next); the packed tensors come back into page-locked
+  host tensors, and the layer ends with the stream synchronised: device memory holds about one
+  layer (its stored bytes, its packed tensors, the gather's scratch) at a time.
+
+Both run the same torch ops on the same values, each rounding once as IEEE says (casts round to
+nearest even; a reduced float type is multiplied in float32), so a CUDA pack is bit-identical to
+a CPU pack (tests/executor/test_gpu_packing.py). Only the band size of B's gather differs: the
+CPU blocks it to stay in its cache, a GPU takes a tensor at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import mmap
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from shared.safetensors_header import SafetensorsHeader
+
+TORCH_DTYPES = {
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+
+#: Bytes of one page-locked staging buffer (two per CUDA pack): large enough that a copy's
+#: fixed cost is small (about 10 µs against ~2 ms of transfer), small enough to stay cheap.
+STAGING_BYTES = 16 << 20
+
+#: Source bytes of one band of B's gather on the CPU: a core's share of its L2 cache, where the
+#: band's transposed scratch then stays for the scaling pass (measured on the 2-core VM: 1 MiB
+#: bands 2.2 GB/s, 128 KiB 1.7, the whole tensor 1.8).
+CPU_BAND_BYTES = 1 << 20
+
+
+#: Waits for a byte range of the weights to have arrived.
+Wait = Callable[[int, int], None]
+
+
+def _arrived(_begin: int, _end: int) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class StoredTensors:
+    """An adapter's weights file: its parsed header, its bytes (writable, as torch.frombuffer
+    wants; never written) and the wait for a byte range to have arrived."""
+
+    header: SafetensorsHeader
+    data: memoryview
+    wait: Wait
+
+    def span(self, key: str) -> tuple[int, int]:
+        """The file offsets of a tensor's bytes."""
+        info = self.header.tensors[key]
+        start = self.header.data_start + info.begin
+        return start, start + info.nbytes
+
+    def host(self, key: str) -> torch.Tensor:
+        """A stored tensor as a CPU view of the buffer, once its bytes have arrived."""
+        info = self.header.tensors[key]
+        dtype = TORCH_DTYPES[info.dtype]
+        start, end = self.span(key)
+        self.wait(start, end)
+        if start == end:
+            return torch.empty(info.shape, dtype=dtype)
+        return torch.frombuffer(self.data, dtype=dtype, count=info.numel, offset=start).reshape(
+            info.shape
+        )
+
+
+def open_weights(weights: bytes | memoryview | Path) -> tuple[memoryview, Wait]:
+    """Weights in memory or on disk as a writable buffer (all arrived). A file is
+    memory-mapped copy-on-write (writable as torch.frombuffer wants, never written, so nothing
+    is copied); the map is unmapped when the last tensor viewing it is gone, not closed here,
+    since a traceback may hold one. Read-only bytes are copied once."""
+    if isinstance(weights, bytes | memoryview):
+        view = memoryview(weights)
+        return (memoryview(bytearray(view)) if view.readonly else view), _arrived
+    with weights.open("rb") as handle:
+        if handle.seek(0, 2) == 0:
+            return memoryview(bytearray()), _arrived
+        return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)), _arrived
+
+
+class PackDevice(Protocol):
+    """Where the packing arithmetic runs (see the module doc)."""
+
+    #: Source bytes of one band of B's transposing gather.
+    band_bytes: int
+
+    def running(self) -> contextlib.AbstractContextManager[object]:
+        """The context the whole pack runs in (the device and its stream made current)."""
+        ...
+
+    def begin_layer(self, keys: Sequence[str]) -> None:
+        """A layer that reads ``keys`` begins."""
+        ...
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """A stored tensor on the device, once its bytes have arrived (of the current layer)."""
+        ...
+
+    def empty(self, shape: Sequence[int]) -> torch.Tensor:
+        """An uninitialised buffer on the device in the serving dtype."""
+        ...
+
+    def host(self, packed: torch.Tensor) -> torch.Tensor:
+        """A packed tensor as the host cache keeps it (ready once ``end_layer`` returned)."""
+        ...
+
+    def end_layer(self) -> None:
+        """The layer's work is done and its host tensors are written."""
+        ...
+
+
+def pack_device(
+    device: torch.device, stored: StoredTensors, dtype: torch.dtype, pin: bool
+) -> PackDevice:
+    """The pack device for ``device``: a CUDA pack always writes page-locked host tensors."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):  # "cuda" alone: the current one
+            device = torch.device("cuda", torch.cuda.current_device())
+        return CudaPackDevice(device, stored, dtype)
+    if device.type != "cpu":
+        raise ValueError(f"cannot pack adapters on a {device.type} device")
+    return CpuPackDevice(stored, dtype, pin)
+
+
+class CpuPackDevice:
+    """Packs on the CPU, straight into the host tensors."""
+
+    band_bytes = CPU_BAND_BYTES
+
+    def __init__(self, stored: StoredTensors, dtype: torch.dtype, pin: bool) -> None:
+        self._stored = stored
+        self._dtype = dtype
+        self._pin = pin
+
+    def running(self) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def begin_layer(self, keys: Sequence[str]) -> None:
+        pass  # each tensor waits for its bytes when it is read: the pack trails a download
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._stored.host(key)
+
+    def empty(self, shape: Sequence[int]) -> torch.Tensor:
+        if self._pin:
+            return torch.empty(tuple(shape), dtype=self._dtype, pin_memory=True)
+        return _huge_paged(shape, self._dtype)
+
+    def host(self, packed: torch.Tensor) -> torch.Tensor:
+        return packed
+
+    def end_layer(self) -> None:
+        pass
+
+
+def _huge_paged(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor; a large one in an anonymous mapping of its own that asks
+    for transparent huge pages. The pack writes each output once, into fresh memory: with 4 KiB
+    pages the first-touch page faults cost about three times the writing itself (measured on
+    the 2-core VM: 630 MB written into fresh memory 287 ms, into memory already touched 74 ms,
+    into fresh 2 MiB pages 109 ms). The mapping is unmapped when the tensor is freed."""
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+    if advice is None or nbytes < _HUGE_PAGE_BYTES:
+        return torch.empty(tuple(shape), dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a kernel without them: ordinary pages
+        region.madvise(advice)
+    return torch.frombuffer(region, dtype=dtype, count=count).reshape(tuple(shape))
+
+
+#: Below this a tensor is allocated as usual (a huge page is 2 MiB on x86-64).
+_HUGE_PAGE_BYTES = 4 << 20
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's packing stream. One per device for the process: the caching allocator
+    keeps freed blocks per stream, so a new stream per pack would strand a layer's worth of
+    device memory each time."""
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+class CudaPackDevice:
+    """Packs on a CUDA device: stored bytes staged in, packed tensors copied back."""
+
+    band_bytes = sys.maxsize  # the GPU gathers a whole tensor at once
+
+    def __init__(
+        self,
+        device: torch.device,
+        stored: StoredTensors,
+        dtype: torch.dtype,
+    ) -> None:
+        self._device = device
+        self._stored = stored
+        self._dtype = dtype
+        self._stream = _side_stream(device)
+        self._source = (
+            torch.frombuffer(stored.data, dtype=torch.uint8)
+            if len(stored.data)
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        with torch.cuda.device(device):  # page-locked for this device's context
+            self._staging = [
+                torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+            ]
+        #: The event after the last copy out of each staging buffer (None: never used).
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        #: The current layer's tensors: the device buffer holding each, and its offset there.
+        self._placed: dict[str, tuple[torch.Tensor, int]] = {}
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            yield
+
+    def begin_layer(self, keys: Sequence[str]) -> None:
+        """Stages the layer's bytes, one device buffer per run of tensors lying together in
+        the file (a layer's usually do: one buffer, filled by a few large copies)."""
+        for run in coalesce([(*self._stored.span(key), key) for key in keys], _GAP_BYTES):
+            begin = run[0][0]
+            buffer = self._stage(begin, max(end for _, end, _ in run))
+            for start, _, key in run:
+                self._placed[key] = (buffer, start - begin)
+
+    def _stage(self, begin: int, end: int) -> torch.Tensor:
+        """Bytes [begin, end) of the file in a new device buffer, copied asynchronously."""
+        out = torch.empty(end - begin, dtype=torch.uint8, device=self._device)
+        size = self._staging[0].numel()
+        for start in range(begin, end, size):
+            stop = min(start + size, end)
+            self._stored.wait(start, stop)
+            turn, self._turn = self._turn, 1 - self._turn
+            staging, copied = self._staging[turn], self._copied[turn]
+            if copied is not None:
+                copied.synchronize()  # its last copy is done
+            staging[: stop - start].copy_(self._source[start:stop])
+            out[start - begin : stop - begin].copy_(staging[: stop - start], non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self._stream)
+            self._copied[turn] = event
+        return out
+
+    def tensor(self, key: str) -> torch.Tensor:
+        info = self._stored.header.tensors[key]
+        dtype = TORCH_DTYPES[info.dtype]
+        buffer, offset = self._placed[key]
+        # offset is a multiple of the itemsize: a run starts at a tensor, and an adapter's
+        # tensors share one dtype (inspect_adapter refuses others).
+        return buffer[offset : offset + info.nbytes].view(dtype).reshape(info.shape)
+
+    def empty(self, shape: Sequence[int]) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=self._dtype, device=self._device)
+
+    def host(self, packed: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        out.copy_(packed, non_blocking=True)
+        return out
+
+    def end_layer(self) -> None:
+        self._stream.synchronize()
+        self._placed.clear()  # the layer's device buffers go back to the allocator
+
+
+#: Tensors at most this far apart in the file are staged as one run (the bytes between them
+#: are copied too).
+_GAP_BYTES = 64 << 10
+
+
+def coalesce(spans: Sequence[tuple[int, int, str]], gap: int) -> list[list[tuple[int, int, str]]]:
+    """(begin, end, key) spans in file order, grouped into runs whose neighbours are at most
+    ``gap`` bytes apart."""
+    runs: list[list[tuple[int, int, str]]] = []
+    for span in sorted(spans):
+        if runs and span[0] <= max(end for _, end, _ in runs[-1]) + gap:
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    return runs
