@@ -23,6 +23,9 @@ from shared.tokens import TokenChecker, open_token_checker
 
 log = logging.getLogger(__name__)
 
+#: At most this long a closing blob HTTP server waits for transfers in progress.
+_HTTP_CLOSE_SECONDS = 5.0
+
 
 def open_database(settings: RegistrySettings) -> Database:
     return Database(settings.database_url or sqlite_url(settings.data_path / "registry.db"))
@@ -74,7 +77,9 @@ def open_blob_http(settings: RegistrySettings, blobs: BlobStore) -> BlobHttpServ
         signer,
         public_url=settings.http_public_url,
         tls=tls,
-        grace_seconds=settings.drain_seconds,
+        # Transfers ran on through the gRPC drain before this closes; a few more seconds, not
+        # a second drain (the pod's termination grace counts one drain).
+        grace_seconds=min(settings.drain_seconds, _HTTP_CLOSE_SECONDS),
     )
 
 
