@@ -184,6 +184,8 @@ def main() -> None:
                     str(work / "registry"),
                     "--metrics-listen",
                     "",
+                    "--http-listen",
+                    "127.0.0.1:0",
                     "--drain-seconds",
                     "2",
                 ],

@@ -42,10 +42,11 @@ ENV PATH=/opt/venv/bin:$PATH \
     HOME=/home/moelora \
     MOELORA_LISTEN=0.0.0.0:50051 \
     MOELORA_METRICS_LISTEN=0.0.0.0:9401 \
+    MOELORA_HTTP_LISTEN=0.0.0.0:50053 \
     MOELORA_DATA_DIR=/data
 USER 10001:10001
 WORKDIR /home/moelora
-EXPOSE 50051 9401
+EXPOSE 50051 9401 50053
 HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 \
   CMD ["python", "/opt/moelora/grpc_health_probe.py", "--service", "moelora.v1.AdapterRegistry"]
 ENTRYPOINT ["moelora-registry"]

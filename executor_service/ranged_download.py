@@ -2,9 +2,11 @@
 
 The files are cut into parts, taken in file order by ``streams`` workers (so the file fills
 from the front and the packer behind it rarely waits), each part fetched as one ranged read
-(the registry's DownloadAdapter with a range, or an HTTP Range GET on a presigned URL) and
-written where it belongs in an ``ArrivingFile``, which hashes it in order as it grows. The
-first failure of any part stops the others and is what every waiter gets.
+(the registry's DownloadAdapter with a range, or an HTTP Range GET on a presigned URL) into
+where it belongs in an ``ArrivingFile``, which hashes it in order as it grows: a ``Part`` takes
+bytes that came as objects (``write``) or lends the file's memory for a socket to receive into
+(``receive_view`` + ``arrived``). The first failure of any part stops the others and is what
+every waiter gets.
 
 This is what s3transfer and hf_transfer do for one large object: parallel ranged GETs into a
 preallocated file; here the bytes are also usable (for packing) before the whole file is in.
@@ -14,15 +16,12 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from executor_service.arriving import ArrivingFile
 from executor_service.loader import lower_priority
-
-#: (file index, offset, length) → the bytes as (offset, data) pieces, in order.
-RangeReader = Callable[[int, int, int], Iterator[tuple[int, bytes]]]
 
 _MIB = 1 << 20
 #: Parts are at least this big (fewer requests), at most ``_MAX_PART`` (finer interleaving).
@@ -37,6 +36,38 @@ class RemoteFile:
     path: str
     size: int
     sha256: str
+
+
+class Part:
+    """Bytes ``offset`` to ``offset + length`` of file ``index``, and where they go. Every
+    method returns False once the download stopped: the reader should return then."""
+
+    def __init__(
+        self, index: int, offset: int, length: int, file: ArrivingFile, stopped: threading.Event
+    ) -> None:
+        self.index = index
+        self.offset = offset
+        self.length = length
+        self._file = file
+        self._stopped = stopped
+
+    def write(self, at: int, data: bytes) -> bool:
+        """Stores bytes that arrived as an object (a copy into the file)."""
+        if self._stopped.is_set():
+            return False
+        self._file.write(at, data)
+        return True
+
+    def receive_view(self) -> memoryview:
+        """The part's place in the file, to receive into; report with ``arrived``."""
+        return self._file.receive_view(self.offset, self.offset + self.length)
+
+    def arrived(self, at: int, n: int) -> bool:
+        return not self._stopped.is_set() and self._file.arrived(at, at + n)
+
+
+#: Fetches a part (see ``Part``); raises what went wrong.
+RangeReader = Callable[[Part], None]
 
 
 def _parts(files: Sequence[RemoteFile], streams: int) -> deque[tuple[int, int, int]]:
@@ -101,14 +132,10 @@ class RangedDownload:
 
     def _work(self) -> None:
         lower_priority(self._nice)
-        while (part := self._take()) is not None:
-            index, offset, length = part
-            arriving = self._files[index]
+        while (taken := self._take()) is not None:
+            index, offset, length = taken
             try:
-                for at, data in self._read(index, offset, length):
-                    if self._stopped.is_set():
-                        return
-                    arriving.write(at, data)
+                self._read(Part(index, offset, length, self._files[index], self._stopped))
             except BaseException as exc:  # every waiter gets it
                 self._stopped.set()
                 for each in self._files:

@@ -25,11 +25,13 @@ import errno
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from http import HTTPStatus
+from http.client import HTTPException
 from pathlib import Path
 
 from executor_service.disk_cache import DiskCache
-from executor_service.ranged_download import RangedDownload, RangeReader, RemoteFile
+from executor_service.ranged_download import Part, RangedDownload, RangeReader, RemoteFile
 from executor_service.sources import AdapterFiles, ResolvedAdapter, check_digest, parse_config
 from moelora.v1 import registry_pb2
 from shared.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
@@ -45,7 +47,8 @@ from shared.errors import (
 )
 from shared.logs import log_event
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient, WatchStream, read_url_range
+from shared.registry_client import RegistryClient, WatchStream
+from shared.url_ranges import HttpStatusError, UrlRangeReader, UrlUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +56,29 @@ EventType = registry_pb2.AdapterEventType
 
 #: Errors that mean "the registry did not answer", as opposed to an answer that says no.
 _UNREACHABLE = (Unavailable, DeadlineExceeded)
+#: After presigned URLs could not be connected to (say a registry whose --http-public-url
+#: names a host executors cannot reach), downloads take the DownloadAdapter stream this long
+#: before URLs are tried again.
+_URLS_RETRY_SECONDS = 300.0
 
 
 class RegistrySource:
     """Resolves and fetches adapters from the registry at ``address`` (see the module doc)."""
 
     def __init__(
-        self, client: RegistryClient, address: str, disk: DiskCache, streams: int, nice: int
+        self,
+        client: RegistryClient,
+        address: str,
+        disk: DiskCache,
+        streams: int,
+        nice: int,
+        urls: UrlRangeReader | None = None,
     ) -> None:
         """``streams``: parallel ranged reads per download (``client`` should have as many
-        connections); ``nice``: how much lower the download threads' CPU priority is."""
+        connections); ``nice``: how much lower the download threads' CPU priority is;
+        ``urls``: reads presigned URLs (default: plain trust, ``client``'s timeout)."""
         self.client = client
+        self.urls = urls or UrlRangeReader(timeout=client.timeout)
         self.address = address
         self._disk = disk
         self._streams = streams
@@ -74,6 +89,8 @@ class RegistrySource:
         self._watching = False
         #: None until we know whether the blob store presigns URLs.
         self._presign: bool | None = None
+        #: Until when (time.monotonic) URLs are not used because they could not be reached.
+        self._urls_unreachable_until = 0.0
 
     # -- AdapterSource -------------------------------------------------------------------
 
@@ -234,11 +251,12 @@ class RegistrySource:
         mean "not reachable" become Unavailable naming the adapter."""
         ref = f"{adapter.name}@{adapter.digest}"
         try:
-            if self._presign is not False:
+            if self._presign is not False and time.monotonic() >= self._urls_unreachable_until:
                 try:
                     urls = self.client.download_urls(ref)
                     self._presign = True
-                    return _remote(urls.version), self._url_reader(adapter, urls), "presigned"
+                    reader = self._url_reader(adapter, urls, self._stream_reader(adapter, ref))
+                    return _remote(urls.version), reader, "presigned"
                 except FailedPrecondition:
                     self._presign = False  # the local-directory store: the stream from now on
             version = self.client.get(ref)
@@ -247,27 +265,48 @@ class RegistrySource:
         return _remote(version), self._stream_reader(adapter, ref), "stream"
 
     def _stream_reader(self, adapter: ResolvedAdapter, ref: str) -> RangeReader:
-        def read(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+        def read(part: Part) -> None:
             try:
-                yield from self.client.read_range(ref, index, offset, length)
+                for at, data in self.client.read_range(ref, part.index, part.offset, part.length):
+                    if not part.write(at, data):
+                        return
             except _UNREACHABLE as exc:
                 raise self._unreachable(adapter, exc) from None
 
         return read
 
     def _url_reader(
-        self, adapter: ResolvedAdapter, urls: registry_pb2.GetDownloadUrlsResponse
+        self,
+        adapter: ResolvedAdapter,
+        urls: registry_pb2.GetDownloadUrlsResponse,
+        stream: RangeReader,
     ) -> RangeReader:
+        """Reads parts over the URLs; a part whose URL cannot be connected to is read from
+        ``stream`` instead (and URLs rest for a while: see ``_URLS_RETRY_SECONDS``)."""
         links = [f.url for f in urls.files]
 
-        def read(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
+        def read(part: Part) -> None:
+            where = f"adapter {adapter.label}: the blob store behind {self.address}"
             try:
-                yield from read_url_range(links[index], offset, length, timeout=self.client.timeout)
-            except OSError as exc:  # urllib's errors, HTTP ones included
-                raise Unavailable(
-                    f"adapter {adapter.label}: the blob store behind {self.address} failed "
-                    f"({exc}); retry"
-                ) from None
+                self.urls.read_into(
+                    links[part.index], part.offset, part.receive_view(), part.arrived
+                )
+            except UrlUnreachable as exc:  # before any byte of the part: nothing to undo
+                self._urls_unreachable_until = time.monotonic() + _URLS_RETRY_SECONDS
+                log_event(
+                    log, "blob_urls_unreachable", logging.WARNING,
+                    adapter=adapter.label, error=str(exc), stream_seconds=_URLS_RETRY_SECONDS,
+                    hint="the registry's --http-public-url must name a host executors reach",
+                )  # fmt: skip
+                stream(part)
+            except HttpStatusError as exc:
+                if exc.status == HTTPStatus.NOT_FOUND:  # as DownloadAdapter says of it
+                    raise DataLoss(
+                        f"{where} has lost the blob of file {part.index} ({exc})"
+                    ) from None
+                raise Unavailable(f"{where} refused a ranged read ({exc}); retry") from None
+            except (OSError, HTTPException) as exc:
+                raise Unavailable(f"{where} failed ({exc!r}); retry") from None
 
         return read
 

@@ -36,6 +36,7 @@ from shared.layer_set import format_layers
 from shared.logs import log_event
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
+from shared.url_ranges import UrlRangeReader, tls_context
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ class ExecutorRuntime:
         if self.prefetcher is not None:
             self.prefetcher.close()
         self.adapters.close()
+        if isinstance(self.adapters.source, RegistrySource):
+            self.adapters.source.urls.close()  # kept-alive connections to the blob store
 
 
 def replica_name(settings: ExecutorSettings) -> str:
@@ -136,20 +139,26 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
         return LocalFolderSource(settings.adapter_dir.expanduser())
     if settings.registry_address:
         streams = download_streams(settings)
+        root_certificates = (
+            settings.registry_tls_ca_file.expanduser().read_bytes()
+            if settings.registry_tls_ca_file is not None
+            else None
+        )
         client = RegistryClient(
             settings.registry_address,
             token=settings.registry_token,
             tls=settings.registry_tls,
-            root_certificates=(
-                settings.registry_tls_ca_file.expanduser().read_bytes()
-                if settings.registry_tls_ca_file is not None
-                else None
-            ),
+            root_certificates=root_certificates,
             timeout=settings.registry_timeout_seconds,
             connections=streams,
         )
         disk = DiskCache(settings.disk_cache_dir, settings.disk_cache_bytes)
-        return RegistrySource(client, settings.registry_address, disk, streams, settings.load_nice)
+        urls = UrlRangeReader(
+            timeout=settings.registry_timeout_seconds, ssl_context=tls_context(root_certificates)
+        )
+        return RegistrySource(
+            client, settings.registry_address, disk, streams, settings.load_nice, urls
+        )
     return None
 
 

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import logging
+import ssl
 from dataclasses import dataclass
 
+from registry_service.blob_http import BlobHttpServer
 from registry_service.blobs import BlobStore, open_blob_store
+from registry_service.blobs.local import LocalBlobStore
 from registry_service.config import RegistrySettings
 from registry_service.db import migrate
 from registry_service.db.engine import Database, sqlite_url
@@ -14,10 +17,14 @@ from registry_service.events import EventFeed
 from registry_service.gc import GarbageCollector, PeriodicGc
 from registry_service.service import Registry, RegistryLimits
 from registry_service.store import Store
+from registry_service.url_signing import UrlSigner
 from shared.logs import log_event
 from shared.tokens import TokenChecker, open_token_checker
 
 log = logging.getLogger(__name__)
+
+#: At most this long a closing blob HTTP server waits for transfers in progress.
+_HTTP_CLOSE_SECONDS = 5.0
 
 
 def open_database(settings: RegistrySettings) -> Database:
@@ -50,6 +57,32 @@ def open_authorizer(settings: RegistrySettings) -> TokenChecker:
     )
 
 
+def open_blob_http(settings: RegistrySettings, blobs: BlobStore) -> BlobHttpServer | None:
+    """The blob HTTP server (bound, not started) when the settings ask for one and the blobs
+    are local: S3 serves its own presigned URLs."""
+    if not settings.http_listen or not isinstance(blobs, LocalBlobStore):
+        return None
+    signer = (
+        UrlSigner.from_file(settings.http_signing_key_file)
+        if settings.http_signing_key_file is not None
+        else UrlSigner.random()
+    )
+    tls = None
+    if settings.tls_cert_file is not None and settings.tls_key_file is not None:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    return BlobHttpServer(
+        settings.http_listen,
+        blobs,
+        signer,
+        public_url=settings.http_public_url,
+        tls=tls,
+        # Transfers ran on through the gRPC drain before this closes; a few more seconds, not
+        # a second drain (the pod's termination grace counts one drain).
+        grace_seconds=min(settings.drain_seconds, _HTTP_CLOSE_SECONDS),
+    )
+
+
 @dataclass
 class RegistryApp:
     registry: Registry
@@ -57,8 +90,11 @@ class RegistryApp:
     db: Database
     feed: EventFeed
     periodic_gc: PeriodicGc | None = None
+    blob_http: BlobHttpServer | None = None
 
     def close(self) -> None:
+        if self.blob_http is not None:
+            self.blob_http.close()
         if self.periodic_gc is not None:
             self.periodic_gc.stop()
         self.feed.stop()
@@ -84,9 +120,13 @@ def open_registry(settings: RegistrySettings, *, background: bool = True) -> Reg
         max_rank=settings.max_rank,
         gc_grace_seconds=settings.gc_grace_seconds,
     )
-    registry = Registry(store, blobs, feed, collector, spool_dir, limits)
+    blob_http = open_blob_http(settings, blobs) if background else None
+    presign = blob_http.urls.url if blob_http is not None else None
+    registry = Registry(store, blobs, feed, collector, spool_dir, limits, presign)
     periodic_gc = None
     if background:
+        if blob_http is not None:
+            blob_http.start()
         feed.start()
         if settings.gc_interval_seconds > 0:
             periodic_gc = PeriodicGc(lambda: registry.gc(None, False), settings.gc_interval_seconds)
@@ -98,5 +138,6 @@ def open_registry(settings: RegistrySettings, *, background: bool = True) -> Reg
         blobs=blobs.location,
         auth="on" if authorizer.enabled else "off",
         max_rank=settings.max_rank,
+        blob_urls=blob_http.urls.base_url if blob_http is not None else None,
     )
-    return RegistryApp(registry, authorizer, db, feed, periodic_gc)
+    return RegistryApp(registry, authorizer, db, feed, periodic_gc, blob_http)

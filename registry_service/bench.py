@@ -15,7 +15,9 @@ registry needs the spec, not the weights). Each server is a separate
 adapterctl does: upload = 1 MiB chunks hashed as they are sent (sha256s in the
 trailer) + server spool (hashed, written, flushed)/validate/blob write/commit;
 download = one stream hashed by the server as it sends + client sha256 and write.
-Presigned = one HTTP GET straight from the blob store.
+Presigned = one HTTP GET per file on GetDownloadUrls' URLs (``adapterctl download
+--presigned``): straight from the bucket (S3), or from the registry's blob HTTP server
+(local directory, sendfile) + client sha256 and write.
 Needs the dev extra (moto) for the S3 rows.
 """
 
@@ -82,11 +84,10 @@ def measure(backend: str, address: str, adapter: Path, repeat: int, workdir: Pat
             client.download(f"bench:{version.version}", out, timeout=3600)
             row.download.append(time.perf_counter() - start)
             shutil.rmtree(out)
-            if backend.startswith("s3"):
-                start = time.perf_counter()
-                client.download_presigned(f"bench:{version.version}", out)
-                row.presigned.append(time.perf_counter() - start)
-                shutil.rmtree(out)
+            start = time.perf_counter()
+            client.download_presigned(f"bench:{version.version}", out)
+            row.presigned.append(time.perf_counter() - start)
+            shutil.rmtree(out)
     return row
 
 

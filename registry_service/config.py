@@ -101,6 +101,23 @@ class RegistrySettings(ServerSettings):
     max_message_bytes: int = Field(
         16 * 1024 * 1024, ge=4 * 1024 * 1024, description="largest gRPC message in bytes"
     )
+    http_listen: str = Field(
+        "127.0.0.1:50053",
+        description="host:port of the blob HTTP server, which makes GetDownloadUrls work for "
+        "the local-directory blob store: signed, expiring URLs read with HTTP Range GETs "
+        "(sendfile; no gRPC on the byte path); empty: off (S3 presigns its own URLs)",
+    )
+    http_public_url: str = Field(
+        "",
+        description="base URL the signed blob URLs carry, i.e. how executors reach the blob "
+        "HTTP server (in Kubernetes: http://SERVICE:PORT); default: the http_listen address "
+        "(a wildcard host becomes this host's name); https when TLS is on",
+    )
+    http_signing_key_file: Path | None = Field(
+        None,
+        description="file whose bytes (16 or more) sign the blob URLs; replicas serving one "
+        "blob directory share it; default: a random key per process",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

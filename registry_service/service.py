@@ -85,13 +85,17 @@ class Registry:
         collector: GarbageCollector,
         spool_dir: Path,
         limits: RegistryLimits,
+        presign: Callable[[str, int], str] | None = None,
     ) -> None:
+        """``presign(blob key, seconds)``: where download URLs come from when not from the
+        blob store itself (the blob HTTP server's signed URLs for the local store)."""
         self.store = store
         self.blobs = blobs
         self.feed = feed
         self.collector = collector
         self.spool_dir = spool_dir
         self.limits = limits
+        self._presign = presign or blobs.presign_get
 
     # -- base models ---------------------------------------------------------------------------
 
@@ -290,7 +294,7 @@ class Registry:
             )
         version, files = self.store.resolve_files(AdapterRef.parse(ref))
         expire_time = self.store.clock() + timedelta(seconds=seconds)
-        urls = [PresignedFile(f.info, self.blobs.presign_get(f.blob_key, seconds)) for f in files]
+        urls = [PresignedFile(f.info, self._presign(f.blob_key, seconds)) for f in files]
         return PresignedVersion(version, urls, expire_time)
 
     # -- aliases and deletes -------------------------------------------------------------------

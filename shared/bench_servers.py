@@ -123,6 +123,8 @@ def registry_server(workdir: Path, flags: Sequence[str]) -> Iterator[str]:
         "off",
         "--metrics-listen",
         "",
+        "--http-listen",  # blob URLs for the local store, on a free port
+        "127.0.0.1:0",
         "--log-level",
         "warning",
         *flags,

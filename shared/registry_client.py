@@ -393,30 +393,6 @@ class RegistryClient:
         return WatchStream(self._stub.WatchAdapters(request))
 
 
-def read_url_range(
-    url: str, offset: int, length: int, *, timeout: float
-) -> Iterator[tuple[int, bytes]]:
-    """Bytes ``offset`` to ``offset + length`` of a presigned URL's object (an HTTP Range GET),
-    as (offset, data) pieces in order. Unchecked, like ``RegistryClient.read_range``."""
-    if not length:
-        return
-    request = urllib.request.Request(
-        url, headers={"Range": f"bytes={offset}-{offset + length - 1}"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        if response.status != 206 and offset != 0:
-            raise DataLoss(f"the blob store ignored the Range header (HTTP {response.status})")
-        at, end = offset, offset + length
-        while at < end:
-            data = response.read(min(CHUNK_BYTES, end - at))
-            if not data:
-                break
-            yield at, data
-            at += len(data)
-    if at != end:
-        raise DataLoss(f"ranged GET ended at byte {at}, expected {end}")
-
-
 class WatchStream:
     """An open WatchAdapters stream. ``start_sequence`` is where it starts:
     every event after it arrives, in order, until ``cancel``."""

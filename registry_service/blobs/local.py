@@ -61,13 +61,17 @@ class LocalBlobStore:
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    @contextmanager
-    def open_range(self, key: str, offset: int, length: int) -> Iterator[BinaryIO]:
+    def open_file(self, key: str) -> BinaryIO:
+        """The object's file, unbuffered, for the caller to read and close (the blob HTTP
+        server sends it with sendfile). Raises FileNotFoundError when the key is absent."""
         try:
-            handle = self._path(key).open("rb", buffering=0)
+            return self._path(key).open("rb", buffering=0)
         except FileNotFoundError:
             raise FileNotFoundError(f"blob {key} is missing from {self.location}") from None
-        with handle:
+
+    @contextmanager
+    def open_range(self, key: str, offset: int, length: int) -> Iterator[BinaryIO]:
+        with self.open_file(key) as handle:
             handle.seek(offset)
             yield handle
 
@@ -83,8 +87,8 @@ class LocalBlobStore:
 
     def presign_get(self, key: str, expires_in_seconds: int) -> str:
         raise FailedPrecondition(
-            "the local-directory blob store cannot presign URLs: use DownloadAdapter "
-            "(adapterctl download without --presigned)"
+            "the local-directory blob store has no URLs: the registry's blob HTTP server is "
+            "off (--http-listen); use DownloadAdapter (adapterctl download without --presigned)"
         )
 
     def remove_stale_temporaries(self, older_than: datetime, dry_run: bool) -> int:

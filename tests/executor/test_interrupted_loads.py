@@ -1,17 +1,21 @@
 """A load interrupted midway leaves nothing half-loaded, and the next load succeeds.
 
-A real registry process serves a real adapter; a TCP proxy on 127.0.0.1 between it and the
-executor's source cuts the connection (or stalls it) after a number of bytes. Downloads run
-as two parallel ranged streams, packed as they arrive. Covered: a connection cut
-mid-download, a process killed mid-download (the next process adopts nothing of it), bytes
-damaged on disk after the check (hashed again, fetched again), a pack that fails halfway (the
-host cache gets nothing), and a blob damaged in the registry, which only the check at the end
-of a pipelined download can see (no host-cache entry, no slot, nothing on disk).
+A real registry process serves a real adapter; TCP proxies on 127.0.0.1 between it and the
+executor's source (one before its gRPC port, one before its blob HTTP server, whose signed URLs
+name the proxy) cut a connection (or stall it) after a number of bytes. Downloads run as two
+parallel ranged reads, over the signed URLs (the executor's path with a local blob store) or
+the DownloadAdapter stream (a registry without URLs), packed as they arrive. Covered: a
+connection cut mid-download on either path, a process killed mid-download (the next process
+adopts nothing of it), bytes damaged on disk after the check (hashed again, fetched again), a
+pack that fails halfway (the host cache gets nothing), and a blob damaged in the registry,
+which only the check at the end of a pipelined download can see (no host-cache entry, no slot,
+nothing on disk).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -36,13 +40,15 @@ from executor_service.packer import pack_adapter
 from executor_service.registry_source import RegistrySource
 from executor_service.sources import AdapterFiles, ResolvedAdapter
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
+from moelora.v1 import registry_pb2
 from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.bench_servers import registry_server, write_adapter
-from shared.errors import InvalidArgument, MoeLoraError
+from shared.errors import FailedPrecondition, InvalidArgument, MoeLoraError
 from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
-from tests.conftest import wait_for
+from tests.conftest import free_port, wait_for
+from tests.registry.conftest import registry_settings, serve_registry
 
 BASE = "tiny"
 STREAMS = 2
@@ -59,6 +65,7 @@ class CuttingProxy:
         self.limit: int | None = None
         self.stall = False
         self.forwarded = threading.Event()  # set once a connection reached its limit
+        self.bytes_from_server = 0  # all connections, cuts included
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._sockets: list[socket.socket] = []
@@ -79,6 +86,8 @@ class CuttingProxy:
     def _pipe(self, source: socket.socket, dest: socket.socket, metered: bool) -> None:
         try:
             while data := source.recv(65536):
+                if metered:
+                    self.bytes_from_server += len(data)
                 limit = self.limit if metered else None
                 if limit is not None and len(data) > limit:
                     dest.sendall(data[:limit])
@@ -94,11 +103,25 @@ class CuttingProxy:
         except OSError:
             pass
 
+    def reset(self) -> None:
+        self.limit, self.stall, self.bytes_from_server = None, False, 0
+        self.forwarded.clear()
+
     def close(self) -> None:
         self._closed = True
         self._listener.close()
         for sock in self._sockets:
             sock.close()
+
+
+class StreamOnlyClient(RegistryClient):
+    """A registry client as one of a registry without blob URLs sees it: GetDownloadUrls
+    answers FAILED_PRECONDITION, so the source takes the DownloadAdapter stream."""
+
+    def download_urls(
+        self, ref: str, expires_in_seconds: int = 0
+    ) -> registry_pb2.GetDownloadUrlsResponse:
+        raise FailedPrecondition("no blob URLs here")
 
 
 @dataclass
@@ -110,6 +133,8 @@ class Setup:
     #: The registry's local blob store, by sha256.
     blobs: Path
     checkpoint: Path
+    #: Before the registry's blob HTTP server: the signed URLs name it.
+    http_proxy: CuttingProxy
 
 
 @pytest.fixture(scope="module")
@@ -117,20 +142,28 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     tmp = tmp_path_factory.mktemp("interrupted")
     spec = write_base_checkpoint(tmp / "base", SyntheticBase("qwen3_moe"), dtype=torch.bfloat16)
     nbytes = write_adapter(tmp / "adapter", spec, rank=8)
-    with registry_server(tmp, ["--max-rank", "8"]) as address:
-        with RegistryClient(address) as registry:
-            registry.register_base_model(spec.to_proto(BASE))
-            registry.upload(tmp / "adapter", "a", BASE)
-        yield Setup(
-            address, spec, tmp / "adapter", nbytes, tmp / "data" / "blobs" / "sha256", tmp / "base"
-        )
+    http = f"127.0.0.1:{free_port()}"
+    http_proxy = CuttingProxy(http)
+    flags = ["--max-rank", "8", "--http-listen", http, "--http-public-url"]
+    try:
+        with registry_server(tmp, [*flags, f"http://{http_proxy.address}"]) as address:
+            with RegistryClient(address) as registry:
+                registry.register_base_model(spec.to_proto(BASE))
+                registry.upload(tmp / "adapter", "a", BASE)
+            blobs = tmp / "data" / "blobs" / "sha256"
+            yield Setup(address, spec, tmp / "adapter", nbytes, blobs, tmp / "base", http_proxy)
+    finally:
+        http_proxy.close()
 
 
 @pytest.fixture
 def proxy(setup: Setup) -> Iterator[CuttingProxy]:
+    """Before the registry's gRPC port; the blob HTTP proxy is reset for each test too."""
+    setup.http_proxy.reset()
     proxy = CuttingProxy(setup.registry)
     yield proxy
     proxy.close()
+    setup.http_proxy.reset()
 
 
 def _leftovers(root: Path) -> list[str]:
@@ -151,23 +184,62 @@ def _fetched(source: RegistrySource, adapter: ResolvedAdapter) -> AdapterFiles:
     return source.fetch(adapter)  # from the disk cache now
 
 
+@pytest.mark.parametrize("path", ["urls", "stream"])
 def test_a_cut_connection_leaves_no_entry_and_the_next_load_succeeds(
-    setup: Setup, proxy: CuttingProxy, tmp_path: Path
+    setup: Setup, proxy: CuttingProxy, tmp_path: Path, path: str
 ) -> None:
     disk = DiskCache(tmp_path / "disk", budget_bytes=10**9)
-    with RegistryClient(proxy.address, timeout=10, connections=STREAMS) as client:
+    client_type = RegistryClient if path == "urls" else StreamOnlyClient
+    cut = setup.http_proxy if path == "urls" else proxy  # where the bytes flow
+    with client_type(proxy.address, timeout=10, connections=STREAMS) as client:
         source = _source(client, proxy.address, disk)
         adapter = source.resolve(AdapterRef.parse("a:1"))
-        proxy.limit = setup.nbytes // 2
+        cut.limit = setup.nbytes // 2
         with pytest.raises(MoeLoraError):
             _fetched(source, adapter)
-        assert proxy.forwarded.is_set()
+        assert cut.forwarded.is_set()
         assert disk.entries() == [] and _leftovers(tmp_path / "disk") == []
-        proxy.limit = None
+        setup.http_proxy.reset()
+        proxy.reset()
         files = _fetched(source, adapter)
     assert isinstance(files.weights, Path)
     assert files.weights.read_bytes() == (setup.adapter / WEIGHTS_FILE).read_bytes()
     assert [e.adapter for e in disk.entries()] == [adapter]
+    # The bytes took the path asked for; gRPC carried only the calls around them on the other.
+    other = proxy if path == "urls" else setup.http_proxy
+    assert cut.bytes_from_server >= setup.nbytes
+    assert other.bytes_from_server < setup.nbytes // 10
+
+
+def test_urls_nobody_answers_fall_back_to_the_stream(
+    setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A registry whose blob URLs name a host the executor cannot connect to (a wrong
+    --http-public-url) makes downloads slower, not impossible: parts go over the stream."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    registry = serve_registry(registry_settings(tmp_path, http_public_url=nobody, max_rank=8))
+    try:
+        with RegistryClient(registry.address, timeout=10, connections=STREAMS) as client:
+            client.register_base_model(setup.spec.to_proto(BASE))
+            client.upload(setup.adapter, "a", BASE)
+            assert client.download_urls("a:1").files[0].url.startswith(nobody)
+            disk = DiskCache(tmp_path / "disk", 10**9)
+            source = _source(client, registry.address, disk)
+            adapter = source.resolve(AdapterRef.parse("a:1"))
+            with caplog.at_level(logging.WARNING, logger="executor_service.registry_source"):
+                files = _fetched(source, adapter)
+            assert isinstance(files.weights, Path)
+            assert files.weights.read_bytes() == (setup.adapter / WEIGHTS_FILE).read_bytes()
+            assert "blob_urls_unreachable" in caplog.messages
+            # URLs rest for a while: the next download does not try them again.
+            disk.remove(adapter.digest)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="executor_service.registry_source"):
+                assert isinstance(_fetched(source, adapter).weights, Path)
+            assert "blob_urls_unreachable" not in caplog.messages
+    finally:
+        registry.server.drain()
+        registry.app.close()
 
 
 _CHILD = """
@@ -193,17 +265,18 @@ def test_a_process_killed_mid_download_leaves_nothing_the_next_one_adopts(
     setup: Setup, proxy: CuttingProxy, tmp_path: Path
 ) -> None:
     root = tmp_path / "disk"
-    proxy.limit, proxy.stall = setup.nbytes // 2, True
+    stalled = setup.http_proxy  # the bytes come over the signed URLs
+    stalled.limit, stalled.stall = setup.nbytes // 2, True
     child = subprocess.Popen([sys.executable, "-c", _CHILD, proxy.address, str(root)])
     try:
-        wait_for(proxy.forwarded.is_set, timeout=60)
+        wait_for(stalled.forwarded.is_set, timeout=60)
         wait_for(lambda: any(p.name.startswith(".partial-") for p in root.iterdir()))
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
     restarted = DiskCache(root, budget_bytes=10**9)
     assert restarted.entries() == [] and _leftovers(root) == []
-    proxy.limit, proxy.stall = None, False
+    stalled.reset()
     with RegistryClient(proxy.address, timeout=10, connections=STREAMS) as client:
         source = _source(client, proxy.address, restarted)
         adapter = source.resolve(AdapterRef.parse("a:1"))

@@ -1,19 +1,20 @@
 """Parallel ranged downloads into arriving files: parts written out of order reassemble the
-file, a reader sees a range as soon as it arrived (before the whole file is checked), damaged
-bytes fail the check at the end, a failed part reaches every waiter, and a closed download
-drops what still arrives. The range reader reads a real local file, as the registry would."""
+file, whether they come as objects (the gRPC stream) or are received straight into the file's
+memory (HTTP); a reader sees a range as soon as it arrived (before the whole file is checked),
+damaged bytes fail the check at the end, a failed part reaches every waiter, and a closed
+download drops what still arrives. The range reader reads a real local file, as the registry
+would."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from executor_service.ranged_download import RangedDownload, RangeReader, RemoteFile
+from executor_service.ranged_download import Part, RangedDownload, RangeReader, RemoteFile
 from shared.errors import DataLoss, Unavailable
 
 MIB = 1 << 20
@@ -31,20 +32,41 @@ def _sources(tmp_path: Path) -> tuple[list[Path], list[RemoteFile]]:
 
 
 def _reader(paths: list[Path], *, piece: int = MIB, damage_at: int | None = None) -> RangeReader:
-    """Reads ranges of the local files in ``piece``s (flipping the byte at ``damage_at`` of the
-    last file, as a blob store with a bad disk would)."""
+    """Reads parts of the local files in ``piece``s, as objects (flipping the byte at
+    ``damage_at`` of the last file, as a blob store with a bad disk would)."""
 
-    def read(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
-        with paths[index].open("rb") as handle:
-            handle.seek(offset)
-            at, end = offset, offset + length
+    def read(part: Part) -> None:
+        with paths[part.index].open("rb") as handle:
+            handle.seek(part.offset)
+            at, end = part.offset, part.offset + part.length
             while at < end:
                 data = bytearray(handle.read(min(piece, end - at)))
-                last = index == len(paths) - 1
+                last = part.index == len(paths) - 1
                 if last and damage_at is not None and at <= damage_at < at + len(data):
                     data[damage_at - at] ^= 0x01
-                yield at, bytes(data)
+                if not part.write(at, bytes(data)):
+                    return
                 at += len(data)
+
+    return read
+
+
+def _receiver(paths: list[Path], *, piece: int = MIB) -> RangeReader:
+    """Receives parts straight into the file's memory, ``piece`` by piece (as a socket's
+    readinto does)."""
+
+    def read(part: Part) -> None:
+        view = part.receive_view()
+        assert len(view) == part.length
+        with paths[part.index].open("rb", buffering=0) as handle:
+            handle.seek(part.offset)
+            done = 0
+            while done < part.length:
+                n = handle.readinto(view[done : done + piece])
+                assert n
+                if not part.arrived(part.offset + done, n):
+                    return
+                done += n
 
     return read
 
@@ -71,15 +93,29 @@ def test_parts_from_parallel_streams_reassemble_and_verify(tmp_path: Path) -> No
         download.close()
 
 
-def test_a_range_is_readable_before_the_whole_file_is_checked(tmp_path: Path) -> None:
+def test_parts_received_into_the_file_reassemble_and_verify(tmp_path: Path) -> None:
+    paths, files = _sources(tmp_path)
+    download = _download(tmp_path, files, _receiver(paths, piece=300_001), streams=4)
+    try:
+        download.wait_verified()
+        assert (tmp_path / "into" / "big.bin").read_bytes() == paths[1].read_bytes()
+        assert bytes(download.file("small.json").view()) == b'{"r": 8}'
+    finally:
+        download.close()
+
+
+@pytest.mark.parametrize("receive", [False, True], ids=["objects", "in-place"])
+def test_a_range_is_readable_before_the_whole_file_is_checked(
+    tmp_path: Path, receive: bool
+) -> None:
     paths, files = _sources(tmp_path)
     release = threading.Event()
-    inner = _reader(paths)
+    inner = _receiver(paths) if receive else _reader(paths)
 
-    def held_back(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
-        if offset > 0:  # every part but the first waits for the test
+    def held_back(part: Part) -> None:
+        if part.offset > 0:  # every part but the first waits for the test
             assert release.wait(30)
-        yield from inner(index, offset, length)
+        inner(part)
 
     download = _download(tmp_path, files, held_back)
     try:
@@ -114,10 +150,10 @@ def test_a_failed_part_reaches_every_waiter(tmp_path: Path) -> None:
     paths, files = _sources(tmp_path)
     inner = _reader(paths)
 
-    def failing(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
-        if index == 1 and offset > 0:
+    def failing(part: Part) -> None:
+        if part.index == 1 and part.offset > 0:
             raise Unavailable("the registry went away")
-        yield from inner(index, offset, length)
+        inner(part)
 
     download = _download(tmp_path, files, failing)
     try:
@@ -129,23 +165,33 @@ def test_a_failed_part_reaches_every_waiter(tmp_path: Path) -> None:
         download.close()
 
 
-def test_closing_drops_what_still_arrives(tmp_path: Path) -> None:
+@pytest.mark.parametrize("receive", [False, True], ids=["objects", "in-place"])
+def test_closing_drops_what_still_arrives(tmp_path: Path, receive: bool) -> None:
     paths, files = _sources(tmp_path)
     inside = threading.Event()
     release = threading.Event()
-    inner = _reader(paths)
+    told_to_stop = threading.Event()
 
-    def slow(index: int, offset: int, length: int) -> Iterator[tuple[int, bytes]]:
-        for piece in inner(index, offset, length):
-            if index == 1 and offset > 0:
-                inside.set()
-                assert release.wait(30)
-            yield piece
+    def slow(part: Part) -> None:
+        if part.index != 1 or part.offset == 0:
+            (_receiver(paths) if receive else _reader(paths))(part)
+            return
+        inside.set()
+        assert release.wait(30)
+        if receive:
+            view = part.receive_view()
+            view[:10] = b"x" * 10  # lands in memory of a file no longer kept: harmless
+            stopped = not part.arrived(part.offset, 10)
+        else:
+            stopped = not part.write(part.offset, b"x" * 10)
+        if stopped:
+            told_to_stop.set()
 
     download = _download(tmp_path, files, slow, streams=2)
     assert inside.wait(30)
     download.close()  # a worker is still receiving: not waited for
     release.set()
+    assert told_to_stop.wait(30)
     big = download.file("big.bin")
     with pytest.raises(RuntimeError, match="abandoned"):
         big.wait(0, big.size)

@@ -30,9 +30,11 @@ def relocate(env: dict[str, str], tmp: Path) -> dict[str, str]:
     """The pod's environment, runnable here: free loopback ports, volumes under tmp."""
     moved = {}
     for name, value in env.items():
-        if name in ("MOELORA_LISTEN", "MOELORA_METRICS_LISTEN") and value:
+        if name in ("MOELORA_LISTEN", "MOELORA_METRICS_LISTEN", "MOELORA_HTTP_LISTEN") and value:
             value = f"127.0.0.1:{free_port()}"
         moved[name] = relocate_path(value, tmp)
+    if moved.get("MOELORA_HTTP_PUBLIC_URL"):  # the Service's name resolves in the cluster only
+        moved["MOELORA_HTTP_PUBLIC_URL"] = f"http://{moved['MOELORA_HTTP_LISTEN']}"
     return moved
 
 

@@ -434,6 +434,37 @@ def test_registry_admits_its_executors_clients_and_test_pod(release: Release) ->
     assert not admitted(grpc_rule, {"app": "anything-else"})
 
 
+@releases("defaults", "production")
+def test_local_blobs_serve_signed_urls_to_executors_through_the_service(
+    release: Release,
+) -> None:
+    registry = container(release.one("Deployment", "registry"), "registry")
+    env = configmap_env(release, registry)
+    service = release.one("Service", "registry")
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    registry_rule = next(
+        r
+        for r in policy_for(release, "registry")["spec"]["ingress"]
+        if r["ports"][0]["port"] == "grpc"
+    )
+    executor_egress = egress_ports(policy_for(release, "executor"))
+    if not env["MOELORA_BLOB_URL"].startswith("file://"):  # S3: executors go to the bucket
+        assert env["MOELORA_HTTP_LISTEN"] == ""
+        assert "http" not in service_ports
+        assert [p["name"] for p in registry["ports"]] == ["grpc", "metrics"]
+        assert "http" not in {p["port"] for p in registry_rule["ports"]}
+        assert 50053 not in executor_egress
+        return
+    port = port_number(registry, "http")
+    assert port == 50053 and env["MOELORA_HTTP_LISTEN"] == f"0.0.0.0:{port}"
+    assert service_ports["http"]["port"] == port and service_ports["http"]["targetPort"] == "http"
+    name, namespace = service["metadata"]["name"], service["metadata"]["namespace"]
+    assert env["MOELORA_HTTP_PUBLIC_URL"] == f"http://{name}.{namespace}.svc:{port}"
+    assert {"port": "http", "protocol": "TCP"} in registry_rule["ports"]
+    assert admitted(registry_rule, pod_labels(release.one("StatefulSet")))
+    assert port in executor_egress
+
+
 def test_only_the_registry_reaches_the_database(production: Release) -> None:
     registry_policy = policy_for(production, "registry")
     executor_policy = policy_for(production, "executor")

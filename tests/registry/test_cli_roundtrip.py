@@ -70,11 +70,11 @@ def test_upload_list_show_download_round_trip(
     _ok(adapterctl(address, "download", "sql-expert@prod", "-o", str(out)))
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (out / name).read_bytes() == (adapter / name).read_bytes()
-    if blob_setting.kind == "s3":
-        direct = tmp_path / "presigned"
-        _ok(adapterctl(address, "download", "sql-expert:1", "-o", str(direct), "--presigned"))
-        for name in ("adapter_config.json", "adapter_model.safetensors"):
-            assert (direct / name).read_bytes() == (adapter / name).read_bytes()
+    # From the bucket (S3) or the registry's blob HTTP server (local store).
+    direct = tmp_path / "presigned"
+    _ok(adapterctl(address, "download", "sql-expert:1", "-o", str(direct), "--presigned"))
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (direct / name).read_bytes() == (adapter / name).read_bytes()
 
     # Human output and errors: one readable line, a meaningful exit code.
     table = adapterctl(address, "list")

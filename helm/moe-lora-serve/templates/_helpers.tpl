@@ -35,6 +35,11 @@
 {{- printf "%s.%s.svc:%d" (include "moelora.registry.fullname" .) .Release.Namespace (int .Values.registry.port) }}
 {{- end }}
 
+{{/* The base of the signed blob URLs the registry hands out (local blobs only). */}}
+{{- define "moelora.registry.httpUrl" -}}
+{{- printf "http://%s.%s.svc:%d" (include "moelora.registry.fullname" .) .Release.Namespace (int .Values.registry.httpPort) }}
+{{- end }}
+
 {{- define "moelora.executor.dnsTarget" -}}
 {{- printf "dns:///%s.%s.svc:%d" (include "moelora.executor.headless" .) .Release.Namespace (int .Values.executor.port) }}
 {{- end }}

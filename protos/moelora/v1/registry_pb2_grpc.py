@@ -220,10 +220,12 @@ class AdapterRegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetDownloadUrls(self, request, context):
-        """Answers presigned HTTPS URLs for the version's files, so that clients
-        can fetch straight from the blob store.
-        Errors: as GetAdapter; FAILED_PRECONDITION when the blob store cannot
-        presign (the local-directory store): use DownloadAdapter instead.
+        """Answers presigned URLs for the version's files, so that clients can fetch
+        them with plain HTTP GETs (Range supported): S3's own for an S3 store, the
+        registry's blob HTTP server's (signed, expiring) for the local-directory
+        store. Holding a URL is the grant to read that file until it expires.
+        Errors: as GetAdapter; FAILED_PRECONDITION when the local store's blob
+        HTTP server is off (--http-listen empty): use DownloadAdapter instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -103,10 +103,12 @@ class AdapterRegistryStub:
     checksum or a blob is missing.
     """
     GetDownloadUrls: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GetDownloadUrlsRequest, _registry_pb2.GetDownloadUrlsResponse]
-    """Answers presigned HTTPS URLs for the version's files, so that clients
-    can fetch straight from the blob store.
-    Errors: as GetAdapter; FAILED_PRECONDITION when the blob store cannot
-    presign (the local-directory store): use DownloadAdapter instead.
+    """Answers presigned URLs for the version's files, so that clients can fetch
+    them with plain HTTP GETs (Range supported): S3's own for an S3 store, the
+    registry's blob HTTP server's (signed, expiring) for the local-directory
+    store. Holding a URL is the grant to read that file until it expires.
+    Errors: as GetAdapter; FAILED_PRECONDITION when the local store's blob
+    HTTP server is off (--http-listen empty): use DownloadAdapter instead.
     """
     SetAlias: _grpc.UnaryUnaryMultiCallable[_registry_pb2.SetAliasRequest, _registry_pb2.SetAliasResponse]
     """Points `name@alias` at a version, creating or moving the alias.
@@ -214,10 +216,12 @@ class AdapterRegistryAsyncStub(AdapterRegistryStub):
     checksum or a blob is missing.
     """
     GetDownloadUrls: _aio.UnaryUnaryMultiCallable[_registry_pb2.GetDownloadUrlsRequest, _registry_pb2.GetDownloadUrlsResponse]  # type: ignore[assignment]
-    """Answers presigned HTTPS URLs for the version's files, so that clients
-    can fetch straight from the blob store.
-    Errors: as GetAdapter; FAILED_PRECONDITION when the blob store cannot
-    presign (the local-directory store): use DownloadAdapter instead.
+    """Answers presigned URLs for the version's files, so that clients can fetch
+    them with plain HTTP GETs (Range supported): S3's own for an S3 store, the
+    registry's blob HTTP server's (signed, expiring) for the local-directory
+    store. Holding a URL is the grant to read that file until it expires.
+    Errors: as GetAdapter; FAILED_PRECONDITION when the local store's blob
+    HTTP server is off (--http-listen empty): use DownloadAdapter instead.
     """
     SetAlias: _aio.UnaryUnaryMultiCallable[_registry_pb2.SetAliasRequest, _registry_pb2.SetAliasResponse]  # type: ignore[assignment]
     """Points `name@alias` at a version, creating or moving the alias.
@@ -370,10 +374,12 @@ class AdapterRegistryServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_pb2.GetDownloadUrlsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.GetDownloadUrlsResponse, _abc.Awaitable[_registry_pb2.GetDownloadUrlsResponse]]:
-        """Answers presigned HTTPS URLs for the version's files, so that clients
-        can fetch straight from the blob store.
-        Errors: as GetAdapter; FAILED_PRECONDITION when the blob store cannot
-        presign (the local-directory store): use DownloadAdapter instead.
+        """Answers presigned URLs for the version's files, so that clients can fetch
+        them with plain HTTP GETs (Range supported): S3's own for an S3 store, the
+        registry's blob HTTP server's (signed, expiring) for the local-directory
+        store. Holding a URL is the grant to read that file until it expires.
+        Errors: as GetAdapter; FAILED_PRECONDITION when the local store's blob
+        HTTP server is off (--http-listen empty): use DownloadAdapter instead.
         """
 
     @_abc_1.abstractmethod
