@@ -300,8 +300,10 @@ class AdapterManager:
             )
 
     def close(self) -> None:
-        """Stops the loader's threads (a load in progress finishes)."""
+        """Stops the loader's threads (a load in progress finishes) and closes the source."""
         self._loader.close()
+        if self.source is not None:
+            self.source.close()
 
     def list_loaded(self) -> list[AdapterStatus]:
         """GPU slots first (by slot), then the host cache (most recently used first), then

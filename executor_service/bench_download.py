@@ -126,7 +126,7 @@ def _download(address: str, path: str, streams: int, disk: Path) -> None:
             finally:
                 files.close()
         finally:
-            source.urls.close()
+            source.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -219,6 +219,9 @@ class RegistrySource:
     def cached(self) -> list[ResolvedAdapter]:
         return [entry.adapter for entry in self._disk.entries()]
 
+    def close(self) -> None:
+        self.urls.close()  # kept-alive connections to the blob store
+
     # -- the watcher's side --------------------------------------------------------------
 
     def set_watching(self, watching: bool) -> None:

@@ -117,8 +117,6 @@ class ExecutorRuntime:
         if self.prefetcher is not None:
             self.prefetcher.close()
         self.adapters.close()
-        if isinstance(self.adapters.source, RegistrySource):
-            self.adapters.source.urls.close()  # kept-alive connections to the blob store
 
 
 def replica_name(settings: ExecutorSettings) -> str:

@@ -86,6 +86,10 @@ class AdapterSource(Protocol):
         (ListLoadedAdapters reports them as DISK)."""
         ...
 
+    def close(self) -> None:
+        """Releases what the source holds open (connections); the executor is stopping."""
+        ...
+
 
 def checked_files(adapter: ResolvedAdapter, data: Mapping[str, bytes], where: str) -> AdapterFiles:
     """The fetched bytes of ``adapter`` as the packer takes them, after checking them against
@@ -173,6 +177,9 @@ class LocalFolderSource:
 
     def cached(self) -> list[ResolvedAdapter]:
         return []  # the folder is the adapters' home, not a cache of them
+
+    def close(self) -> None:
+        pass  # holds nothing open
 
     def _versions(self, name: str) -> dict[int, Path]:
         # ``name`` passed validate_name (AdapterRef.parse), so it cannot leave the root.

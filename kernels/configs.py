@@ -106,6 +106,13 @@ def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, rank: int) 
     return f"E={num_experts},H={hidden},I={inter},k={top_k},r={rank}"
 
 
+def parse_shape_key(key: str) -> tuple[int, int, int, int, int]:
+    """(E, H, I, k, rank) of a ``shape_key``."""
+    fields = dict(part.split("=") for part in key.split(","))
+    experts, hidden, inter, top_k, rank = (int(fields[name]) for name in ("E", "H", "I", "k", "r"))
+    return experts, hidden, inter, top_k, rank
+
+
 def device_name(device: torch.device) -> str:
     """File-name-safe GPU name, e.g. ``NVIDIA_H100_80GB_HBM3``; ``cpu`` off the GPU."""
     if device.type != "cuda":

@@ -966,7 +966,7 @@ def lora_shrink_stage(
         GATHER=gather, PAIR_BLOCKS=alignment.pair_blocks,
         BLOCK_M=block_m, SUB_M=sub_m, BLOCK_K=block_k,
         NSEG=max(1, min(config.lora_segments, _SHRINK_STACK // rc)), RP=rp, RC=rc, S_P2=s_p2,
-        PRECISION=_dot_precision(x.dtype), PDL=pdl(x.device), launch_pdl=pdl(x.device),
+        PRECISION=_dot_precision(x.dtype), **_pdl_launch(x.device),
         num_warps=4, num_stages=3,
     )  # fmt: skip
     return xa
@@ -1019,6 +1019,12 @@ def pdl(device: torch.device) -> bool:
     """Whether kernels launch with programmatic dependent launch: Hopper (sm_90) and later
     (the interpreter cannot run its instructions)."""
     return device.type == "cuda" and _capability(device.index) >= (9, 0)
+
+
+def _pdl_launch(device: torch.device) -> dict[str, bool]:
+    """A launch's PDL arguments: the kernel's ``PDL`` constexpr and Triton's ``launch_pdl``."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on}
 
 
 @functools.cache
@@ -1134,7 +1140,7 @@ def w13_stage(
         EVEN_K=h % cfg.block_k == 0, W_TMA=0 if w_desc is None else 4,
         PRECISION=_dot_precision(hidden.dtype),
         CLEAR_BLOCK=_CLEAR_BLOCK, PERSISTENT=cfg.persistent > 0,
-        PDL=pdl(hidden.device), launch_pdl=pdl(hidden.device),
+        **_pdl_launch(hidden.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return act
@@ -1189,7 +1195,7 @@ def w2_stage(
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
         EVEN_K=inter % cfg.block_k == 0, W_TMA=0 if w_desc is None else 3,
         PRECISION=_dot_precision(act.dtype), PERSISTENT=cfg.persistent > 0,
-        PDL=pdl(act.device), launch_pdl=pdl(act.device),
+        **_pdl_launch(act.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -1206,7 +1212,7 @@ def sum_over_k(
     _sum_k_kernel[(rows // top_k, triton.cdiv(h, block_h))](
         y, addend if addend is not None else y, out, h,
         TOP_K=top_k, HAS_ADDEND=addend is not None, BLOCK_H=block_h,
-        PDL=pdl(y.device), launch_pdl=pdl(y.device),
+        **_pdl_launch(y.device),
     )  # fmt: skip
     return out
 

@@ -28,7 +28,14 @@ import torch
 from kernels.autotune import BUCKETS, autotune, refine
 from kernels.bench import SHAPES, SLOTS, ZOO, default_cache_dir
 from kernels.config_cache import ConfigCache
-from kernels.configs import MoEConfig, config_path, device_name, load_table, shape_key
+from kernels.configs import (
+    MoEConfig,
+    config_path,
+    device_name,
+    load_table,
+    parse_shape_key,
+    shape_key,
+)
 from kernels.model_shape import LayerShape, shape_from_checkpoint
 from kernels.synthetic import random_layer
 
@@ -107,9 +114,8 @@ def refine_table(names: str, zoo: bool, ranks: set[int]) -> int:
         wanted |= set(ZOO.values())
     table = load_table(gpu)
     for key, configs in table.items():
-        fields = dict(part.split("=") for part in key.split(","))
-        shape = LayerShape(int(fields["E"]), int(fields["H"]), int(fields["I"]), int(fields["k"]))
-        rank = int(fields["r"])
+        experts, hidden, inter, top_k, rank = parse_shape_key(key)
+        shape = LayerShape(experts, hidden, inter, top_k)
         if rank not in ranks or (wanted and not any(shape.key == w.key for w in wanted)):
             continue
         layer = random_layer(shape.experts, shape.hidden, shape.inter, shape.top_k, device=device)

@@ -166,6 +166,9 @@ class GatedSource:
     def cached(self) -> list[ResolvedAdapter]:
         return self._inner.cached()
 
+    def close(self) -> None:
+        self._inner.close()
+
     def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles:
         with self._lock:
             self.fetches[adapter.label] = self.fetches.get(adapter.label, 0) + 1

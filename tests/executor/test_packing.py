@@ -240,7 +240,10 @@ def test_overflow_once_scaled_is_refused(device: str, tmp_path: Path) -> None:
     case = Case("olmoe", torch.float32, SyntheticAdapter(alpha=16.0, rank=8))
     written = write(tmp_path, case)
     weights = poisoned(written, "layers.1.mlp.experts.lora_B", 40000.0)  # × 2: not a float16
-    assert pack_adapter(written.config, weights, written.spec, 8, torch.float32, device=device)
+    # float32 holds it: the poisoned value comes out scaled (alpha/r = 2), not refused.
+    packed = pack_adapter(written.config, weights, written.spec, 8, torch.float32, device=device)
+    assert packed.layers[1].b2 is not None
+    assert float(packed.layers[1].b2.abs().max()) == 80000.0
     with pytest.raises(InvalidArgument, match="adapter LoRA b2 overflows float16 once scaled"):
         pack_adapter(written.config, weights, written.spec, 8, torch.float16, device=device)
 
