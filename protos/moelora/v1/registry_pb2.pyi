@@ -128,22 +128,40 @@ class AdapterFile(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
+    PART_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    PART_SHA256_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """File name inside the adapter folder, for example "adapter_config.json"."""
     size_bytes: _builtins.int
     """Length in bytes."""
     sha256: _builtins.str
     """Lower-case hex SHA-256 of the file's bytes (64 characters)."""
+    part_size_bytes: _builtins.int
+    """The file cut into pieces of this many bytes (the last one may be
+    shorter), each with its SHA-256 in `part_sha256`, so that a downloader
+    can check ranges in parallel as they arrive instead of hashing the whole
+    file in order. Recorded by the registry from the bytes it received at
+    upload, beside `sha256`. 0 and empty in ListAdapters answers, and for
+    versions uploaded before the registry recorded pieces: check `sha256`.
+    """
+    @_builtins.property
+    def part_sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Lower-case hex SHA-256 of each piece, in order:
+        ceil(size_bytes / part_size_bytes) values.
+        """
+
     def __init__(
         self,
         *,
         path: _builtins.str = ...,
         size_bytes: _builtins.int = ...,
         sha256: _builtins.str = ...,
+        part_size_bytes: _builtins.int = ...,
+        part_sha256: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["part_sha256", b"part_sha256", "part_size_bytes", b"part_size_bytes", "path", b"path", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -557,7 +575,8 @@ class UploadHeader(_message.Message):
         """Files that follow, in the order their chunks will arrive: exactly
         adapter_config.json and adapter_model.safetensors. `sha256` is optional
         here (the trailer may carry it instead); when given it is checked
-        against the bytes received.
+        against the bytes received. `part_size_bytes` and `part_sha256` must be
+        left empty: the registry records them.
         """
 
     def __init__(
@@ -907,7 +926,9 @@ class PresignedFile(_message.Message):
     FILE_FIELD_NUMBER: _builtins.int
     URL_FIELD_NUMBER: _builtins.int
     url: _builtins.str
-    """HTTP GET URL; verify the body against `file.sha256`."""
+    """HTTP GET URL; verify the body against `file.sha256`, or ranges of it
+    against `file.part_sha256` where the version has them.
+    """
     @_builtins.property
     def file(self) -> Global___AdapterFile:
         """The file it fetches."""
