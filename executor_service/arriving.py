@@ -5,8 +5,11 @@ before any byte is fetched) and filled by part workers in any order. It records 
 ranges have arrived, so that a reader (the packer) can wait for the ranges it needs and use
 them while the rest is still on its way, and it hashes the file in order by a thread of its
 own as its contiguous prefix grows (the bytes are read back from the page cache through the
-memory map: no copy). ``wait_verified`` says whether the whole file matched its sha256: a
-reader may look at bytes early, but nothing built from them may be published before that.
+memory map: no copy). When the registry recorded the sha256 of the file's fixed-size pieces
+(``Pieces``), there is no such thread: the worker that completes a piece hashes it, so the
+check runs on as many cores as there are workers instead of one, in any order, and a bad piece
+is named as it fails. ``wait_verified`` says whether the whole file matched: a reader may look
+at bytes early, but nothing built from them may be published before that.
 
 Parts arrive two ways: ``write`` stores bytes that came as objects (the registry's gRPC
 stream) with ``pwrite``; ``receive_view`` hands out the file's own memory for a socket to
@@ -20,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from executor_service.loader import lower_priority
@@ -28,12 +33,46 @@ from shared.errors import DataLoss
 
 #: Bytes hashed per step, so that the hasher notices a cancel within milliseconds.
 _HASH_STEP = 8 << 20
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The sha256 of consecutive ``size``-byte pieces of a file (the last may be shorter)."""
+
+    size: int
+    sha256: tuple[str, ...]
+
+    def span(self, index: int, file_size: int) -> tuple[int, int]:
+        return index * self.size, min(file_size, (index + 1) * self.size)
+
+    def check(self, file_size: int, label: str) -> None:
+        """Raises DataLoss unless these pieces can describe a file of ``file_size`` bytes."""
+        expected = -(-file_size // self.size) if self.size > 0 else -1
+        if len(self.sha256) != expected or not all(map(_SHA256_HEX.fullmatch, self.sha256)):
+            raise DataLoss(
+                f"{label}: the registry lists {len(self.sha256)} piece digests of "
+                f"{self.size} bytes for {file_size} bytes; expected {max(expected, 0)} "
+                "lower-case hex sha256 values"
+            )
 
 
 class ArrivingFile:
     """One file being downloaded into ``path`` (see the module doc). Thread-safe."""
 
-    def __init__(self, path: Path, size: int, sha256: str, label: str, nice: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        size: int,
+        sha256: str,
+        label: str,
+        nice: int,
+        pieces: Pieces | None = None,
+    ) -> None:
+        """``pieces``: the file's piece digests, checked as each piece completes (by the
+        thread that completed it); without them the whole file is hashed in order."""
+        if pieces is not None:
+            pieces.check(size, label)
         self.path = path
         self.size = size
         self.sha256 = sha256
@@ -54,8 +93,15 @@ class ArrivingFile:
         self._verified = False
         self._closed = False
         self._writing = 0
-        self._hasher = threading.Thread(target=self._hash, name="arriving-hash", daemon=True)
-        self._hasher.start()
+        #: Checked by pieces (when there are any: an empty file has none) or by one hasher.
+        self._pieces = pieces if pieces is not None and size else None
+        #: Per piece: whether a thread took it to hash; and how many are not yet verified.
+        self._taken = bytearray(len(self._pieces.sha256) if self._pieces else 0)
+        self._unverified = len(self._taken)
+        self._hasher: threading.Thread | None = None
+        if self._pieces is None:
+            self._hasher = threading.Thread(target=self._hash, name="arriving-hash", daemon=True)
+            self._hasher.start()
 
     # -- the workers' side -----------------------------------------------------------------
 
@@ -66,18 +112,22 @@ class ArrivingFile:
             if self._closed:
                 return
             self._writing += 1  # close() waits for writes in progress: the fd stays theirs
+        written_all = False
         try:
             view = memoryview(data)
             at = offset
             while view:  # pwrite may write less than asked
                 written = os.pwrite(self._fd, view, at)
                 view, at = view[written:], at + written
+            written_all = True
         finally:
             with self._changed:
                 self._writing -= 1
-                if not self._closed:
-                    self._add(offset, offset + len(data))
+                complete = []
+                if written_all and not self._closed:
+                    complete = self._add(offset, offset + len(data))
                 self._changed.notify_all()
+        self._check_pieces(complete)
 
     def receive_view(self, begin: int, end: int) -> memoryview:
         """The file's bytes ``begin`` to ``end`` as writable memory, to receive a part into;
@@ -89,13 +139,14 @@ class ArrivingFile:
 
     def arrived(self, begin: int, end: int) -> bool:
         """Bytes ``begin`` to ``end`` landed in ``receive_view``'s memory; False once the file
-        is closed (the receiver should stop)."""
+        is closed (the receiver should stop). Hashes the pieces this completed, if any."""
         with self._changed:
             if self._closed:
                 return False
-            self._add(begin, end)
+            complete = self._add(begin, end)
             self._changed.notify_all()
-            return True
+        self._check_pieces(complete)
+        return True
 
     def fail(self, error: BaseException) -> None:
         """The download failed: every waiter gets ``error`` (the first one reported)."""
@@ -138,7 +189,8 @@ class ArrivingFile:
             self._changed.notify_all()
             while self._writing:
                 self._changed.wait()
-        self._hasher.join()
+        if self._hasher is not None:
+            self._hasher.join()
         os.close(self._fd)
 
     # -- internals -------------------------------------------------------------------------
@@ -169,6 +221,29 @@ class ArrivingFile:
                 )
             self._changed.notify_all()
 
+    def _check_pieces(self, indices: list[int]) -> None:
+        """Hashes pieces this thread completed (outside the lock: hashlib releases the GIL,
+        so the workers hash in parallel) and records the outcome."""
+        if not indices:
+            return
+        assert self._pieces is not None
+        view = self.view()
+        for index in indices:
+            begin, end = self._pieces.span(index, self.size)
+            actual = hashlib.sha256(view[begin:end]).hexdigest()
+            expected = self._pieces.sha256[index]
+            with self._changed:
+                if actual != expected:
+                    if self._error is None:
+                        self._error = DataLoss(
+                            f"{self.label}: downloaded bytes {begin}-{end} (piece {index + 1} "
+                            f"of {len(self._taken)}) have sha256 {actual}, expected {expected}"
+                        )
+                else:
+                    self._unverified -= 1
+                    self._verified = self._unverified == 0
+                self._changed.notify_all()
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
@@ -182,7 +257,9 @@ class ArrivingFile:
     def _has(self, begin: int, end: int) -> bool:
         return begin >= end or any(b <= begin and end <= e for b, e in self._arrived)
 
-    def _add(self, begin: int, end: int) -> None:
+    def _add(self, begin: int, end: int) -> list[int]:
+        """Records an arrival; returns the pieces it completed, taken for the caller to hash
+        (lock held)."""
         merged: list[tuple[int, int]] = []
         for b, e in sorted([*self._arrived, (begin, end)]):
             if merged and b <= merged[-1][1]:
@@ -190,3 +267,11 @@ class ArrivingFile:
             else:
                 merged.append((b, e))
         self._arrived = merged
+        if self._pieces is None or begin >= end:
+            return []
+        complete = []
+        for index in range(begin // self._pieces.size, (end - 1) // self._pieces.size + 1):
+            if not self._taken[index] and self._has(*self._pieces.span(index, self.size)):
+                self._taken[index] = 1
+                complete.append(index)
+        return complete

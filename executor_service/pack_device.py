@@ -12,9 +12,10 @@ packed tensors as the host cache keeps them:
   small reusable page-locked staging buffers, chunk by chunk (one filled from the memory map
   while the other's copy runs; each chunk waits for its bytes when the file is still
   arriving); the packing runs on a side stream (one per device, so that the caching allocator
-  reuses its blocks from one pack to the next); the packed tensors come back into page-locked
-  host tensors, and the layer ends with the stream synchronised: device memory holds about one
-  layer (its stored bytes, its packed tensors, the gather's scratch) at a time.
+  reuses its blocks from one pack to the next); at the layer's end the packed tensors come back
+  into page-locked host tensors and the stream is synchronised: device memory holds about one
+  layer (its stored bytes, its packed tensors, the gather's scratch) at a time. Both copies go
+  one chunk in flight at a time (``paced_copy.py``), so that Forward's copies pass between.
 
 Both run the same torch ops on the same values, each rounding once as IEEE says (casts round to
 nearest even; a reduced float type is multiplied in float32), so a CUDA pack is bit-identical to
@@ -36,6 +37,7 @@ from typing import Protocol
 
 import torch
 
+from executor_service.paced_copy import CHUNK_BYTES, PacedCopier
 from shared.safetensors_header import SafetensorsHeader
 
 TORCH_DTYPES = {
@@ -45,9 +47,8 @@ TORCH_DTYPES = {
     "F64": torch.float64,
 }
 
-#: Bytes of one page-locked staging buffer (two per CUDA pack): large enough that a copy's
-#: fixed cost is small (about 10 µs against ~2 ms of transfer), small enough to stay cheap.
-STAGING_BYTES = 16 << 20
+#: Bytes of one page-locked staging buffer (two per CUDA pack): one paced chunk.
+STAGING_BYTES = CHUNK_BYTES
 
 #: Source bytes of one band of B's gather on the CPU: a core's share of its L2 cache, where the
 #: band's transposed scratch then stays for the scaling pass (measured on the 2-core VM: 1 MiB
@@ -233,11 +234,12 @@ class CudaPackDevice:
             self._staging = [
                 torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)
             ]
-        #: The event after the last copy out of each staging buffer (None: never used).
-        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._copier = PacedCopier(self._stream)
         self._turn = 0
         #: The current layer's tensors: the device buffer holding each, and its offset there.
         self._placed: dict[str, tuple[torch.Tensor, int]] = {}
+        #: The current layer's packed tensors and the host tensors they go to at its end.
+        self._outgoing: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -261,14 +263,12 @@ class CudaPackDevice:
             stop = min(start + size, end)
             self._stored.wait(start, stop)
             turn, self._turn = self._turn, 1 - self._turn
-            staging, copied = self._staging[turn], self._copied[turn]
-            if copied is not None:
-                copied.synchronize()  # its last copy is done
+            staging = self._staging[turn]
+            # Filled while the other buffer's copy runs; this one's last copy went before it.
             staging[: stop - start].copy_(self._source[start:stop])
+            self._copier.wait()
             out[start - begin : stop - begin].copy_(staging[: stop - start], non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self._stream)
-            self._copied[turn] = event
+            self._copier.enqueued()
         return out
 
     def tensor(self, key: str) -> torch.Tensor:
@@ -284,11 +284,14 @@ class CudaPackDevice:
 
     def host(self, packed: torch.Tensor) -> torch.Tensor:
         out = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        out.copy_(packed, non_blocking=True)
+        self._outgoing.append((out, packed))
         return out
 
     def end_layer(self) -> None:
+        for out, packed in self._outgoing:
+            self._copier.copy(out, packed)
         self._stream.synchronize()
+        self._outgoing.clear()
         self._placed.clear()  # the layer's device buffers go back to the allocator
 
 

@@ -3,7 +3,8 @@
 The files are cut into parts, taken in file order by ``streams`` workers (so the file fills
 from the front and the packer behind it rarely waits), each part fetched as one ranged read
 (the registry's DownloadAdapter with a range, or an HTTP Range GET on a presigned URL) into
-where it belongs in an ``ArrivingFile``, which hashes it in order as it grows: a ``Part`` takes
+where it belongs in an ``ArrivingFile``, which checks it as it grows (by the registry's piece
+digests in the workers, parts being whole pieces, or in order by one hasher): a ``Part`` takes
 bytes that came as objects (``write``) or lends the file's memory for a socket to receive into
 (``receive_view`` + ``arrived``). The first failure of any part stops the others and is what
 every waiter gets.
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from executor_service.arriving import ArrivingFile
+from executor_service.arriving import ArrivingFile, Pieces
 from executor_service.loader import lower_priority
 
 _MIB = 1 << 20
@@ -31,11 +32,13 @@ _MAX_PART = 64 * _MIB
 
 @dataclass(frozen=True)
 class RemoteFile:
-    """A file of the version: its name, size and the sha256 it must have."""
+    """A file of the version: its name, size and the sha256 it must have (and its pieces'
+    sha256, where the registry recorded them)."""
 
     path: str
     size: int
     sha256: str
+    pieces: Pieces | None = None
 
 
 class Part:
@@ -72,14 +75,16 @@ RangeReader = Callable[[Part], None]
 
 def _parts(files: Sequence[RemoteFile], streams: int) -> deque[tuple[int, int, int]]:
     """(file index, offset, length) parts, file by file; about 4 per stream for the largest
-    file, so that workers finish close together."""
+    file, so that workers finish close together; whole pieces of files that have them, so
+    that the worker completing a part can check it."""
     largest = max((f.size for f in files), default=0)
-    part = min(_MAX_PART, max(_MIN_PART, largest // (4 * streams) // _MIB * _MIB))
-    return deque(
-        (index, offset, min(part, f.size - offset))
-        for index, f in enumerate(files)
-        for offset in range(0, f.size, part)
-    )
+    target = min(_MAX_PART, max(_MIN_PART, largest // (4 * streams)))
+    parts: deque[tuple[int, int, int]] = deque()
+    for index, f in enumerate(files):
+        grain = f.pieces.size if f.pieces is not None else _MIB
+        part = max(grain, target // grain * grain)
+        parts.extend((index, at, min(part, f.size - at)) for at in range(0, f.size, part))
+    return parts
 
 
 class RangedDownload:
@@ -101,7 +106,9 @@ class RangedDownload:
         try:
             for f in files:
                 self._files.append(
-                    ArrivingFile(folder / f.path, f.size, f.sha256, f"{label} {f.path}", nice)
+                    ArrivingFile(
+                        folder / f.path, f.size, f.sha256, f"{label} {f.path}", nice, f.pieces
+                    )
                 )
         except BaseException:
             self.close()

@@ -11,7 +11,8 @@ the registry's change stream so that cached answers stay true.
 * Files are fetched by digest (``name@sha256:...``, so an alias moving mid-download cannot
   change the bytes) as parallel ranged reads (``--download-streams``): over presigned URLs
   when the blob store offers them, the registry's DownloadAdapter stream otherwise. Each file
-  is hashed in order as it arrives, the packer reads the weights as they arrive, and
+  is checked as it arrives (piece by piece in parallel where the registry recorded piece
+  digests, else hashed in order), the packer reads the weights as they arrive, and
   ``finish`` (nothing is published before it) checks every file and keeps them in
   ``DiskCache``.
 * When the registry cannot be reached, what the executor already knows keeps serving: cached
@@ -30,6 +31,7 @@ from http import HTTPStatus
 from http.client import HTTPException
 from pathlib import Path
 
+from executor_service.arriving import Pieces
 from executor_service.disk_cache import DiskCache
 from executor_service.ranged_download import Part, RangedDownload, RangeReader, RemoteFile
 from executor_service.sources import AdapterFiles, ResolvedAdapter, check_digest, parse_config
@@ -322,7 +324,15 @@ class RegistrySource:
 
 def _remote(version: registry_pb2.AdapterVersion) -> list[RemoteFile]:
     """The version's files in the registry's order (config first), as the download takes them."""
-    files = [RemoteFile(f.path, f.size_bytes, f.sha256) for f in version.files]
+    files = [
+        RemoteFile(
+            f.path,
+            f.size_bytes,
+            f.sha256,
+            Pieces(f.part_size_bytes, tuple(f.part_sha256)) if f.part_size_bytes else None,
+        )
+        for f in version.files
+    ]
     if sorted(f.path for f in files) != sorted(ADAPTER_FILES):
         raise DataLoss(f"the registry lists files {[f.path for f in files]}, not {ADAPTER_FILES}")
     return files

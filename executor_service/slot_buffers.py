@@ -6,20 +6,24 @@ S·E·R·(2H + 3I) elements per layer. Writing slot s copies each layer's packed
 ``[s, :, :r]`` (B: ``[s, ..., :r]``), zeroes the rest of the rank and sets ``enabled[s]``.
 
 On CUDA the copies run on a side stream, so that loading overlaps the compute of requests
-using other slots. Events order it: a write first waits for the events recorded after the
-last kernels that read the slot, and records a ``ready`` event that the kernels using the new
-adapter wait for. On the CPU everything is synchronous and the events are None.
+using other slots, one chunk in flight at a time (``paced_copy.py``), so that requests' own
+copies are not held up behind them: the writing thread (the request that needs the adapter,
+or LoadAdapter's) waits until the last chunk is enqueued. Events order it: a write first waits
+for the events recorded after the last kernels that read the slot, and records a ``ready``
+event that the kernels using the new adapter wait for. On the CPU everything is synchronous
+and the events are None.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from executor_service.paced_copy import PacedCopier
 from executor_service.packer import PackedAdapter, PackedLayer
 from kernels import LoRASlots, MoELayerWeights
 from shared.logs import log_event
@@ -158,36 +162,40 @@ class SlotBuffers:
             for event in after:
                 if event is not None:
                     stream.wait_event(event)
-            self._copy(slot, packed)
+            # One chunk in flight at a time (paced_copy.py): Forward's copies pass between.
+            self._copy(slot, packed, PacedCopier(stream).copy)
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(stream)
         return ready
 
-    def _copy(self, slot: int, packed: PackedAdapter) -> None:
+    def _copy(self, slot: int, packed: PackedAdapter, copy: Copy = torch.Tensor.copy_) -> None:
         for index, slots in self._layers.items():
             part = packed.layers.get(index, _EMPTY_LAYER)
-            _put_a(slots.a13[slot], part.a13)
-            _put_b(slots.b13[slot], part.b13)
-            _put_a(slots.a2[slot], part.a2)
-            _put_b(slots.b2[slot], part.b2)
+            _put_a(slots.a13[slot], part.a13, copy)
+            _put_b(slots.b13[slot], part.b13, copy)
+            _put_a(slots.a2[slot], part.a2, copy)
+            _put_b(slots.b2[slot], part.b2, copy)
             used = any(t is not None for t in (part.a13, part.a2))
             slots.enabled[slot].fill_(1 if used else 0)
 
 
 _EMPTY_LAYER = PackedLayer(a13=None, b13=None, a2=None, b2=None)
 
+#: dest ← source.
+Copy = Callable[[torch.Tensor, torch.Tensor], object]
 
-def _put_a(dest: torch.Tensor, source: torch.Tensor | None) -> None:
+
+def _put_a(dest: torch.Tensor, source: torch.Tensor | None, copy: Copy) -> None:
     """dest (E, R, in) ← source (E, r, in), rows r.. zeroed; all zero without a source."""
     rank = 0 if source is None else source.shape[1]
     if source is not None:
-        dest[:, :rank].copy_(source, non_blocking=True)
+        copy(dest[:, :rank], source)
     dest[:, rank:].zero_()
 
 
-def _put_b(dest: torch.Tensor, source: torch.Tensor | None) -> None:
+def _put_b(dest: torch.Tensor, source: torch.Tensor | None, copy: Copy) -> None:
     """dest (E, out, R) ← source (E, out, r), columns r.. zeroed."""
     rank = 0 if source is None else source.shape[2]
     if source is not None:
-        dest[:, :, :rank].copy_(source, non_blocking=True)
+        copy(dest[:, :, :rank], source)
     dest[:, :, rank:].zero_()

@@ -1,7 +1,8 @@
 """Parallel ranged downloads into arriving files: parts written out of order reassemble the
 file, whether they come as objects (the gRPC stream) or are received straight into the file's
 memory (HTTP); a reader sees a range as soon as it arrived (before the whole file is checked),
-damaged bytes fail the check at the end, a failed part reaches every waiter, and a closed
+damaged bytes fail the check (at the end when the file is hashed whole; as soon as the piece
+is in when the registry listed piece digests), a failed part reaches every waiter, and a closed
 download drops what still arrives. The range reader reads a real local file, as the registry
 would."""
 
@@ -14,20 +15,35 @@ from pathlib import Path
 
 import pytest
 
-from executor_service.ranged_download import Part, RangedDownload, RangeReader, RemoteFile
+from executor_service.arriving import Pieces
+from executor_service.ranged_download import (
+    Part,
+    RangedDownload,
+    RangeReader,
+    RemoteFile,
+    _parts,
+)
 from shared.errors import DataLoss, Unavailable
 
 MIB = 1 << 20
 
 
-def _sources(tmp_path: Path) -> tuple[list[Path], list[RemoteFile]]:
+def _piece_digests(data: bytes, size: int) -> Pieces:
+    """The registry's record of ``data`` by pieces, computed independently here."""
+    hashes = [hashlib.sha256(data[at : at + size]).hexdigest() for at in range(0, len(data), size)]
+    return Pieces(size, tuple(hashes))
+
+
+def _sources(tmp_path: Path, piece_size: int | None = None) -> tuple[list[Path], list[RemoteFile]]:
+    """Two files to download; with ``piece_size``, listed with piece digests of that size."""
     paths = [tmp_path / "small.json", tmp_path / "big.bin"]
     paths[0].write_bytes(b'{"r": 8}')
     paths[1].write_bytes(os.urandom(40 * MIB + 123))
-    files = [
-        RemoteFile(p.name, p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-        for p in paths
-    ]
+    files = []
+    for p in paths:
+        data = p.read_bytes()
+        pieces = _piece_digests(data, piece_size) if piece_size else None
+        files.append(RemoteFile(p.name, len(data), hashlib.sha256(data).hexdigest(), pieces))
     return paths, files
 
 
@@ -79,8 +95,16 @@ def _download(
     return RangedDownload(folder, files, read, streams, "adapter x:1", nice=0)
 
 
-def test_parts_from_parallel_streams_reassemble_and_verify(tmp_path: Path) -> None:
-    paths, files = _sources(tmp_path)
+#: How files are checked: hashed whole in order, or by the registry's pieces (3 MiB: parts
+#: are whole pieces, not the default part size).
+CHECKS = pytest.mark.parametrize("piece_size", [None, 3 * MIB], ids=["whole", "pieces"])
+
+
+@CHECKS
+def test_parts_from_parallel_streams_reassemble_and_verify(
+    tmp_path: Path, piece_size: int | None
+) -> None:
+    paths, files = _sources(tmp_path, piece_size)
     download = _download(tmp_path, files, _reader(paths))
     try:
         big = download.file("big.bin")
@@ -93,8 +117,11 @@ def test_parts_from_parallel_streams_reassemble_and_verify(tmp_path: Path) -> No
         download.close()
 
 
-def test_parts_received_into_the_file_reassemble_and_verify(tmp_path: Path) -> None:
-    paths, files = _sources(tmp_path)
+@CHECKS
+def test_parts_received_into_the_file_reassemble_and_verify(
+    tmp_path: Path, piece_size: int | None
+) -> None:
+    paths, files = _sources(tmp_path, piece_size)
     download = _download(tmp_path, files, _receiver(paths, piece=300_001), streams=4)
     try:
         download.wait_verified()
@@ -104,11 +131,12 @@ def test_parts_received_into_the_file_reassemble_and_verify(tmp_path: Path) -> N
         download.close()
 
 
+@CHECKS
 @pytest.mark.parametrize("receive", [False, True], ids=["objects", "in-place"])
 def test_a_range_is_readable_before_the_whole_file_is_checked(
-    tmp_path: Path, receive: bool
+    tmp_path: Path, receive: bool, piece_size: int | None
 ) -> None:
-    paths, files = _sources(tmp_path)
+    paths, files = _sources(tmp_path, piece_size)
     release = threading.Event()
     inner = _receiver(paths) if receive else _reader(paths)
 
@@ -144,6 +172,65 @@ def test_damaged_bytes_fail_the_check_after_they_were_usable(tmp_path: Path) -> 
             download.wait_verified()
     finally:
         download.close()
+
+
+@pytest.mark.parametrize("receive", [False, True], ids=["objects", "in-place"])
+def test_a_damaged_piece_fails_the_download_before_the_rest_arrived(
+    tmp_path: Path, receive: bool
+) -> None:
+    paths, files = _sources(tmp_path, piece_size=MIB)
+    release = threading.Event()
+    bad = paths[1].read_bytes()
+    bad = bad[: MIB + 5] + bytes([bad[MIB + 5] ^ 0x01]) + bad[MIB + 6 :]
+    (tmp_path / "bad").mkdir()
+    damaged = [paths[0], tmp_path / "bad" / "big.bin"]
+    damaged[1].write_bytes(bad)
+    inner = _receiver(damaged) if receive else _reader(damaged)
+
+    def held_back(part: Part) -> None:
+        if part.index == 1 and part.offset > 0:  # all but the first part wait for the test
+            assert release.wait(30)
+        inner(part)
+
+    download = _download(tmp_path, files, held_back)
+    try:
+        # The second piece (of the first part) is named while the other parts are held back.
+        with pytest.raises(
+            DataLoss,
+            match=rf"big\.bin: downloaded bytes {MIB}-{2 * MIB} "
+            r"\(piece 2 of 41\) have sha256 [0-9a-f]{64}, expected",
+        ):
+            download.wait_verified()
+    finally:
+        release.set()
+        download.close()
+
+
+def test_parts_are_whole_pieces(tmp_path: Path) -> None:
+    _, files = _sources(tmp_path, piece_size=3 * MIB)
+    parts = list(_parts(files, streams=3))
+    big = [p for p in parts if p[0] == 1]
+    assert all(offset % (3 * MIB) == 0 for _, offset, _ in big)
+    assert all(length % (3 * MIB) == 0 for _, _, length in big[:-1])
+    assert sum(length for _, _, length in big) == files[1].size
+    assert [p for p in parts if p[0] == 0] == [(0, 0, files[0].size)]
+
+
+@pytest.mark.parametrize(
+    ("size", "digests"),
+    [(MIB, 40), (MIB, 42), (0, 0), (MIB, -1)],
+    ids=["too-few", "too-many", "no-size", "not-hex"],
+)
+def test_a_listing_whose_pieces_cannot_describe_the_file_is_refused(
+    tmp_path: Path, size: int, digests: int
+) -> None:
+    paths, files = _sources(tmp_path, piece_size=MIB)
+    good = files[1].pieces
+    assert good is not None and len(good.sha256) == 41
+    listed = ("X" * 64,) * 41 if digests < 0 else (good.sha256 * 2)[:digests]
+    files[1] = RemoteFile(files[1].path, files[1].size, files[1].sha256, Pieces(size, listed))
+    with pytest.raises(DataLoss, match=r"big\.bin: the registry lists \d+ piece digests"):
+        _download(tmp_path, files, _reader(paths))
 
 
 def test_a_failed_part_reaches_every_waiter(tmp_path: Path) -> None:
