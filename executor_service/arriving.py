@@ -23,38 +23,15 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import re
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
+from executor_service.listing import Pieces
 from executor_service.loader import lower_priority
 from shared.errors import DataLoss
 
 #: Bytes hashed per step, so that the hasher notices a cancel within milliseconds.
 _HASH_STEP = 8 << 20
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclass(frozen=True)
-class Pieces:
-    """The sha256 of consecutive ``size``-byte pieces of a file (the last may be shorter)."""
-
-    size: int
-    sha256: tuple[str, ...]
-
-    def span(self, index: int, file_size: int) -> tuple[int, int]:
-        return index * self.size, min(file_size, (index + 1) * self.size)
-
-    def check(self, file_size: int, label: str) -> None:
-        """Raises DataLoss unless these pieces can describe a file of ``file_size`` bytes."""
-        expected = -(-file_size // self.size) if self.size > 0 else -1
-        if len(self.sha256) != expected or not all(map(_SHA256_HEX.fullmatch, self.sha256)):
-            raise DataLoss(
-                f"{label}: the registry lists {len(self.sha256)} piece digests of "
-                f"{self.size} bytes for {file_size} bytes; expected {max(expected, 0)} "
-                "lower-case hex sha256 values"
-            )
 
 
 class ArrivingFile:

@@ -6,10 +6,15 @@ entry is written under a temporary name and renamed into place complete, so a cr
 leaves a half entry that looks whole. A byte budget bounds the cache; the least recently used
 versions go first. Entries survive restarts: a restarted executor serves what it had
 downloaded even while the registry is unreachable. An entry is checked against its digest
-once per process (at commit, since the download hashed the bytes as they arrived; after a
+once per process (at commit, since the download checked the bytes as they arrived; after a
 restart, at its first read), and then served while its files keep the size and mtime seen
 then: a replaced or truncated file is hashed again, and a damaged entry is dropped and fetched
 again rather than served. Reads hand out the folder, for the packer to memory-map.
+
+With the entry, ``files.json`` keeps what the registry listed of its files (sha256 and piece
+digests) when the version had pieces: a restarted executor then checks the files piece by
+piece on ``check_threads`` threads, bound to the digest through the listed sha256s, instead of
+hashing each file whole on one core (1.26 GB: about a second at 1.3 GB/s).
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ import shutil
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from executor_service.listing import Pieces, RemoteFile, pieces_match
 from executor_service.sources import ResolvedAdapter
 from shared.adapter_files import ADAPTER_FILES, files_digest
+from shared.errors import DataLoss
 from shared.logs import log_event
 from shared.refs import validate_digest
 
@@ -33,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _PARTIAL_PREFIX = ".partial-"
 _VERSION_FILE = "version.json"
+_LISTING_FILE = "files.json"
 
 
 @dataclass(frozen=True)
@@ -46,9 +55,11 @@ class DiskEntry:
 class DiskCache:
     """Adapter files on disk by digest, LRU within ``budget_bytes``; thread-safe."""
 
-    def __init__(self, root: Path, budget_bytes: int) -> None:
+    def __init__(self, root: Path, budget_bytes: int, check_threads: int = 1) -> None:
+        """``check_threads``: threads that check an entry's pieces after a restart."""
         self.root = root.expanduser()
         self.budget_bytes = budget_bytes
+        self._check_threads = check_threads
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, DiskEntry] = OrderedDict()  # by digest, LRU first
         #: (size, mtime_ns) of each file when the entry was last checked against its digest.
@@ -78,7 +89,7 @@ class DiskCache:
         stamps = _stamps(folder)
         if stamps is not None and stamps == verified:
             return folder
-        if stamps is None or _digest_of_folder(folder) != digest:
+        if stamps is None or not self._genuine(folder, digest):
             log_event(log, "disk_cache_entry_damaged", logging.WARNING, digest=digest)
             self.remove(digest)
             return None
@@ -97,12 +108,18 @@ class DiskCache:
     def discard(partial: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
-    def commit(self, adapter: ResolvedAdapter, partial: Path) -> list[str]:
+    def commit(
+        self, adapter: ResolvedAdapter, partial: Path, listing: Sequence[RemoteFile] = ()
+    ) -> list[str]:
         """Moves a reserved folder whose files were checked against ``adapter.digest`` into
         place and evicts least recently used entries beyond the budget; returns the evicted
-        digests. A version larger than the whole budget is not kept."""
+        digests. A version larger than the whole budget is not kept. ``listing``: what the
+        registry listed of the files, kept for the check after a restart when every file has
+        pieces."""
         digest = adapter.digest
         size = sum((partial / name).stat().st_size for name in ADAPTER_FILES)
+        if listing and all(f.pieces is not None for f in listing):
+            (partial / _LISTING_FILE).write_text(json.dumps([_listed(f) for f in listing]))
         (partial / _VERSION_FILE).write_text(json.dumps(asdict(adapter)))
         with self._lock:
             keep = size <= self.budget_bytes and digest not in self._entries
@@ -161,6 +178,17 @@ class DiskCache:
             evicted.append(digest)
         return evicted
 
+    def _genuine(self, folder: Path, digest: str) -> bool:
+        """Whether the entry's files are those of ``digest``: by their pieces when the entry
+        keeps a listing bound to the digest, else by hashing each file whole."""
+        listing = _read_listing(folder)
+        if listing is None or files_digest({f.path: f.sha256 for f in listing}) != digest:
+            return _digest_of_folder(folder) == digest
+        return all(
+            f.pieces is not None and pieces_match(folder / f.path, f.pieces, self._check_threads)
+            for f in listing
+        )
+
     def _folder(self, digest: str) -> Path:
         return self.root / validate_digest(digest).removeprefix("sha256:")
 
@@ -200,6 +228,41 @@ def _read_entry(folder: Path) -> DiskEntry | None:
     if folder.name != adapter.digest.removeprefix("sha256:"):
         return None
     return DiskEntry(adapter, nbytes)
+
+
+def _listed(f: RemoteFile) -> dict[str, object]:
+    assert f.pieces is not None
+    return {
+        "path": f.path,
+        "size": f.size,
+        "sha256": f.sha256,
+        "part_size": f.pieces.size,
+        "part_sha256": list(f.pieces.sha256),
+    }
+
+
+def _read_listing(folder: Path) -> list[RemoteFile] | None:
+    """The entry's kept listing, or None when it has none (or one that does not parse, or
+    that does not name exactly the adapter files: the whole-file check decides then)."""
+    try:
+        rows = json.loads((folder / _LISTING_FILE).read_text())
+        listing = [
+            RemoteFile(
+                str(row["path"]),
+                int(row["size"]),
+                str(row["sha256"]),
+                Pieces(int(row["part_size"]), tuple(str(h) for h in row["part_sha256"])),
+            )
+            for row in rows
+        ]
+        for f in listing:
+            assert f.pieces is not None
+            f.pieces.check(f.size, f"{folder.name}/{f.path}")
+    except (OSError, ValueError, TypeError, KeyError, DataLoss):
+        return None
+    if sorted(f.path for f in listing) != sorted(ADAPTER_FILES):
+        return None
+    return listing
 
 
 def _stamps(folder: Path) -> tuple[tuple[int, int], ...] | None:

@@ -18,27 +18,16 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from executor_service.arriving import ArrivingFile, Pieces
+from executor_service.arriving import ArrivingFile
+from executor_service.listing import RemoteFile
 from executor_service.loader import lower_priority
 
 _MIB = 1 << 20
 #: Parts are at least this big (fewer requests), at most ``_MAX_PART`` (finer interleaving).
 _MIN_PART = 8 * _MIB
 _MAX_PART = 64 * _MIB
-
-
-@dataclass(frozen=True)
-class RemoteFile:
-    """A file of the version: its name, size and the sha256 it must have (and its pieces'
-    sha256, where the registry recorded them)."""
-
-    path: str
-    size: int
-    sha256: str
-    pieces: Pieces | None = None
 
 
 class Part:

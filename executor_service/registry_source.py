@@ -31,9 +31,9 @@ from http import HTTPStatus
 from http.client import HTTPException
 from pathlib import Path
 
-from executor_service.arriving import Pieces
 from executor_service.disk_cache import DiskCache
-from executor_service.ranged_download import Part, RangedDownload, RangeReader, RemoteFile
+from executor_service.listing import Pieces, RemoteFile
+from executor_service.ranged_download import Part, RangedDownload, RangeReader
 from executor_service.sources import AdapterFiles, ResolvedAdapter, check_digest, parse_config
 from moelora.v1 import registry_pb2
 from shared.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
@@ -192,7 +192,7 @@ class RegistrySource:
                 ms=round((time.perf_counter() - start) * 1000, 1),
             )
             if download.file(WEIGHTS_FILE).size <= self._disk.budget_bytes:
-                self._keep(adapter, partial)  # else too big to keep: dropped at close
+                self._keep(adapter, partial, files)  # else too big to keep: dropped at close
 
         def close() -> None:
             download.close()
@@ -200,13 +200,13 @@ class RegistrySource:
 
         return AdapterFiles(config, download.file(WEIGHTS_FILE), finish, close)
 
-    def _keep(self, adapter: ResolvedAdapter, partial: Path) -> None:
+    def _keep(self, adapter: ResolvedAdapter, partial: Path, files: list[RemoteFile]) -> None:
         """Moves a checked download into the disk cache, making room on a full volume (the
         files are allocated, but the entry's small version file may not fit). With nothing
         left to evict it keeps nothing: the load goes on, from the download."""
         while True:
             try:
-                self._disk.commit(adapter, partial)
+                self._disk.commit(adapter, partial, files)
                 return
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):

@@ -150,7 +150,7 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
             timeout=settings.registry_timeout_seconds,
             connections=streams,
         )
-        disk = DiskCache(settings.disk_cache_dir, settings.disk_cache_bytes)
+        disk = DiskCache(settings.disk_cache_dir, settings.disk_cache_bytes, check_threads=streams)
         urls = UrlRangeReader(
             timeout=settings.registry_timeout_seconds, ssl_context=tls_context(root_certificates)
         )

@@ -15,14 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from executor_service.arriving import Pieces
-from executor_service.ranged_download import (
-    Part,
-    RangedDownload,
-    RangeReader,
-    RemoteFile,
-    _parts,
-)
+from executor_service.listing import Pieces, RemoteFile
+from executor_service.ranged_download import Part, RangedDownload, RangeReader, _parts
 from shared.errors import DataLoss, Unavailable
 
 MIB = 1 << 20
