@@ -119,6 +119,7 @@ def open_registry(settings: RegistrySettings, *, background: bool = True) -> Reg
         max_upload_bytes=settings.max_upload_bytes,
         max_rank=settings.max_rank,
         gc_grace_seconds=settings.gc_grace_seconds,
+        part_size_bytes=settings.part_size_bytes,
     )
     blob_http = open_blob_http(settings, blobs) if background else None
     presign = blob_http.urls.url if blob_http is not None else None

@@ -8,6 +8,7 @@ from typing import ClassVar, Literal, Self
 from pydantic import Field, model_validator
 
 from shared.config import ServerSettings
+from shared.part_digests import MIB
 
 DEFAULT_DATA_DIR = Path("~/.moelora/registry")
 
@@ -66,6 +67,14 @@ class RegistrySettings(ServerSettings):
     )
     max_upload_bytes: int = Field(
         8 * 1024**3, ge=1, description="largest file one upload may carry, in bytes"
+    )
+    part_size_bytes: int = Field(
+        16 * MIB,
+        ge=MIB,
+        multiple_of=MIB,
+        description="piece size of the per-piece sha256s recorded at upload "
+        "(AdapterFile.part_sha256), which downloaders check in parallel; a positive "
+        "multiple of 1 MiB; versions keep the size they were uploaded with",
     )
     gc_interval_seconds: float = Field(
         3600.0,

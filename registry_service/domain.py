@@ -28,18 +28,26 @@ class EventType(enum.StrEnum):
 
 @dataclass(frozen=True)
 class FileInfo:
+    """A stored file. ``part_sha256``: the sha256 of each ``part_size_bytes`` piece, in order
+    (see shared/part_digests.py); 0 and () for versions uploaded before pieces were recorded."""
+
     path: str
     size_bytes: int
     sha256: str
+    part_size_bytes: int
+    part_sha256: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class DeclaredFile:
-    """A file as the upload header announces it; ``sha256`` is optional there."""
+    """A file as the upload header announces it; ``sha256`` is optional there. The pieces
+    are kept only so that check_header can refuse them: the registry records its own."""
 
     path: str
     size_bytes: int
     sha256: str | None
+    part_size_bytes: int = 0
+    part_sha256: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

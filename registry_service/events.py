@@ -33,7 +33,8 @@ class EventFeed:
     def stop(self) -> None:
         self._stop.set()
         self._poke.set()
-        self._thread.join(5)
+        if self._thread.is_alive():  # one-off commands (gc, backfill-parts) never start it
+            self._thread.join(5)
         with self._changed:
             self._changed.notify_all()
 

@@ -1,10 +1,12 @@
-"""``moelora-registry [serve|migrate|gc|hash-token]``: the registry server and
-its operator commands. Settings are flags with MOELORA_* twins (``--help``).
+"""``moelora-registry [serve|migrate|gc|backfill-parts|hash-token]``: the registry server
+and its operator commands. Settings are flags with MOELORA_* twins (``--help``).
 
 serve (default)   run the gRPC server
 migrate           bring the database schema up to date; idempotent, exits 0
 gc                remove unreferenced blobs and dead versions, without a server
                   (--grace-seconds N, --dry-run)
+backfill-parts    record per-piece sha256s (--part-size-bytes) for versions uploaded
+                  before the registry did; exits 1 if a blob failed its sha256
 hash-token N R    make a random token for name N with role R (read, write, admin)
                   and print it with its token-file entry
 """
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from sqlalchemy.exc import SQLAlchemyError
 
 from registry_service.app import open_database, open_registry
+from registry_service.backfill import backfill_parts
 from registry_service.config import RegistrySettings
 from registry_service.db import migrate
 from registry_service.server import create_server
@@ -28,7 +31,7 @@ from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.tokens import Role, new_token_entry
 
-COMMANDS = ("serve", "migrate", "gc", "hash-token")
+COMMANDS = ("serve", "migrate", "gc", "backfill-parts", "hash-token")
 
 
 def serve(settings: RegistrySettings) -> None:
@@ -66,6 +69,25 @@ def run_gc(settings: RegistrySettings, grace_seconds: int | None, dry_run: bool)
     )
 
 
+def run_backfill(settings: RegistrySettings) -> None:
+    app = open_registry(settings, background=False)
+    try:
+        report = backfill_parts(app.db, app.registry.blobs, settings.part_size_bytes)
+    finally:
+        app.close()
+    print(
+        json.dumps(
+            {
+                "part_size_bytes": settings.part_size_bytes,
+                "filled": report.filled,
+                "failed": report.failed,
+            }
+        )
+    )
+    if report.failed:
+        raise SystemExit(1)
+
+
 def hash_token(args: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="moelora-registry hash-token",
@@ -100,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             serve(settings)
         elif command == "migrate":
             run_migrate(settings)
+        elif command == "backfill-parts":
+            run_backfill(settings)
         else:
             run_gc(settings, grace, dry_run)
     except (ValueError, OSError, MoeLoraError, SQLAlchemyError) as exc:

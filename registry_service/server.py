@@ -105,7 +105,7 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
             messages.list_filter_from_proto(request), request.page_size, request.page_token
         )
         return registry_pb2.ListAdaptersResponse(
-            versions=[messages.version_to_proto(v) for v in page.items],
+            versions=[messages.version_to_proto(v, parts=False) for v in page.items],
             next_page_token=page.next_token,
         )
 

@@ -61,6 +61,8 @@ class RegistryLimits:
     max_upload_bytes: int
     max_rank: int
     gc_grace_seconds: int
+    #: Piece size of the per-piece sha256s recorded at upload.
+    part_size_bytes: int
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,9 @@ class Registry:
             raise
         try:
             spec = pending.base_model.spec
-            with closing(UploadSpool(self.spool_dir, header.files, HEAD_BYTES)) as spool:
+            with closing(
+                UploadSpool(self.spool_dir, header.files, HEAD_BYTES, self.limits.part_size_bytes)
+            ) as spool:
                 beat = time.monotonic()
                 checked_start = False
                 for chunk in chunks:

@@ -232,6 +232,8 @@ class Store:
                     path=f.info.path,
                     size_bytes=f.info.size_bytes,
                     sha256=f.info.sha256,
+                    part_size_bytes=f.info.part_size_bytes or None,
+                    part_sha256=list(f.info.part_sha256) if f.info.part_size_bytes else None,
                     blob_key=f.blob_key,
                 )
                 for f in files
@@ -261,9 +263,7 @@ class Store:
         """The version and where each of its files' bytes are, in path order."""
         with self.db.read() as s:
             row = self._resolve(s, ref)
-            files = [
-                StoredFile(FileInfo(f.path, f.size_bytes, f.sha256), f.blob_key) for f in row.files
-            ]
+            files = [StoredFile(_file_info(f), f.blob_key) for f in row.files]
             return _version_info(row), files
 
     def _resolve(self, s: Session, ref: AdapterRef, *, lock: bool = False) -> VersionRow:
@@ -532,11 +532,22 @@ def _version_info(row: VersionRow) -> VersionInfo:
             dtype=row.dtype,
         ),
         size_bytes=row.size_bytes,
-        files=tuple(FileInfo(f.path, f.size_bytes, f.sha256) for f in row.files),
+        files=tuple(_file_info(f) for f in row.files),
         aliases=tuple(a.alias for a in row.aliases),
         description=row.description,
         labels={label.key: label.value for label in row.labels},
         create_time=row.created_at,
         created_by=row.created_by,
         delete_time=row.deleted_at,
+    )
+
+
+def _file_info(row: FileRow) -> FileInfo:
+    # NULL pieces: stored before the registry recorded them.
+    return FileInfo(
+        row.path,
+        row.size_bytes,
+        row.sha256,
+        row.part_size_bytes or 0,
+        tuple(row.part_sha256 or ()),
     )

@@ -1,6 +1,7 @@
 """Where upload bytes are received: the header is checked, then every chunk is
-checked for order and size, and spooled to a temporary file (hashed on the way by the
-writer's thread), so that validation and the blob write work on complete, hashed files.
+checked for order and size, and spooled to a temporary file (hashed whole and by pieces on
+the way by the writer's threads), so that validation and the blob write work on complete,
+hashed files.
 
 Nothing here touches the database or the blob store.
 """
@@ -67,6 +68,15 @@ def check_header(header: UploadHeader, max_file_bytes: int) -> UploadHeader:
             raise InvalidArgument(
                 f"{field}: sha256 must be 64 lower-case hex digits or empty", field
             )
+        for name, given in (
+            ("part_size_bytes", f.part_size_bytes),
+            ("part_sha256", f.part_sha256),
+        ):
+            if given:
+                raise InvalidArgument(
+                    f"{field}.{name}: must be left empty, the registry records the pieces",
+                    f"{field}.{name}",
+                )
     return header
 
 
@@ -92,11 +102,12 @@ class SpooledFile:
 
 
 class _Receiving:
-    def __init__(self, declared: DeclaredFile, path: Path, head_limit: int) -> None:
+    def __init__(self, declared: DeclaredFile, path: Path, head_limit: int, part_size: int) -> None:
         self.declared = declared
         self.path = path
-        # Hashes what it writes, and flushes it to disk as it goes: finish() fsyncs the tail.
-        self.writer = BackgroundWriter(path, sync_every=_SYNC_EVERY)
+        # Hashes what it writes (whole and by pieces), and flushes it to disk as it goes:
+        # finish() fsyncs the tail.
+        self.writer = BackgroundWriter(path, sync_every=_SYNC_EVERY, part_size=part_size)
         self.received = 0
         # The first bytes, kept in memory for the checks that run while the rest
         # is still on its way; None once those checks are done.
@@ -107,12 +118,15 @@ class _Receiving:
 class UploadSpool:
     """Temporary files for one upload's declared files; removed on close."""
 
-    def __init__(self, spool_dir: Path, files: Sequence[DeclaredFile], head_bytes: int) -> None:
-        """``head_bytes``: how much of each file's start ``head`` can return."""
+    def __init__(
+        self, spool_dir: Path, files: Sequence[DeclaredFile], head_bytes: int, part_size: int
+    ) -> None:
+        """``head_bytes``: how much of each file's start ``head`` can return; ``part_size``:
+        the piece size of the per-piece sha256s every file gets."""
         spool_dir.mkdir(parents=True, exist_ok=True)
         self._dir = Path(tempfile.mkdtemp(prefix="upload-", dir=spool_dir))
         # check_header allowed only the two fixed file names, so they are safe here.
-        self._files = [_Receiving(f, self._dir / f.path, head_bytes) for f in files]
+        self._files = [_Receiving(f, self._dir / f.path, head_bytes, part_size) for f in files]
         self._by_path = {f.declared.path: f for f in self._files}
         self._current = 0
         self._trailer: UploadTrailer | None = None
@@ -217,7 +231,8 @@ class UploadSpool:
                     "chunk",
                 )
             # The local blob store may hard-link this file: make its bytes durable.
-            digest = f.writer.close(sync=True)
+            digests = f.writer.close(sync=True)
+            digest = digests.sha256
             if f.declared.sha256 is not None and f.declared.sha256 != digest:
                 raise InvalidArgument(
                     f"{name}: sha256 of the bytes received is {digest}, the header says "
@@ -230,7 +245,8 @@ class UploadSpool:
                     f"{self._trailer.sha256[index]}",
                     "trailer.sha256",
                 )
-            done.append(SpooledFile(FileInfo(name, f.received, digest), f.path))
+            info = FileInfo(name, f.received, digest, digests.part_size_bytes, digests.part_sha256)
+            done.append(SpooledFile(info, f.path))
         return done
 
     def close(self) -> None:

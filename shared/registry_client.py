@@ -452,7 +452,7 @@ class _FolderWriter:
 
     def finish(self) -> None:
         for i, f in enumerate(self._files):
-            digest = self._writers[i].close()
+            digest = self._writers[i].close().sha256
             if self._sizes[i] != f.size_bytes or digest != f.sha256:
                 raise DataLoss(
                     f"{f.path}: received {self._sizes[i]} bytes with sha256 {digest}, expected "

@@ -166,6 +166,10 @@ class FileRow(Base):
     path: Mapped[str] = mapped_column(String(255))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
+    # The sha256 of each part_size_bytes piece, in order (lower-case hex); NULL for files
+    # stored before the registry recorded pieces (`moelora-registry backfill-parts`).
+    part_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    part_sha256: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
     # The foreign key keeps gc from removing a blob row that a file points at.
     blob_key: Mapped[str] = mapped_column(ForeignKey("blobs.key"), index=True)
 

@@ -121,3 +121,30 @@ def write_raw_weights(folder: Path, header: Mapping[str, object], data: bytes) -
     """adapter_model.safetensors from a hand-made header (for headers that lie)."""
     raw = json.dumps(header).encode()
     (folder / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def write_adapter_of_size(folder: Path, size: int, seed: int = 1) -> Path:
+    """An adapter whose weights file is exactly ``size`` bytes (at least 2 KiB): the largest
+    rank whose float32 tensors fit, the header padded with spaces (as the format allows) to
+    make up the rest. Upload it to a registry whose max_rank allows that rank."""
+    per_rank = sum(t.nbytes for t in adapter_tensors(rank=1).values())
+    rank = max(1, (size - 2048) // per_rank)
+    tensors = adapter_tensors(rank=rank, seed=seed)
+    header: dict[str, object] = {}
+    offset = 0
+    for name, tensor in tensors.items():
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
+        offset += tensor.nbytes
+    raw = json.dumps(header).encode()
+    padding = size - 8 - len(raw) - offset
+    assert padding >= 0, f"{size} bytes is too small for rank {rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(adapter_config(rank), indent=2))
+    data = b"".join(t.tobytes() for t in tensors.values())
+    weights = struct.pack("<Q", len(raw) + padding) + raw + b" " * padding + data
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
