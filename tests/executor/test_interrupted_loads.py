@@ -8,8 +8,9 @@ the DownloadAdapter stream (a registry without URLs), packed as they arrive. Cov
 connection cut mid-download on either path, a process killed mid-download (the next process
 adopts nothing of it), bytes damaged on disk after the check (hashed again, fetched again), a
 pack that fails halfway (the host cache gets nothing), and a blob damaged in the registry,
-which only the check at the end of a pipelined download can see (no host-cache entry, no slot,
-nothing on disk).
+which only the check of the bytes after they were packed can see (no host-cache entry, no slot,
+nothing on disk): at the end of the file hashed whole, or of the piece when the registry
+recorded pieces, which the disk cache then keeps for its check after a restart.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from tests.registry.conftest import registry_settings, serve_registry
 
 BASE = "tiny"
 STREAMS = 2
+MIB = 1 << 20
 
 
 class CuttingProxy:
@@ -144,7 +146,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     nbytes = write_adapter(tmp / "adapter", spec, rank=8)
     http = f"127.0.0.1:{free_port()}"
     http_proxy = CuttingProxy(http)
-    flags = ["--max-rank", "8", "--http-listen", http, "--http-public-url"]
+    # Pieces of 1 MiB (the smallest): a rank-256 adapter has two.
+    flags = ["--max-rank", "256", "--part-size-bytes", str(MIB), "--http-listen", http]
+    flags.append("--http-public-url")
     try:
         with registry_server(tmp, [*flags, f"http://{http_proxy.address}"]) as address:
             with RegistryClient(address) as registry:
@@ -377,3 +381,41 @@ def test_a_blob_damaged_in_the_registry_fails_at_the_end_and_leaves_nothing(
     finally:
         blob.write_bytes(genuine)
         app.drain()
+
+
+def test_a_damaged_piece_is_named_and_a_whole_download_keeps_the_registrys_pieces(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """With the registry's pieces (1 MiB here) the check names the damaged piece; a genuine
+    download keeps the registry's listing with the disk-cache entry, which a restarted
+    executor checks by pieces."""
+    folder = tmp_path / "c"
+    write_adapter(folder, setup.spec, rank=256, seed=5)
+    with RegistryClient(setup.registry) as registry:
+        version = registry.upload(folder, "c", BASE)
+    weights = next(f for f in version.files if f.path == WEIGHTS_FILE)
+    assert weights.part_size_bytes == MIB and len(weights.part_sha256) == 2
+    blob = setup.blobs / weights.sha256
+    genuine = blob.read_bytes()
+    damaged = bytearray(genuine)
+    damaged[MIB + 100] ^= 0x01
+    blob.chmod(0o644)
+    root = tmp_path / "disk"
+    try:
+        blob.write_bytes(bytes(damaged))
+        with RegistryClient(setup.registry, timeout=10, connections=STREAMS) as client:
+            source = _source(client, setup.registry, DiskCache(root, 10**9))
+            adapter = source.resolve(AdapterRef.parse("c:1"))
+            with pytest.raises(MoeLoraError, match=rf"bytes {MIB}-\d+ \(piece 2 of 2\)"):
+                _fetched(source, adapter)
+            assert _leftovers(root) == []
+            blob.write_bytes(genuine)
+            assert isinstance(_fetched(source, adapter).weights, Path)
+    finally:
+        blob.write_bytes(genuine)
+    (entry,) = [p for p in root.iterdir()]
+    kept = {row["path"]: row for row in json.loads((entry / "files.json").read_text())}
+    assert kept[WEIGHTS_FILE]["part_sha256"] == list(weights.part_sha256)
+    assert kept[WEIGHTS_FILE]["sha256"] == weights.sha256
+    restarted = DiskCache(root, 10**9, check_threads=2)
+    assert restarted.get(adapter.digest) == entry
