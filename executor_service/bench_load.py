@@ -19,10 +19,13 @@ times, on an otherwise idle executor:
   checked), ``pack`` (``pack_adapter`` of the disk-cache file on a loader thread, on the
   executor's device; with ``--device cuda`` also ``pack on the CPU``, as a CPU executor packs),
 
-then the p50 of Forward for another, pinned adapter from a client process of its own
-(``bench_clients``): idle, while a cold load of a second new version runs, and while that
-version loads again disk-warm (the load's own time is printed too). Rates are adapter file bytes
-per second (1 GB = 10^9 bytes). ``--small`` is a seconds-long smoke run (tests use it).
+then Forward for another, pinned adapter from a client process of its own
+(``bench_clients``) calling in a loop through one session: alone for ``--idle-seconds``, then
+while a cold load of a second new version runs, then while that version loads again disk-warm
+``--warm-loads`` times (unloaded between, outside the measured windows; the calls of all those
+loads pooled); p50 and p90 of the calls overlapping each kind of load, against those alone.
+Rates are adapter file bytes per second (1 GB = 10^9 bytes). ``--small`` is a seconds-long
+smoke run (tests use it).
 """
 
 from __future__ import annotations
@@ -88,8 +91,8 @@ class Results:
     seconds: dict[str, float] = field(default_factory=dict)
     #: Forward latencies: idle, during a cold load, during a disk-warm load.
     forward: dict[str, list[float]] = field(default_factory=dict)
-    #: Seconds of the loads that ran while Forward was measured.
-    loads: dict[str, float] = field(default_factory=dict)
+    #: Seconds of each load that ran while Forward was measured, by kind.
+    loads: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -131,14 +134,12 @@ class _ForwardClient:
         self._proc.stdin.write("go\n")
         self._proc.stdin.flush()
 
-    def finish(self, stop: bool, since: float = 0.0, until: float = float("inf")) -> list[float]:
-        """The latencies of the calls that overlapped the wall-clock times ``since`` to
-        ``until``, once the calls ended (with ``stop``: ended now)."""
+    def finish(self) -> list[tuple[float, float]]:
+        """Stops the calls; (start wall-clock time, seconds) of each."""
         assert self._proc.stdin is not None
         try:
-            if stop:
-                self._proc.stdin.write("stop\n")
-                self._proc.stdin.flush()
+            self._proc.stdin.write("stop\n")
+            self._proc.stdin.flush()
             out, _ = self._proc.communicate(timeout=1800)
         finally:
             if self._proc.poll() is None:
@@ -147,32 +148,56 @@ class _ForwardClient:
         if self._proc.returncode != 0:
             raise RuntimeError(f"the Forward client failed with status {self._proc.returncode}")
         report = json.loads(out.strip().splitlines()[-1])
-        return [
-            seconds
-            for seconds, started in zip(report["latency_s"], report["started"], strict=True)
-            if started <= until and started + seconds >= since
-        ]
+        return list(zip(report["started"], report["latency_s"], strict=True))
 
 
-def _idle(address: str, spec: ModelSpec, tokens: int, iters: int) -> list[float]:
-    client = _ForwardClient(address, spec, tokens, iters)
-    client.go()
-    return client.finish(stop=False)
+#: A stretch of wall-clock time: (start, end).
+Window = tuple[float, float]
 
 
-def _during(
-    address: str, spec: ModelSpec, tokens: int, work: Callable[[], object]
-) -> tuple[float, list[float]]:
-    """Seconds ``work`` takes while the Forward client calls in a loop, and its latencies."""
+def _overlapping(calls: list[tuple[float, float]], windows: list[Window]) -> list[float]:
+    """The latencies of the calls that overlapped any of ``windows``."""
+    return [
+        seconds
+        for started, seconds in calls
+        if any(started <= end and started + seconds >= begin for begin, end in windows)
+    ]
+
+
+def _forward_during_loads(
+    address: str,
+    spec: ModelSpec,
+    tokens: int,
+    idle_seconds: float,
+    loads: dict[str, list[tuple[Callable[[], object], Callable[[], object]]]],
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """One Forward client calls in a loop for the whole measurement: ``idle_seconds`` with
+    nothing else running, then each kind's (before, load) pairs one after the other: what comes
+    before a load (an unload) runs 0.3 s ahead of it, outside its window. Returns the
+    latencies of the calls inside the idle stretch and of those overlapping each kind's loads,
+    and the loads' seconds. Idle and loaded calls come from the same client session, so a
+    drift of the machine between sessions does not show as interference."""
     client = _ForwardClient(address, spec, tokens, iters=0)
     client.go()
-    time.sleep(0.2)  # the client is calling before the load starts
-    since = time.time()
+    time.sleep(0.2)  # the client is calling before anything is measured
+    idle = (time.time(), time.time() + idle_seconds)
+    time.sleep(idle_seconds)
+    windows: dict[str, list[Window]] = {}
+    seconds: dict[str, list[float]] = {}
     try:
-        seconds = _timed(work)
+        for kind, works in loads.items():
+            for before, work in works:
+                before()
+                time.sleep(0.3)
+                begin = time.time()
+                seconds.setdefault(kind, []).append(_timed(work))
+                windows.setdefault(kind, []).append((begin, time.time()))
     finally:
-        latency = client.finish(stop=True, since=since, until=time.time())
-    return seconds, latency
+        calls = client.finish()
+    latency = {"idle": [t for started, t in calls if started >= idle[0] and started + t <= idle[1]]}
+    for kind, spans in windows.items():
+        latency[kind] = _overlapping(calls, spans)
+    return latency, seconds
 
 
 @contextmanager
@@ -284,15 +309,22 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
                 loader.close()
             if args.forwards:
                 client.pin_adapter(OTHER)
-                results.forward["idle"] = _idle(client.address, spec, args.tokens, args.forwards)
                 second = "second:1"
-                results.loads["cold"], results.forward["cold"] = _during(
-                    client.address, spec, args.tokens, load(second)
+
+                def unload() -> None:
+                    client.unload_adapter(second)
+
+                latency, results.loads = _forward_during_loads(
+                    client.address,
+                    spec,
+                    args.tokens,
+                    args.idle_seconds,
+                    {
+                        "cold": [(lambda: None, load(second))],
+                        "disk warm": [(unload, load(second))] * args.warm_loads,
+                    },
                 )
-                client.unload_adapter(second)
-                results.loads["disk warm"], results.forward["disk warm"] = _during(
-                    client.address, spec, args.tokens, load(second)
-                )
+                results.forward.update(latency)
     return results
 
 
@@ -333,8 +365,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--forwards",
         type=int,
-        default=20,
-        help="Forward calls for the idle p50; 0: no Forward at all",
+        default=1,
+        help="1: measure Forward of another adapter during loads; 0: no Forward at all",
+    )
+    parser.add_argument(
+        "--idle-seconds", type=float, default=1.0, help="Forward alone, before the loads"
+    )
+    parser.add_argument(
+        "--warm-loads", type=int, default=5, help="disk-warm loads during Forward, pooled"
     )
     parser.add_argument("--backends", default="local,s3", help="comma list: local, s3")
     parser.add_argument("--streams", type=int, default=0, help="--download-streams (0: auto)")
@@ -394,19 +432,27 @@ def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:
         print(f"| {step} | {seconds:.3f} | {_rate(results.nbytes, seconds)} |")
     idle = results.forward.get("idle")
     if idle:
-        base = statistics.median(idle) * 1e3
-        parts = [f"{base:.2f} ms idle ({len(idle)} calls)"]
-        for kind in ("cold", "disk warm"):
-            during = results.forward[kind]
-            p50 = statistics.median(during) * 1e3
-            parts.append(
-                f"{p50:.2f} ms while a {kind} load runs ({(p50 / base - 1) * 100:+.0f}%, "
-                f"{len(during)} calls; the load took {results.loads[kind]:.3f} s)"
-            )
+        base = statistics.median(idle)
         print(
-            f"\nForward p50 of another adapter (T={args.tokens}, client process): "
-            + "; ".join(parts)
+            f"\nForward of another, pinned adapter (T={args.tokens}) from a client process "
+            "calling in a loop: alone, then while loads run (calls overlapping a load)\n"
         )
+        print("| while | calls | p50 ms | vs alone | p90 ms | loads | load s (median) |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for kind, during in results.forward.items():
+            p50, p90 = statistics.median(during), _percentile(during, 0.9)
+            loads = results.loads.get(kind, [])
+            took = f"{statistics.median(loads):.3f}" if loads else "—"
+            print(
+                f"| {'alone' if kind == 'idle' else f'a {kind} load'} | {len(during)} | "
+                f"{p50 * 1e3:.2f} | {(p50 / base - 1) * 100:+.0f}% | {p90 * 1e3:.2f} | "
+                f"{len(loads) or '—'} | {took} |"
+            )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 if __name__ == "__main__":
