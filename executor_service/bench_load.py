@@ -57,6 +57,7 @@ from executor_service.disk_cache import DiskCache
 from executor_service.loader import Loader, default_threads
 from executor_service.metrics import ExecutorMetrics
 from executor_service.packer import pack_adapter
+from executor_service.process import configure_process
 from executor_service.registry_source import RegistrySource
 from executor_service.runtime import ExecutorRuntime, download_streams
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
@@ -225,6 +226,7 @@ def _executor(
             "log_level": "warning",
         }
     )
+    configure_process(settings)  # as moelora-executor does
     app = ExecutorApp(settings, ExecutorMetrics(CollectorRegistry()))
     app.start()
     try:
