@@ -162,18 +162,17 @@ class AdapterManager:
     @contextlib.contextmanager
     def lease(self, wanted: Sequence[Wanted], timeout: float) -> Iterator[SlotLease]:
         """Holds GPU slots for ``wanted`` while the block runs (waiting up to ``timeout`` for
-        slots that requests in flight hold). Inside, the current stream is the serving stream
-        and already waits for the slots' writes; kernels enqueued inside may read them. On
-        leaving, an event after those kernels keeps any rewrite of the slots behind them."""
+        slots that requests in flight hold). Inside, the current stream already waits for
+        the slots' writes; kernels enqueued inside may read them. On leaving, an event after
+        those kernels keeps any rewrite of the slots behind them."""
         lease = self.slots.acquire(wanted, self._packed, timeout)
         self._count_gpu(lease)
         sync = self.slots.buffers.sync
-        with sync.on_device():  # the serving stream: the launches inside run there
-            try:
-                sync.wait(lease.ready)
-                yield lease
-            finally:
-                self.slots.release(lease, sync.record())
+        try:
+            sync.wait(lease.ready)
+            yield lease
+        finally:
+            self.slots.release(lease, sync.record())
 
     def lora_slots(self, layer: int) -> LoRASlots:
         """The slot buffers of one MoE layer, as the kernels read them."""

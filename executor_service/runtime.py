@@ -174,9 +174,6 @@ def _runner(
         if settings.cuda_graphs == "on":
             raise InvalidArgument("--cuda-graphs on needs a CUDA device")
         return Runner(kernel, sync, where.dtype, metrics)
-    # Weights and zeroed slot buffers were written on the default stream; serving launches
-    # run on the serving stream, which does not wait for it by itself.
-    torch.cuda.synchronize(where.device)
     with sync.on_device():
         staging = Staging(model.spec.hidden_size, where.dtype, settings.max_batch_tokens)
         graphs = None

@@ -55,27 +55,18 @@ class DeviceSync:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
-        #: Where serving launches run: at the device's highest priority, so that the block
-        #: scheduler starts Forward's kernels before the waiting blocks of a load's kernels
-        #: (the GPU pack) on other streams. (Out of range priorities clamp to the highest.)
-        self.serving_stream = (
-            torch.cuda.Stream(device, priority=-1000)  # type: ignore[no-untyped-call]
-            if cuda
+        self.copy_stream = (
+            torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            if device.type == "cuda"
             else None
         )
 
     def on_device(self) -> contextlib.AbstractContextManager[object]:
-        """Makes the executor's GPU and its serving stream current in the calling thread:
-        kernels launch on the current device and stream, and gRPC worker threads start on
-        cuda:0 and its default stream."""
-        if self.serving_stream is None:
+        """Makes the executor's GPU current in the calling thread: kernels launch on the
+        current device, and gRPC worker threads start on cuda:0."""
+        if self.copy_stream is None:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self.serving_stream))
-        return stack
+        return torch.cuda.device(self.device)
 
     def record(self) -> DeviceEvent:
         """An event after the work issued so far on the current stream (None on the CPU)."""
