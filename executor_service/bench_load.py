@@ -54,7 +54,7 @@ from executor_service.app import ExecutorApp
 from executor_service.client import ExecutorClient
 from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
-from executor_service.loader import Loader, default_threads
+from executor_service.loader import Loader, load_threads
 from executor_service.metrics import ExecutorMetrics
 from executor_service.packer import pack_adapter
 from executor_service.process import configure_process
@@ -288,7 +288,7 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
                 results.seconds["download"] = _timed(download)
             folder = settings.disk_cache_dir.expanduser() / adapter.digest.removeprefix("sha256:")
             config = json.loads((folder / CONFIG_FILE).read_text())
-            loader = Loader(default_threads(settings.load_threads), settings.load_nice)
+            loader = Loader(load_threads(settings.load_threads, device), settings.load_nice)
 
             def pack(where: torch.device) -> Callable[[], object]:
                 return lambda: loader.run(
@@ -425,7 +425,7 @@ def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:
         f"\nadapter cold start: {results.nbytes / _GB:.3f} GB adapter ({shape.layers} MoE "
         f"layers, rank {shape.rank}, E {shape.num_experts}, H {shape.hidden_size}, "
         f"I {shape.moe_intermediate_size}, bf16), device {args.device} ({where}), "
-        f"{streams} download streams, {default_threads(args.load_threads)} load threads at "
+        f"{streams} download streams, {load_threads(args.load_threads, device)} load threads at "
         f"nice +{args.load_nice}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}\n"
     )
     print("| step | seconds | GB/s |")

@@ -16,6 +16,8 @@ packed tensors as the host cache keeps them:
   into page-locked host tensors and the stream is synchronised: device memory holds about one
   layer (its stored bytes, its packed tensors, the gather's scratch) at a time. Both copies go
   one chunk in flight at a time (``paced_copy.py``), so that Forward's copies pass between.
+  The page-locked host tensors are allocated ahead, on a thread of their own, while the bytes
+  still arrive (``expect``): fresh page-locked memory maps at a few GB/s.
 
 Both run the same torch ops on the same values, each rounding once as IEEE says (casts round to
 nearest even; a reduced float type is multiplied in float32), so a CUDA pack is bit-identical to
@@ -30,7 +32,9 @@ import functools
 import math
 import mmap
 import sys
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -132,6 +136,11 @@ class PackDevice(Protocol):
         """A packed tensor as the host cache keeps it (ready once ``end_layer`` returned)."""
         ...
 
+    def expect(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        """The shapes of the tensors the pack will hand to ``host``, in that order, told
+        before the first layer: a device may allocate their host memory ahead."""
+        ...
+
     def end_layer(self) -> None:
         """The layer's work is done and its host tensors are written."""
         ...
@@ -176,6 +185,9 @@ class CpuPackDevice:
 
     def host(self, packed: torch.Tensor) -> torch.Tensor:
         return packed
+
+    def expect(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        pass  # the packed buffers are the host tensors: allocated as they are filled
 
     def end_layer(self) -> None:
         pass
@@ -240,6 +252,8 @@ class CudaPackDevice:
         self._placed: dict[str, tuple[torch.Tensor, int]] = {}
         #: The current layer's packed tensors and the host tensors they go to at its end.
         self._outgoing: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Host tensors being allocated ahead, in the order ``host`` will want them.
+        self._ahead: deque[Future[torch.Tensor]] = deque()
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -283,9 +297,25 @@ class CudaPackDevice:
         return torch.empty(tuple(shape), dtype=self._dtype, device=self._device)
 
     def host(self, packed: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        if not self._ahead:
+            raise RuntimeError("a packed tensor the pack did not announce (expect)")
+        out = self._ahead.popleft().result()
+        if out.shape != packed.shape or out.dtype != packed.dtype:  # the packer's own bug
+            raise RuntimeError(
+                f"the pack announced a {tuple(out.shape)} {out.dtype} tensor, then packed a "
+                f"{tuple(packed.shape)} {packed.dtype} one"
+            )
         self._outgoing.append((out, packed))
         return out
+
+    def expect(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Allocates the page-locked host tensors on a thread of their own while the layers'
+        bytes arrive and pack: fresh page-locked memory is slow to map (about 5 GB/s on an
+        H100 host), and a cold load would otherwise wait for it after each layer."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="pin-ahead")
+        for shape in shapes:
+            self._ahead.append(pool.submit(_pinned, self._device, shape, self._dtype))
+        pool.shutdown(wait=False)  # the thread ends once the last one is allocated
 
     def end_layer(self) -> None:
         for out, packed in self._outgoing:
@@ -293,6 +323,11 @@ class CudaPackDevice:
         self._stream.synchronize()
         self._outgoing.clear()
         self._placed.clear()  # the layer's device buffers go back to the allocator
+
+
+def _pinned(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    with torch.cuda.device(device):  # page-locked for this device's context
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 #: Tensors at most this far apart in the file are staged as one run (the bytes between them

@@ -123,9 +123,18 @@ def pack_adapter(
     work = pack_device(torch.device(device), stored, dtype, pin)
     packing = _Packing(stored, work, spec, dtype)
     layers = {}
+    # In file order: arriving weights come front to back, and each waits for its bytes.
+    ordered = sorted(layout.layers.items(), key=lambda item: _start(header, item[1]))
+    work.expect(
+        [
+            shape
+            for index, layer in ordered
+            if only is None or index in only
+            for shape in packing.shapes(layer)
+        ]
+    )
     with work.running():
-        # In file order: arriving weights come front to back, and each waits for its bytes.
-        for index, layer in sorted(layout.layers.items(), key=lambda item: _start(header, item[1])):
+        for index, layer in ordered:
             if only is None or index in only:
                 layers[index] = packing.layer(layer)
             else:
@@ -186,6 +195,16 @@ class _Packing:
             if not bool(check.finite):
                 self._refuse(check)
         return PackedLayer(a13=a13, b13=b13, a2=a2, b2=b2)
+
+    def shapes(self, layout: LayerLayout) -> list[tuple[int, ...]]:
+        """The shapes of the packed tensors of ``layer`` in the order it hands them to
+        ``host``: A and B of gate/up, then of down; none for a projection of rank 0."""
+        h, i, e = self.spec.hidden_size, self.spec.moe_intermediate_size, self.spec.num_experts
+        shapes: list[tuple[int, ...]] = []
+        for rank, fan_in, fan_out in ((layout.w13_rank, h, 2 * i), (layout.w2_rank, i, h)):
+            if rank:
+                shapes += [(e, rank, fan_in), (e, fan_out, rank)]
+        return shapes
 
     def check_finite(self, layout: LayerLayout) -> None:
         """The check packing makes, for a layer that is not packed."""

@@ -19,7 +19,7 @@ from executor_service.engine import EngineSettings, ForwardEngine
 from executor_service.graphs import GraphCache
 from executor_service.host_cache import HostCache
 from executor_service.kernel_configs import KernelConfigReport, prepare_kernel_configs
-from executor_service.loader import Loader, default_threads
+from executor_service.loader import Loader, default_threads, load_threads
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.prefetch import Prefetcher
@@ -216,7 +216,7 @@ def build_runtime(
         host=HostCache(settings.host_cache_bytes, pin_memory=where.device.type == "cuda"),
         slots=SlotManager(buffers, LRUPolicy()),
         metrics=metrics,
-        loader=Loader(default_threads(settings.load_threads), settings.load_nice),
+        loader=Loader(load_threads(settings.load_threads, where.device), settings.load_nice),
     )
     # The loader validated every layer once (kernels.validate_layer): not again per call.
     kernel = kernel or functools.partial(
