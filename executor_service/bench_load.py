@@ -220,6 +220,7 @@ def _executor(
             "download_streams": args.streams,
             "load_threads": args.load_threads,
             "load_nice": args.load_nice,
+            "gil_switch_interval_us": args.gil_switch_interval_us,
             "kernel_autotune_seconds": 0.0,  # heuristic kernel configs: start at once
             "metrics_listen": "",
             "drain_seconds": 1.0,
@@ -384,6 +385,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streams", type=int, default=0, help="--download-streams (0: auto)")
     parser.add_argument("--load-threads", type=int, default=0, help="--load-threads (0: auto)")
     parser.add_argument("--load-nice", type=int, default=19, help="--load-nice")
+    parser.add_argument(
+        "--gil-switch-interval-us",
+        type=int,
+        default=ExecutorSettings.model_fields["gil_switch_interval_us"].default,
+        help="--gil-switch-interval-us",
+    )
     args = parser.parse_args(argv)
     shape = SMALL if args.small else FULL
     shape = Shape(
