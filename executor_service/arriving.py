@@ -26,9 +26,9 @@ import os
 import threading
 from pathlib import Path
 
-from executor_service.listing import Pieces
 from executor_service.loader import lower_priority
 from shared.errors import DataLoss
+from shared.part_digests import Pieces
 
 #: Bytes hashed per step, so that the hasher notices a cancel within milliseconds.
 _HASH_STEP = 8 << 20
@@ -206,12 +206,12 @@ class ArrivingFile:
         assert self._pieces is not None
         view = self.view()
         for index in indices:
-            begin, end = self._pieces.span(index, self.size)
-            actual = hashlib.sha256(view[begin:end]).hexdigest()
+            actual = self._pieces.digest(view, index)
             expected = self._pieces.sha256[index]
             with self._changed:
                 if actual != expected:
                     if self._error is None:
+                        begin, end = self._pieces.span(index, self.size)
                         self._error = DataLoss(
                             f"{self.label}: downloaded bytes {begin}-{end} (piece {index + 1} "
                             f"of {len(self._taken)}) have sha256 {actual}, expected {expected}"

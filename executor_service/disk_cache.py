@@ -26,15 +26,17 @@ import shutil
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from executor_service.listing import Pieces, RemoteFile, pieces_match
+from executor_service.listing import RemoteFile, pieces_match
 from executor_service.sources import ResolvedAdapter
 from shared.adapter_files import ADAPTER_FILES, files_digest
 from shared.errors import DataLoss
 from shared.logs import log_event
+from shared.part_digests import Pieces
 from shared.refs import validate_digest
 
 log = logging.getLogger(__name__)
@@ -246,23 +248,19 @@ def _read_listing(folder: Path) -> list[RemoteFile] | None:
     that does not name exactly the adapter files: the whole-file check decides then)."""
     try:
         rows = json.loads((folder / _LISTING_FILE).read_text())
-        listing = [
-            RemoteFile(
-                str(row["path"]),
-                int(row["size"]),
-                str(row["sha256"]),
-                Pieces(int(row["part_size"]), tuple(str(h) for h in row["part_sha256"])),
-            )
-            for row in rows
-        ]
-        for f in listing:
-            assert f.pieces is not None
-            f.pieces.check(f.size, f"{folder.name}/{f.path}")
+        listing = [_listed_file(row, folder.name) for row in rows]
     except (OSError, ValueError, TypeError, KeyError, DataLoss):
         return None
     if sorted(f.path for f in listing) != sorted(ADAPTER_FILES):
         return None
     return listing
+
+
+def _listed_file(row: Mapping[str, Any], entry: str) -> RemoteFile:
+    """One file of a kept listing; DataLoss when its pieces cannot describe it."""
+    pieces = Pieces(int(row["part_size"]), tuple(str(h) for h in row["part_sha256"]))
+    pieces.check(int(row["size"]), f"{entry}/{row['path']}")
+    return RemoteFile(str(row["path"]), int(row["size"]), str(row["sha256"]), pieces)
 
 
 def _stamps(folder: Path) -> tuple[tuple[int, int], ...] | None:

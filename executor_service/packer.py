@@ -153,6 +153,13 @@ def _start(header: SafetensorsHeader, layer: LayerLayout) -> int:
     return min(header.tensors[key].begin for p in layer.pairs for key in (p.a_key, p.b_key))
 
 
+def _ab_shapes(
+    num_experts: int, rank: int, fan_in: int, fan_out: int
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The packed A (E, rank, fan_in) and B (E, fan_out, rank) of one projection."""
+    return (num_experts, rank, fan_in), (num_experts, fan_out, rank)
+
+
 def _keys(layout: LayerLayout) -> list[str]:
     return [key for pair in layout.pairs for key in (pair.a_key, pair.b_key)]
 
@@ -181,14 +188,15 @@ class _Packing:
         self.dtype = dtype
 
     def layer(self, layout: LayerLayout) -> PackedLayer:
-        h, i, e = self.spec.hidden_size, self.spec.moe_intermediate_size, self.spec.num_experts
+        e = self.spec.num_experts
         w13 = [pair for pair in layout.pairs if pair.projection is not Projection.DOWN]
         w2 = [pair for pair in layout.pairs if pair.projection is Projection.DOWN]
         deinterleave = self.spec.type.gate_up_interleaved
+        (r13, in13, out13), (r2, in2, out2) = self._dims(layout)
         checks: list[_Check] = []
         self.work.begin_layer(_keys(layout))
-        a13, b13 = self._fill(w13, layout.w13_rank, h, 2 * i, e, deinterleave, "13", checks)
-        a2, b2 = self._fill(w2, layout.w2_rank, i, h, e, False, "2", checks)
+        a13, b13 = self._fill(w13, r13, in13, out13, e, deinterleave, "13", checks)
+        a2, b2 = self._fill(w2, r2, in2, out2, e, False, "2", checks)
         self.work.end_layer()
         # Read after the layer's work finished: on a GPU, one wait per layer.
         for check in checks:
@@ -199,12 +207,18 @@ class _Packing:
     def shapes(self, layout: LayerLayout) -> list[tuple[int, ...]]:
         """The shapes of the packed tensors of ``layer`` in the order it hands them to
         ``host``: A and B of gate/up, then of down; none for a projection of rank 0."""
-        h, i, e = self.spec.hidden_size, self.spec.moe_intermediate_size, self.spec.num_experts
-        shapes: list[tuple[int, ...]] = []
-        for rank, fan_in, fan_out in ((layout.w13_rank, h, 2 * i), (layout.w2_rank, i, h)):
-            if rank:
-                shapes += [(e, rank, fan_in), (e, fan_out, rank)]
-        return shapes
+        e = self.spec.num_experts
+        return [
+            shape
+            for rank, fan_in, fan_out in self._dims(layout)
+            if rank
+            for shape in _ab_shapes(e, rank, fan_in, fan_out)
+        ]
+
+    def _dims(self, layout: LayerLayout) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """(rank, fan_in, fan_out) of the packed gate/up projection, then of down."""
+        h, i = self.spec.hidden_size, self.spec.moe_intermediate_size
+        return (layout.w13_rank, h, 2 * i), (layout.w2_rank, i, h)
 
     def check_finite(self, layout: LayerLayout) -> None:
         """The check packing makes, for a layer that is not packed."""
@@ -230,8 +244,8 @@ class _Packing:
         tensors (written once the layer ends); their checks appended to ``checks``."""
         if not rank:
             return None, None
-        a = self.work.empty((num_experts, rank, fan_in))
-        b = self.work.empty((num_experts, fan_out, rank))
+        shape_a, shape_b = _ab_shapes(num_experts, rank, fan_in, fan_out)
+        a, b = self.work.empty(shape_a), self.work.empty(shape_b)
         if len(pairs) == 1 and pairs[0].expert is None:  # 3D: one pair covers every expert
             pair = pairs[0]
             a.copy_(self.work.tensor(pair.a_key).reshape(num_experts, pair.rank, fan_in))

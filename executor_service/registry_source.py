@@ -32,7 +32,7 @@ from http.client import HTTPException
 from pathlib import Path
 
 from executor_service.disk_cache import DiskCache
-from executor_service.listing import Pieces, RemoteFile
+from executor_service.listing import RemoteFile
 from executor_service.ranged_download import Part, RangedDownload, RangeReader
 from executor_service.sources import AdapterFiles, ResolvedAdapter, check_digest, parse_config
 from moelora.v1 import registry_pb2
@@ -48,6 +48,7 @@ from shared.errors import (
     Unavailable,
 )
 from shared.logs import log_event
+from shared.part_digests import Pieces
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient, WatchStream
 from shared.url_ranges import HttpStatusError, UrlRangeReader, UrlUnreachable

@@ -5,9 +5,45 @@ arrive instead of hashing the whole file in order (AdapterFile.part_sha256)."""
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
+from shared.errors import DataLoss
+
 MIB = 1024 * 1024
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The sha256 of consecutive ``size``-byte pieces of a file (the last may be shorter), as a
+    downloader checks them."""
+
+    size: int
+    sha256: tuple[str, ...]
+
+    def count(self, file_size: int) -> int:
+        """How many pieces a file of ``file_size`` bytes has."""
+        return -(-file_size // self.size)
+
+    def span(self, index: int, file_size: int) -> tuple[int, int]:
+        return index * self.size, min(file_size, (index + 1) * self.size)
+
+    def digest(self, data: memoryview, index: int) -> str:
+        """The sha256 of piece ``index`` of the whole file's bytes ``data`` (hashlib releases
+        the GIL: threads may hash pieces in parallel)."""
+        begin, end = self.span(index, len(data))
+        return hashlib.sha256(data[begin:end]).hexdigest()
+
+    def check(self, file_size: int, label: str) -> None:
+        """Raises DataLoss unless these pieces can describe a file of ``file_size`` bytes."""
+        expected = self.count(file_size) if self.size > 0 else -1
+        if len(self.sha256) != expected or not all(map(_SHA256_HEX.fullmatch, self.sha256)):
+            raise DataLoss(
+                f"{label}: the registry lists {len(self.sha256)} piece digests of "
+                f"{self.size} bytes for {file_size} bytes; expected {max(expected, 0)} "
+                "lower-case hex sha256 values"
+            )
 
 
 @dataclass(frozen=True)

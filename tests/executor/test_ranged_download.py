@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from executor_service.listing import Pieces, RemoteFile
+from executor_service.listing import RemoteFile
 from executor_service.ranged_download import Part, RangedDownload, RangeReader, _parts
 from shared.errors import DataLoss, Unavailable
+from shared.part_digests import Pieces
 
 MIB = 1 << 20
 
