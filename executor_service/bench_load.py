@@ -20,10 +20,11 @@ times, on an otherwise idle executor:
   executor's device; with ``--device cuda`` also ``pack on the CPU``, as a CPU executor packs),
 
 then Forward for another, pinned adapter from a client process of its own
-(``bench_clients``) calling in a loop through one session: alone for ``--idle-seconds``, then
-while a cold load of a second new version runs, then while that version loads again disk-warm
-``--warm-loads`` times (unloaded between, outside the measured windows; the calls of all those
-loads pooled); p50 and p90 of the calls overlapping each kind of load, against those alone.
+(``bench_clients``) calling in a loop through one session: while a cold load of a second new
+version runs, then while that version loads again disk-warm ``--warm-loads`` times (unloaded
+between, outside the measured windows; the calls of all those loads pooled), and alone in a
+quiet stretch just before each load (``--idle-seconds`` in all); p50 and p90 of the calls
+overlapping each kind of load, against those alone.
 Rates are adapter file bytes per second (1 GB = 10^9 bytes). ``--small`` is a seconds-long
 smoke run (tests use it).
 """
@@ -172,32 +173,42 @@ def _forward_during_loads(
     idle_seconds: float,
     loads: dict[str, list[tuple[Callable[[], object], Callable[[], object]]]],
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """One Forward client calls in a loop for the whole measurement: ``idle_seconds`` with
-    nothing else running, then each kind's (before, load) pairs one after the other: what comes
-    before a load (an unload) runs 0.3 s ahead of it, outside its window. Returns the
-    latencies of the calls inside the idle stretch and of those overlapping each kind's loads,
-    and the loads' seconds. Idle and loaded calls come from the same client session, so a
-    drift of the machine between sessions does not show as interference."""
+    """One Forward client calls in a loop for the whole measurement, while each kind's
+    (before, load) pairs run one after the other. Ahead of each load, once what comes before it
+    (an unload) has settled, a stretch with nothing else running: ``idle_seconds`` in all,
+    shared out among the loads. Returns the latencies of the calls inside those quiet
+    stretches ("idle") and of those overlapping each kind's loads, and the loads' seconds. The
+    quiet stretches sit right before the loads, in the same client session, so a drift of the
+    machine over the run (Forward alone has varied by a third between runs) does not show as
+    interference."""
     client = _ForwardClient(address, spec, tokens, iters=0)
     client.go()
     time.sleep(0.2)  # the client is calling before anything is measured
-    idle = (time.time(), time.time() + idle_seconds)
-    time.sleep(idle_seconds)
-    windows: dict[str, list[Window]] = {}
+    quiet = idle_seconds / max(1, sum(len(works) for works in loads.values()))
+    windows: dict[str, list[Window]] = {"idle": []}
     seconds: dict[str, list[float]] = {}
     try:
         for kind, works in loads.items():
             for before, work in works:
                 before()
-                time.sleep(0.3)
+                time.sleep(0.2)
+                windows["idle"].append((time.time(), time.time() + quiet))
+                time.sleep(quiet)
                 begin = time.time()
                 seconds.setdefault(kind, []).append(_timed(work))
                 windows.setdefault(kind, []).append((begin, time.time()))
     finally:
         calls = client.finish()
-    latency = {"idle": [t for started, t in calls if started >= idle[0] and started + t <= idle[1]]}
+    latency = {
+        "idle": [
+            t
+            for started, t in calls
+            if any(begin <= started and started + t <= end for begin, end in windows["idle"])
+        ]
+    }
     for kind, spans in windows.items():
-        latency[kind] = _overlapping(calls, spans)
+        if kind != "idle":
+            latency[kind] = _overlapping(calls, spans)
     return latency, seconds
 
 
@@ -386,8 +397,8 @@ def main(argv: list[str] | None = None) -> None:
         "--idle-seconds",
         type=float,
         default=0.0,
-        help="Forward alone, before the loads (0: 1 s on cuda, 10 s on the CPU, where a call "
-        "takes about half a second)",
+        help="Forward alone, in all, in quiet stretches just before each load (0: 1 s on cuda, "
+        "10 s on the CPU, where a call takes about half a second)",
     )
     parser.add_argument(
         "--warm-loads", type=int, default=5, help="disk-warm loads during Forward, pooled"
@@ -467,7 +478,8 @@ def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:
         base = statistics.median(idle)
         print(
             f"\nForward of another, pinned adapter (T={args.tokens}) from a client process "
-            "calling in a loop: alone, then while loads run (calls overlapping a load)\n"
+            "calling in a loop: alone (just before each load), and while loads run (calls "
+            "overlapping a load)\n"
         )
         print("| while | calls | p50 ms | vs alone | p90 ms | loads | load s (median) |")
         print("|---|---:|---:|---:|---:|---:|---:|")
