@@ -20,9 +20,10 @@ times, on an otherwise idle executor:
   executor's device; with ``--device cuda`` also ``pack on the CPU``, as a CPU executor packs),
 
 then Forward for another, pinned adapter from a client process of its own
-(``bench_clients``) calling in a loop through one session: while a cold load of a second new
-version runs, then while that version loads again disk-warm ``--warm-loads`` times (unloaded
-between, outside the measured windows; the calls of all those loads pooled), and alone in a
+(``bench_clients``) calling in a loop through one session: while ``--cold-loads`` new versions
+load cold one after the other, then while the first of them loads again disk-warm
+``--warm-loads`` times (unloaded between, outside the measured windows; the calls of each kind's
+loads pooled), and alone in a
 quiet stretch just before each load (``--idle-seconds`` in all); p50 and p90 of the calls
 overlapping each kind of load, against those alone.
 Rates are adapter file bytes per second (1 GB = 10^9 bytes). ``--small`` is a seconds-long
@@ -267,7 +268,8 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
         _upload(address, root, "other")
         cold, results.seconds["upload"] = _upload(address, root, "cold")
         if args.forwards:
-            _upload(address, root, "second")
+            for index in range(args.cold_loads):
+                _upload(address, root, f"second{index}")
         with _executor(root, address, args, shape) as (client, runtime, settings):
             device = torch.device(args.device)
 
@@ -334,7 +336,7 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
                 loader.close()
             if args.forwards:
                 client.pin_adapter(OTHER)
-                second = "second:1"
+                second = "second0:1"
 
                 def unload() -> None:
                     client.unload_adapter(second)
@@ -343,9 +345,12 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
                     client.address,
                     spec,
                     args.tokens,
-                    args.idle_seconds or (1.0 if device.type == "cuda" else 10.0),
+                    args.idle_seconds or (1.0 if device.type == "cuda" else 20.0),
                     {
-                        "cold": [(lambda: None, load(second))],
+                        "cold": [
+                            (lambda: None, load(f"second{index}:1"))
+                            for index in range(args.cold_loads)
+                        ],
                         "disk warm": [(unload, load(second))] * args.warm_loads,
                     },
                 )
@@ -398,7 +403,13 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.0,
         help="Forward alone, in all, in quiet stretches just before each load (0: 1 s on cuda, "
-        "10 s on the CPU, where a call takes about half a second)",
+        "20 s on the CPU, where a call takes about half a second)",
+    )
+    parser.add_argument(
+        "--cold-loads",
+        type=int,
+        default=3,
+        help="cold loads (each of a version never seen) during Forward, pooled",
     )
     parser.add_argument(
         "--warm-loads", type=int, default=5, help="disk-warm loads during Forward, pooled"
@@ -444,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
         write_adapter(root / "other", spec, 16, seed=1)
         nbytes = write_adapter(root / "cold", spec, shape.rank, seed=2)
         if args.forwards:
-            write_adapter(root / "second", spec, shape.rank, seed=3)
+            for index in range(args.cold_loads):
+                write_adapter(root / f"second{index}", spec, shape.rank, seed=3 + index)
         results = _measure_local(root, args, shape, spec) if "local" in backends else Results()
         results.nbytes = nbytes
         if "s3" in backends:
