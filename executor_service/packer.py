@@ -43,7 +43,10 @@ import torch
 
 from executor_service.pack_device import (
     PackDevice,
+    Read,
     StoredTensors,
+    Wait,
+    file_reader,
     open_weights,
     pack_device,
 )
@@ -95,6 +98,11 @@ class Arriving(Protocol):
 
     def wait(self, begin: int, end: int) -> None: ...
 
+    @property
+    def path(self) -> Path | None:
+        """The file the bytes arrive in (a CUDA pack reads it with pread); None: memory only."""
+        ...
+
 
 def pack_adapter(
     config: Mapping[str, Any],
@@ -113,14 +121,32 @@ def pack_adapter(
     InvalidArgument naming the tensor."""
     if isinstance(weights, bytes | memoryview | Path):
         data, wait = open_weights(weights)
+        path = weights if isinstance(weights, Path) else None
     else:
-        data, wait = weights.view(), weights.wait
+        data, wait, path = weights.view(), weights.wait, weights.path
+    device = torch.device(device)
+    with file_reader(path if device.type == "cuda" else None) as read:
+        return _pack(config, data, wait, read, spec, max_rank, dtype, only, pin, device)
+
+
+def _pack(
+    config: Mapping[str, Any],
+    data: memoryview,
+    wait: Wait,
+    read: Read | None,
+    spec: ModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    only: frozenset[int] | None,
+    pin: bool,
+    device: torch.device,
+) -> PackedAdapter:
     wait(0, PREFIX_BYTES)
     wait(PREFIX_BYTES, PREFIX_BYTES + header_length(data))
     header = parse_bytes(data)
     layout = inspect_adapter(config, header, spec, max_rank)
-    stored = StoredTensors(header, data, wait)
-    work = pack_device(torch.device(device), stored, dtype, pin)
+    stored = StoredTensors(header, data, wait, read)
+    work = pack_device(device, stored, dtype, pin)
     packing = _Packing(stored, work, spec, dtype)
     layers = {}
     # In file order: arriving weights come front to back, and each waits for its bytes.

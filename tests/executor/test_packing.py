@@ -198,6 +198,10 @@ class Trickle:
         self._buffer[begin:end] = self._raw[begin:end]
         self.waits.append((begin, end))
 
+    @property
+    def path(self) -> Path | None:
+        return None  # in memory only
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_arriving_weights_are_read_where_they_arrived(
