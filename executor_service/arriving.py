@@ -15,9 +15,7 @@ Parts arrive two ways: ``write`` stores bytes that came as objects (the registry
 stream) with ``pwrite``; ``receive_view`` hands out the file's own memory for a socket to
 receive into (HTTP range reads: the one copy is the kernel's) and ``arrived`` records what
 landed there. The memory map is shared (MAP_SHARED), so it sees the ``pwrite``s, and what is
-written through it is the file's page cache itself; so are the pages the download helper
-process receives into through a map of its own (executor_service/download_helper.py), which
-reports each piece to ``arrived`` with the sha256 it computed there.
+written through it is the file's page cache itself.
 """
 
 from __future__ import annotations
@@ -116,22 +114,15 @@ class ArrivingFile:
         # fault in as the bytes land measured no faster on a 2-core VM: not done.)
         return self.view()[begin:end]
 
-    def arrived(self, begin: int, end: int, sha256: str | None = None) -> bool:
-        """Bytes ``begin`` to ``end`` landed in the file's memory (``receive_view``'s, or the
-        file's pages through another process's map); False once the file is closed (the
-        receiver should stop). Hashes the pieces this completed, if any, except the one whose
-        ``sha256`` the receiver already computed (``begin`` to ``end`` is then that piece)."""
+    def arrived(self, begin: int, end: int) -> bool:
+        """Bytes ``begin`` to ``end`` landed in ``receive_view``'s memory; False once the file
+        is closed (the receiver should stop). Hashes the pieces this completed, if any."""
         with self._changed:
             if self._closed:
                 return False
             complete = self._add(begin, end)
             self._changed.notify_all()
-        known = {}
-        if sha256 is not None and self._pieces is not None:
-            index = begin // self._pieces.size
-            if (begin, end) == self._pieces.span(index, self.size):
-                known[index] = sha256
-        self._check_pieces(complete, known)
+        self._check_pieces(complete)
         return True
 
     def fail(self, error: BaseException) -> None:
@@ -142,11 +133,6 @@ class ArrivingFile:
             self._changed.notify_all()
 
     # -- the reader's side -----------------------------------------------------------------
-
-    @property
-    def piece_size(self) -> int:
-        """The size of the pieces checked as they complete; 0: the file is hashed in order."""
-        return self._pieces.size if self._pieces is not None else 0
 
     def view(self) -> memoryview:
         """The whole file's bytes, arrived or not (wait before reading a range)."""
@@ -212,16 +198,15 @@ class ArrivingFile:
                 )
             self._changed.notify_all()
 
-    def _check_pieces(self, indices: list[int], known: dict[int, str] | None = None) -> None:
+    def _check_pieces(self, indices: list[int]) -> None:
         """Hashes pieces this thread completed (outside the lock: hashlib releases the GIL,
-        so the workers hash in parallel), unless ``known`` has their digest, and records the
-        outcome."""
+        so the workers hash in parallel) and records the outcome."""
         if not indices:
             return
         assert self._pieces is not None
         view = self.view()
         for index in indices:
-            actual = (known or {}).get(index) or self._pieces.digest(view, index)
+            actual = self._pieces.digest(view, index)
             expected = self._pieces.sha256[index]
             with self._changed:
                 if actual != expected:

@@ -108,9 +108,7 @@ def _hashing(enabled: bool) -> Iterator[None]:
             self._verified = True
             self._changed.notify_all()
 
-    def pieces_unhashed(
-        self: arriving.ArrivingFile, indices: list[int], known: dict[int, str] | None = None
-    ) -> None:
+    def pieces_unhashed(self: arriving.ArrivingFile, indices: list[int]) -> None:
         with self._changed:
             self._unverified -= len(indices)
             self._verified = self._unverified == 0

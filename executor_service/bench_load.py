@@ -61,7 +61,7 @@ from executor_service.metrics import ExecutorMetrics
 from executor_service.packer import pack_adapter
 from executor_service.process import configure_process
 from executor_service.registry_source import RegistrySource
-from executor_service.runtime import ExecutorRuntime, download_streams, url_parts
+from executor_service.runtime import ExecutorRuntime, download_streams
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
 from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.bench_servers import moto_server, registry_server, write_adapter
@@ -232,7 +232,6 @@ def _executor(
             "download_streams": args.streams,
             "load_threads": args.load_threads,
             "load_nice": args.load_nice,
-            "download_helper": args.download_helper,
             "gil_switch_interval_us": args.gil_switch_interval_us,
             "kernel_autotune_seconds": 0.0,  # heuristic kernel configs: start at once
             "metrics_listen": "",
@@ -291,14 +290,7 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
             streams = download_streams(settings)
             with RegistryClient(address, timeout=3600, connections=streams) as registry:
                 fresh = DiskCache(root / "download-alone", 8 * 1024**3)
-                source = RegistrySource(
-                    registry,
-                    address,
-                    fresh,
-                    streams,
-                    settings.load_nice,
-                    url_parts(settings, root_certificates=None),
-                )
+                source = RegistrySource(registry, address, fresh, streams, settings.load_nice)
 
                 def download() -> None:
                     files = source.fetch(adapter)
@@ -424,12 +416,6 @@ def main(argv: list[str] | None = None) -> None:
         default=ExecutorSettings.model_fields["gil_switch_interval_us"].default,
         help="--gil-switch-interval-us",
     )
-    parser.add_argument(
-        "--download-helper",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="--download-helper: receive URL downloads in a helper process (default on)",
-    )
     args = parser.parse_args(argv)
     shape = SMALL if args.small else FULL
     shape = Shape(
@@ -476,9 +462,7 @@ def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:
         f"\nadapter cold start: {results.nbytes / _GB:.3f} GB adapter ({shape.layers} MoE "
         f"layers, rank {shape.rank}, E {shape.num_experts}, H {shape.hidden_size}, "
         f"I {shape.moe_intermediate_size}, bf16), device {args.device} ({where}), "
-        f"{streams} download streams "
-        f"({'in the download helper' if args.download_helper else 'in-process'}), "
-        f"{load_threads(args.load_threads, device)} load threads at "
+        f"{streams} download streams, {load_threads(args.load_threads, device)} load threads at "
         f"nice +{args.load_nice}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}\n"
     )
     print("| step | seconds | GB/s |")

@@ -73,12 +73,6 @@ class ExecutorSettings(ServerSettings):
         description="parallel ranged reads (each over a connection of its own) that download "
         "one adapter; 0 = half the CPU cores, 2 to 8",
     )
-    download_helper: bool = Field(
-        True,
-        description="receive presigned-URL downloads and hash their pieces in a helper process "
-        "(executor_service/download_helper.py), so that a cold load at GB/s takes no GIL "
-        "from Forward; off: in the executor's own threads",
-    )
     load_threads: int = Field(
         0,
         ge=0,

@@ -19,12 +19,10 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 from executor_service.arriving import ArrivingFile
 from executor_service.listing import RemoteFile
 from executor_service.loader import lower_priority
-from shared.url_ranges import UrlRangeReader
 
 _MIB = 1 << 20
 #: Parts are at least this big (fewer requests), at most ``_MAX_PART`` (finer interleaving).
@@ -56,51 +54,12 @@ class Part:
         """The part's place in the file, to receive into; report with ``arrived``."""
         return self._file.receive_view(self.offset, self.offset + self.length)
 
-    def arrived(self, at: int, n: int, sha256: str | None = None) -> bool:
-        """Bytes ``at`` to ``at + n`` landed in the part's place in the file; ``sha256``: the
-        digest of the piece they are, when the receiver hashed it (the download helper)."""
-        return not self._stopped.is_set() and self._file.arrived(at, at + n, sha256)
-
-    @property
-    def path(self) -> Path:
-        """The file the part goes into (allocated: a receiver in another process maps it)."""
-        return self._file.path
-
-    @property
-    def file_size(self) -> int:
-        return self._file.size
-
-    @property
-    def piece_size(self) -> int:
-        """The size of the file's checked pieces (parts are whole pieces), 0 without pieces."""
-        return self._file.piece_size
+    def arrived(self, at: int, n: int) -> bool:
+        return not self._stopped.is_set() and self._file.arrived(at, at + n)
 
 
 #: Fetches a part (see ``Part``); raises what went wrong.
 RangeReader = Callable[[Part], None]
-
-
-class UrlParts(Protocol):
-    """Receives parts over presigned URLs: in the executor's own threads
-    (``ThreadedUrlParts``) or in the download helper process
-    (executor_service/download_helper.py). Raises as ``UrlRangeReader.read_into`` does."""
-
-    def read(self, url: str, part: Part) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class ThreadedUrlParts:
-    """Receives each part in the calling thread, straight into the file's memory."""
-
-    def __init__(self, urls: UrlRangeReader) -> None:
-        self._urls = urls
-
-    def read(self, url: str, part: Part) -> None:
-        self._urls.read_into(url, part.offset, part.receive_view(), part.arrived)
-
-    def close(self) -> None:
-        self._urls.close()  # kept-alive connections to the blob store
 
 
 def _parts(files: Sequence[RemoteFile], streams: int) -> deque[tuple[int, int, int]]:

@@ -33,13 +33,7 @@ from pathlib import Path
 
 from executor_service.disk_cache import DiskCache
 from executor_service.listing import RemoteFile
-from executor_service.ranged_download import (
-    Part,
-    RangedDownload,
-    RangeReader,
-    ThreadedUrlParts,
-    UrlParts,
-)
+from executor_service.ranged_download import Part, RangedDownload, RangeReader
 from executor_service.sources import AdapterFiles, ResolvedAdapter, check_digest, parse_config
 from moelora.v1 import registry_pb2
 from shared.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
@@ -81,14 +75,13 @@ class RegistrySource:
         disk: DiskCache,
         streams: int,
         nice: int,
-        urls: UrlParts | None = None,
+        urls: UrlRangeReader | None = None,
     ) -> None:
         """``streams``: parallel ranged reads per download (``client`` should have as many
         connections); ``nice``: how much lower the download threads' CPU priority is;
-        ``urls``: receives parts over presigned URLs (default: in the download threads,
-        plain trust, ``client``'s timeout)."""
+        ``urls``: reads presigned URLs (default: plain trust, ``client``'s timeout)."""
         self.client = client
-        self.urls = urls or ThreadedUrlParts(UrlRangeReader(timeout=client.timeout))
+        self.urls = urls or UrlRangeReader(timeout=client.timeout)
         self.address = address
         self._disk = disk
         self._streams = streams
@@ -230,7 +223,7 @@ class RegistrySource:
         return [entry.adapter for entry in self._disk.entries()]
 
     def close(self) -> None:
-        self.urls.close()
+        self.urls.close()  # kept-alive connections to the blob store
 
     # -- the watcher's side --------------------------------------------------------------
 
@@ -301,7 +294,9 @@ class RegistrySource:
         def read(part: Part) -> None:
             where = f"adapter {adapter.label}: the blob store behind {self.address}"
             try:
-                self.urls.read(links[part.index], part)
+                self.urls.read_into(
+                    links[part.index], part.offset, part.receive_view(), part.arrived
+                )
             except UrlUnreachable as exc:  # before any byte of the part: nothing to undo
                 self._urls_unreachable_until = time.monotonic() + _URLS_RETRY_SECONDS
                 log_event(

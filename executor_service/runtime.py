@@ -15,7 +15,6 @@ from executor_service.adapters import AdapterManager, PackSettings
 from executor_service.batch import KernelFn
 from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
-from executor_service.download_helper import DownloadHelper
 from executor_service.engine import EngineSettings, ForwardEngine
 from executor_service.graphs import GraphCache
 from executor_service.host_cache import HostCache
@@ -24,7 +23,6 @@ from executor_service.loader import Loader, default_threads, load_threads
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.prefetch import Prefetcher
-from executor_service.ranged_download import ThreadedUrlParts, UrlParts
 from executor_service.registry_source import RegistrySource, RegistryWatcher
 from executor_service.runner import Runner
 from executor_service.scheduler import Scheduler, SchedulerSettings
@@ -132,19 +130,6 @@ def download_streams(settings: ExecutorSettings) -> int:
     return settings.download_streams or auto
 
 
-def url_parts(settings: ExecutorSettings, root_certificates: bytes | None) -> UrlParts:
-    """Where presigned-URL parts are received: the download helper process unless
-    ``--no-download-helper``."""
-    timeout = settings.registry_timeout_seconds
-    if settings.download_helper:
-        return DownloadHelper(
-            timeout=timeout, nice=settings.load_nice, root_certificates=root_certificates
-        )
-    return ThreadedUrlParts(
-        UrlRangeReader(timeout=timeout, ssl_context=tls_context(root_certificates))
-    )
-
-
 def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
     """The local adapter folder when ``--adapter-dir`` is set, else the registry when
     ``--registry-address`` is, else none (base model only)."""
@@ -166,13 +151,11 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
             connections=streams,
         )
         disk = DiskCache(settings.disk_cache_dir, settings.disk_cache_bytes, check_threads=streams)
+        urls = UrlRangeReader(
+            timeout=settings.registry_timeout_seconds, ssl_context=tls_context(root_certificates)
+        )
         return RegistrySource(
-            client,
-            settings.registry_address,
-            disk,
-            streams,
-            settings.load_nice,
-            url_parts(settings, root_certificates),
+            client, settings.registry_address, disk, streams, settings.load_nice, urls
         )
     return None
 

@@ -3,23 +3,18 @@
 A real registry process serves a real adapter; TCP proxies on 127.0.0.1 between it and the
 executor's source (one before its gRPC port, one before its blob HTTP server, whose signed URLs
 name the proxy) cut a connection (or stall it) after a number of bytes. Downloads run as two
-parallel ranged reads, over the signed URLs (the executor's path with a local blob store;
-received in the download helper process or in the executor's threads) or the DownloadAdapter
-stream (a registry without URLs), packed as they arrive. Covered: a connection cut
-mid-download on either path, a process killed mid-download (the next process adopts nothing of
-it, and its download helper exits), the download helper killed mid-download (the load fails
-UNAVAILABLE, the next starts a new helper), bytes damaged on disk after the check (hashed
-again, fetched again), a pack that fails halfway (the host cache gets nothing), and a blob
-damaged in the registry, which only the check of the bytes after they were packed can see (no
-host-cache entry, no slot, nothing on disk): at the end of the file hashed whole, or of the
-piece when the registry recorded pieces, which the disk cache then keeps for its check after a
-restart.
+parallel ranged reads, over the signed URLs (the executor's path with a local blob store) or
+the DownloadAdapter stream (a registry without URLs), packed as they arrive. Covered: a
+connection cut mid-download on either path, a process killed mid-download (the next process
+adopts nothing of it), bytes damaged on disk after the check (hashed again, fetched again), a
+pack that fails halfway (the host cache gets nothing), and a blob damaged in the registry,
+which only the check of the bytes after they were packed can see (no host-cache entry, no slot,
+nothing on disk): at the end of the file hashed whole, or of the piece when the registry
+recorded pieces, which the disk cache then keeps for its check after a restart.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import json
 import logging
 import os
@@ -41,10 +36,8 @@ from executor_service.app import ExecutorApp
 from executor_service.client import ExecutorClient, RetryPolicy
 from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
-from executor_service.download_helper import DownloadHelper
 from executor_service.metrics import ExecutorMetrics
 from executor_service.packer import pack_adapter
-from executor_service.ranged_download import UrlParts
 from executor_service.registry_source import RegistrySource
 from executor_service.sources import AdapterFiles, ResolvedAdapter
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
@@ -177,42 +170,12 @@ def proxy(setup: Setup) -> Iterator[CuttingProxy]:
     setup.http_proxy.reset()
 
 
-@contextlib.contextmanager
-def _url_parts(where: str) -> Iterator[UrlParts | None]:
-    """Where URL parts are received: in the download ``helper`` process, or in the source's
-    own ``threads`` (None: RegistrySource's default)."""
-    if where == "threads":
-        yield None
-        return
-    helper = DownloadHelper(timeout=10, nice=0, root_certificates=None)
-    try:
-        yield helper
-    finally:
-        helper.close()
-
-
-@pytest.fixture(params=["helper", "threads"])
-def receiver(request: pytest.FixtureRequest) -> Iterator[UrlParts | None]:
-    with _url_parts(request.param) as urls:
-        yield urls
-
-
 def _leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 
 
-def _source(
-    client: RegistryClient, address: str, disk: DiskCache, urls: UrlParts | None = None
-) -> RegistrySource:
-    return RegistrySource(client, address, disk, streams=STREAMS, nice=0, urls=urls)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie has exited)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+def _source(client: RegistryClient, address: str, disk: DiskCache) -> RegistrySource:
+    return RegistrySource(client, address, disk, streams=STREAMS, nice=0)
 
 
 def _fetched(source: RegistrySource, adapter: ResolvedAdapter) -> AdapterFiles:
@@ -225,20 +188,15 @@ def _fetched(source: RegistrySource, adapter: ResolvedAdapter) -> AdapterFiles:
     return source.fetch(adapter)  # from the disk cache now
 
 
-@pytest.mark.parametrize(
-    ("path", "where"), [("urls", "helper"), ("urls", "threads"), ("stream", "threads")]
-)
+@pytest.mark.parametrize("path", ["urls", "stream"])
 def test_a_cut_connection_leaves_no_entry_and_the_next_load_succeeds(
-    setup: Setup, proxy: CuttingProxy, tmp_path: Path, path: str, where: str
+    setup: Setup, proxy: CuttingProxy, tmp_path: Path, path: str
 ) -> None:
     disk = DiskCache(tmp_path / "disk", budget_bytes=10**9)
     client_type = RegistryClient if path == "urls" else StreamOnlyClient
     cut = setup.http_proxy if path == "urls" else proxy  # where the bytes flow
-    with (
-        client_type(proxy.address, timeout=10, connections=STREAMS) as client,
-        _url_parts(where) as receiver,
-    ):
-        source = _source(client, proxy.address, disk, receiver)
+    with client_type(proxy.address, timeout=10, connections=STREAMS) as client:
+        source = _source(client, proxy.address, disk)
         adapter = source.resolve(AdapterRef.parse("a:1"))
         cut.limit = setup.nbytes // 2
         with pytest.raises(MoeLoraError):
@@ -291,16 +249,18 @@ def test_urls_nobody_answers_fall_back_to_the_stream(
 _CHILD = """
 import sys
 from pathlib import Path
+from executor_service.app import ExecutorApp
+from executor_service.client import ExecutorClient, RetryPolicy
+from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
-from executor_service.download_helper import DownloadHelper
+from executor_service.metrics import ExecutorMetrics
 from executor_service.registry_source import RegistrySource
+from executor_service.sources import AdapterFiles, ResolvedAdapter
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
 address, root = sys.argv[1], Path(sys.argv[2])
-helper = DownloadHelper(timeout=60, nice=0, root_certificates=None)
-print(helper.pid, flush=True)
 with RegistryClient(address, timeout=60, connections=2) as client:
-    source = RegistrySource(client, address, DiskCache(root, 10**9), 2, 0, helper)
+    source = RegistrySource(client, address, DiskCache(root, 10**9), streams=2, nice=0)
     source.fetch(source.resolve(AdapterRef.parse("a:1"))).finish()
 """
 
@@ -308,24 +268,16 @@ with RegistryClient(address, timeout=60, connections=2) as client:
 def test_a_process_killed_mid_download_leaves_nothing_the_next_one_adopts(
     setup: Setup, proxy: CuttingProxy, tmp_path: Path
 ) -> None:
-    """An executor killed mid-download (SIGKILL: nothing of it runs on) leaves a partial
-    folder that the next one removes, and its download helper exits with it."""
     root = tmp_path / "disk"
     stalled = setup.http_proxy  # the bytes come over the signed URLs
     stalled.limit, stalled.stall = setup.nbytes // 2, True
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, proxy.address, str(root)], stdout=subprocess.PIPE
-    )
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, proxy.address, str(root)])
     try:
-        assert child.stdout is not None
-        helper = int(child.stdout.readline())
-        assert _alive(helper)
         wait_for(stalled.forwarded.is_set, timeout=60)
         wait_for(lambda: any(p.name.startswith(".partial-") for p in root.iterdir()))
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-    wait_for(lambda: not _alive(helper), timeout=10)
     restarted = DiskCache(root, budget_bytes=10**9)
     assert restarted.entries() == [] and _leftovers(root) == []
     stalled.reset()
@@ -334,40 +286,6 @@ def test_a_process_killed_mid_download_leaves_nothing_the_next_one_adopts(
         adapter = source.resolve(AdapterRef.parse("a:1"))
         assert isinstance(_fetched(source, adapter).weights, Path)
     assert [e.adapter for e in restarted.entries()] == [adapter]
-
-
-def test_a_download_helper_killed_mid_download_fails_the_load_and_the_next_starts_anew(
-    setup: Setup, proxy: CuttingProxy, tmp_path: Path
-) -> None:
-    """The helper is the executor's child: killed mid-download, the load fails UNAVAILABLE
-    (as a cut connection does), nothing is left on disk, and the next load starts a new
-    helper and succeeds."""
-    disk = DiskCache(tmp_path / "disk", budget_bytes=10**9)
-    stalled = setup.http_proxy
-    stalled.limit, stalled.stall = setup.nbytes // 2, True
-    with (
-        RegistryClient(proxy.address, timeout=10, connections=STREAMS) as client,
-        _url_parts("helper") as helper,
-    ):
-        assert isinstance(helper, DownloadHelper)
-        source = _source(client, proxy.address, disk, helper)
-        adapter = source.resolve(AdapterRef.parse("a:1"))
-        first = helper.pid
-        assert first is not None
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            fetching = pool.submit(_fetched, source, adapter)
-            wait_for(stalled.forwarded.is_set, timeout=60)
-            os.kill(first, signal.SIGKILL)
-            with pytest.raises(MoeLoraError) as info:
-                fetching.result(timeout=30)
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
-        assert "download helper" in info.value.message
-        assert disk.entries() == [] and _leftovers(tmp_path / "disk") == []
-        stalled.reset()
-        files = _fetched(source, adapter)
-        assert helper.pid not in (None, first)
-    assert isinstance(files.weights, Path)
-    assert files.weights.read_bytes() == (setup.adapter / WEIGHTS_FILE).read_bytes()
 
 
 def test_bytes_damaged_on_disk_are_hashed_again_and_fetched_again(
@@ -466,7 +384,7 @@ def test_a_blob_damaged_in_the_registry_fails_at_the_end_and_leaves_nothing(
 
 
 def test_a_damaged_piece_is_named_and_a_whole_download_keeps_the_registrys_pieces(
-    setup: Setup, tmp_path: Path, receiver: UrlParts | None
+    setup: Setup, tmp_path: Path
 ) -> None:
     """With the registry's pieces (1 MiB here) the check names the damaged piece; a genuine
     download keeps the registry's listing with the disk-cache entry, which a restarted
@@ -486,7 +404,7 @@ def test_a_damaged_piece_is_named_and_a_whole_download_keeps_the_registrys_piece
     try:
         blob.write_bytes(bytes(damaged))
         with RegistryClient(setup.registry, timeout=10, connections=STREAMS) as client:
-            source = _source(client, setup.registry, DiskCache(root, 10**9), receiver)
+            source = _source(client, setup.registry, DiskCache(root, 10**9))
             adapter = source.resolve(AdapterRef.parse("c:1"))
             with pytest.raises(MoeLoraError, match=rf"bytes {MIB}-\d+ \(piece 2 of 2\)"):
                 _fetched(source, adapter)
