@@ -318,3 +318,22 @@ def test_cuda_pack_keeps_about_one_layer_on_the_device(device: str, tmp_path: Pa
     # float32 scaling of B (each at most the layer's bytes): under 3 layers, not 6.
     assert torch.cuda.max_memory_allocated() - before < 3 * layer_bytes
     assert torch.cuda.memory_allocated() == before
+
+
+def test_the_file_reader_reads_ranges_and_names_a_file_cut_short(tmp_path: Path) -> None:
+    """What a CUDA pack stages a file through (pread): any range, in any order; a file
+    shorter than its header says fails naming the file, not with stale staging bytes."""
+    data = bytes(range(256)) * 64
+    path = tmp_path / "weights"
+    path.write_bytes(data)
+    with pack_device.file_reader(path) as read:
+        assert read is not None
+        into = bytearray(1000)
+        read(7000, memoryview(into))
+        assert bytes(into) == data[7000:8000]
+        read(3, memoryview(into)[:10])
+        assert bytes(into[:10]) == data[3:13]
+        with pytest.raises(EOFError, match="ends at byte"):
+            read(len(data) - 5, memoryview(bytearray(10)))
+    with pack_device.file_reader(None) as nothing:
+        assert nothing is None
