@@ -9,10 +9,9 @@ packed tensors as the host cache keeps them:
   tensors themselves (page-locked when asked, else large ones on transparent huge pages, which
   halve the cost of writing into fresh memory), so every byte is written once.
 * ``CudaPackDevice``: at the start of each layer its stored bytes go host→device through two
-  small reusable page-locked staging buffers, chunk by chunk (one filled while the other's copy
-  runs: by pread from a file, a few slices in parallel, so that the serving process maps none
-  of the file's pages; each chunk waits for its bytes when the file is still arriving); the
-  packing runs on a side stream (one per device, so that the caching allocator
+  small reusable page-locked staging buffers, chunk by chunk (one filled from the memory map
+  while the other's copy runs; each chunk waits for its bytes when the file is still
+  arriving); the packing runs on a side stream (one per device, so that the caching allocator
   reuses its blocks from one pack to the next); at the layer's end the packed tensors come back
   into page-locked host tensors and the stream is synchronised: device memory holds about one
   layer (its stored bytes, its packed tensors, the gather's scratch) at a time. Both copies go
@@ -279,16 +278,6 @@ class CudaPackDevice:
                 torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)
             ]
         self._staging_bytes = [_writable_bytes(buffer) for buffer in self._staging]
-        #: Reads fill a staging buffer in as many slices as the calling (loader) thread has
-        #: torch threads, up to ``_MAX_FILL_SLICES``: one pread copies the page cache at about
-        #: half the rate of the two-thread copy from a memory map it replaced. The threads it
-        #: starts share its nice.
-        self._slices = max(1, min(_MAX_FILL_SLICES, torch.get_num_threads()))
-        self._fillers = (
-            ThreadPoolExecutor(self._slices - 1, thread_name_prefix="pack-fill")
-            if self._slices > 1
-            else None
-        )
         self._copier = PacedCopier(self._stream)
         self._turn = 0
         #: The current layer's tensors: the device buffer holding each, and its offset there.
@@ -300,12 +289,8 @@ class CudaPackDevice:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        try:
-            with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-                yield
-        finally:
-            if self._fillers is not None:
-                self._fillers.shutdown()
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            yield
 
     def begin_layer(self, keys: Sequence[str]) -> None:
         """Stages the layer's bytes, one device buffer per run of tensors lying together in
@@ -327,27 +312,13 @@ class CudaPackDevice:
             staging = self._staging[turn]
             # Filled while the other buffer's copy runs; this one's last copy went before it.
             if self._stored.read is not None:
-                self._fill(self._stored.read, start, self._staging_bytes[turn][: stop - start])
+                self._stored.read(start, self._staging_bytes[turn][: stop - start])
             else:
                 staging[: stop - start].copy_(self._source[start:stop])
             self._copier.wait()
             out[start - begin : stop - begin].copy_(staging[: stop - start], non_blocking=True)
             self._copier.enqueued()
         return out
-
-    def _fill(self, read: Read, start: int, into: memoryview) -> None:
-        """Reads the file's bytes from ``start`` into ``into``, slices in parallel."""
-        if self._fillers is None:
-            read(start, into)
-            return
-        step = -(-len(into) // self._slices)
-        pending = [
-            self._fillers.submit(read, start + at, into[at : at + step])
-            for at in range(step, len(into), step)
-        ]
-        read(start, into[:step])
-        for future in pending:
-            future.result()
 
     def tensor(self, key: str) -> torch.Tensor:
         info = self._stored.header.tensors[key]
@@ -399,9 +370,6 @@ def _pinned(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype) ->
     with torch.cuda.device(device):  # page-locked for this device's context
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-
-#: Most slices a staging buffer is read in at once (see CudaPackDevice).
-_MAX_FILL_SLICES = 4
 
 #: Tensors at most this far apart in the file are staged as one run (the bytes between them
 #: are copied too).
