@@ -9,9 +9,9 @@ packed tensors as the host cache keeps them:
   tensors themselves (page-locked when asked, else large ones on transparent huge pages, which
   halve the cost of writing into fresh memory), so every byte is written once.
 * ``CudaPackDevice``: at the start of each layer its stored bytes go host→device through two
-  small reusable page-locked staging buffers, chunk by chunk (one filled from the memory map
-  while the other's copy runs; each chunk waits for its bytes when the file is still
-  arriving); the packing runs on a side stream (one per device, so that the caching allocator
+  small reusable page-locked staging buffers, chunk by chunk (one filled while the other's copy
+  runs: by one pread from a file, so that the serving process maps none of the file's pages;
+  each chunk waits for its bytes when the file is still arriving); the packing runs on a side stream (one per device, so that the caching allocator
   reuses its blocks from one pack to the next); at the layer's end the packed tensors come back
   into page-locked host tensors and the stream is synchronised: device memory holds about one
   layer (its stored bytes, its packed tensors, the gather's scratch) at a time. Both copies go
