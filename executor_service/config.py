@@ -78,8 +78,8 @@ class ExecutorSettings(ServerSettings):
         ge=0,
         le=256,
         description="CPU threads that pack one adapter (torch intra-op threads of the loader); "
-        "0 = 2 on a CUDA executor (the GPU packs; the threads stage bytes), half the CPU cores "
-        "on a CPU one",
+        "0 = 1 on a CUDA executor (the GPU packs; the threads read bytes into staging: more "
+        "load faster but slow Forward more while they do), half the CPU cores on a CPU one",
     )
     load_nice: int = Field(
         19,

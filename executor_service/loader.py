@@ -36,11 +36,13 @@ T = TypeVar("T")
 CONCURRENT_PACKS = 2
 
 
-#: Load threads of a CUDA executor unless set: the GPU packs, and these threads only copy the
-#: stored bytes into staging buffers; more of them took cores from Forward. Measured on an H100
-#: host (16 cores), Forward p50 during disk-warm loads: 8 threads +29%, 2 threads +12–17% (the
-#: loads 6–7 GB/s and 4.2–5.1 GB/s).
-CUDA_LOAD_THREADS = 2
+#: Load threads of a CUDA executor unless set: the GPU packs, and these threads only read the
+#: stored bytes into page-locked staging buffers (pread, one slice each). Every byte a load
+#: copies on the host slows Forward beside it, so the default reads with one. Measured on an
+#: H100 host (docs/executor.md, 2026-11-26, alone against beside each load): 1 thread, disk
+#: warm 3.4–4.5 GB/s and Forward p50 +4% to +16% during disk-warm loads; 2 threads 4.4–5.2 GB/s
+#: and +21% to +26%.
+CUDA_LOAD_THREADS = 1
 
 
 def default_threads(setting: int) -> int:

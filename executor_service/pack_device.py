@@ -10,14 +10,15 @@ packed tensors as the host cache keeps them:
   halve the cost of writing into fresh memory), so every byte is written once.
 * ``CudaPackDevice``: at the start of each layer its stored bytes go host→device through two
   small reusable page-locked staging buffers, chunk by chunk (one filled while the other's copy
-  runs: by one pread from a file, so that the serving process maps none of the file's pages;
-  each chunk waits for its bytes when the file is still arriving); the packing runs on a side stream (one per device, so that the caching allocator
-  reuses its blocks from one pack to the next); at the layer's end the packed tensors come back
-  into page-locked host tensors and the stream is synchronised: device memory holds about one
-  layer (its stored bytes, its packed tensors, the gather's scratch) at a time. Both copies go
-  one chunk in flight at a time (``paced_copy.py``), so that Forward's copies pass between.
-  The page-locked host tensors are allocated ahead, on a thread of their own, while the bytes
-  still arrive (``expect``): fresh page-locked memory maps at a few GB/s.
+  runs: by pread from a file, in as many slices at once as the load has threads, so that the
+  serving process maps none of the file's pages; each chunk waits for its bytes when the file
+  is still arriving); the packing runs on a side stream (one per device, so that the caching
+  allocator reuses its blocks from one pack to the next); at the layer's end the packed
+  tensors come back into page-locked host tensors and the stream is synchronised: device memory
+  holds about one layer (its stored bytes, its packed tensors, the gather's scratch) at a
+  time. Both copies go one chunk in flight at a time (``paced_copy.py``), so that Forward's
+  copies pass between. The page-locked host tensors are allocated ahead, on a thread of their
+  own, while the bytes still arrive (``expect``): fresh page-locked memory maps at a few GB/s.
 
 Both run the same torch ops on the same values, each rounding once as IEEE says (casts round to
 nearest even; a reduced float type is multiplied in float32), so a CUDA pack is bit-identical to
@@ -278,6 +279,15 @@ class CudaPackDevice:
                 torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)
             ]
         self._staging_bytes = [_writable_bytes(buffer) for buffer in self._staging]
+        #: Reads fill a staging buffer in as many slices at once as the calling (loader) thread
+        #: has torch threads (``--load-threads``), up to ``_MAX_FILL_SLICES``: more load faster
+        #: and slow Forward more (see loader.CUDA_LOAD_THREADS). The threads share its nice.
+        self._slices = max(1, min(_MAX_FILL_SLICES, torch.get_num_threads()))
+        self._fillers = (
+            ThreadPoolExecutor(self._slices - 1, thread_name_prefix="pack-fill")
+            if self._slices > 1
+            else None
+        )
         self._copier = PacedCopier(self._stream)
         self._turn = 0
         #: The current layer's tensors: the device buffer holding each, and its offset there.
@@ -289,8 +299,12 @@ class CudaPackDevice:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            yield
+        try:
+            with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+                yield
+        finally:
+            if self._fillers is not None:
+                self._fillers.shutdown()
 
     def begin_layer(self, keys: Sequence[str]) -> None:
         """Stages the layer's bytes, one device buffer per run of tensors lying together in
@@ -312,13 +326,27 @@ class CudaPackDevice:
             staging = self._staging[turn]
             # Filled while the other buffer's copy runs; this one's last copy went before it.
             if self._stored.read is not None:
-                self._stored.read(start, self._staging_bytes[turn][: stop - start])
+                self._fill(self._stored.read, start, self._staging_bytes[turn][: stop - start])
             else:
                 staging[: stop - start].copy_(self._source[start:stop])
             self._copier.wait()
             out[start - begin : stop - begin].copy_(staging[: stop - start], non_blocking=True)
             self._copier.enqueued()
         return out
+
+    def _fill(self, read: Read, start: int, into: memoryview) -> None:
+        """Reads the file's bytes from ``start`` into ``into``, slices in parallel."""
+        if self._fillers is None:
+            read(start, into)
+            return
+        step = -(-len(into) // self._slices)
+        pending = [
+            self._fillers.submit(read, start + at, into[at : at + step])
+            for at in range(step, len(into), step)
+        ]
+        read(start, into[:step])
+        for future in pending:
+            future.result()
 
     def tensor(self, key: str) -> torch.Tensor:
         info = self._stored.header.tensors[key]
@@ -370,6 +398,9 @@ def _pinned(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype) ->
     with torch.cuda.device(device):  # page-locked for this device's context
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
+
+#: Most slices a staging buffer is read in at once (see CudaPackDevice).
+_MAX_FILL_SLICES = 4
 
 #: Tensors at most this far apart in the file are staged as one run (the bytes between them
 #: are copied too).
