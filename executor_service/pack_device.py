@@ -285,7 +285,7 @@ class CudaPackDevice:
         self._slices = max(1, min(_MAX_FILL_SLICES, torch.get_num_threads()))
         self._fillers = (
             ThreadPoolExecutor(self._slices - 1, thread_name_prefix="pack-fill")
-            if self._slices > 1
+            if self._slices > 1 and stored.read is not None
             else None
         )
         self._copier = PacedCopier(self._stream)

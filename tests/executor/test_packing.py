@@ -17,6 +17,8 @@ torch is installed: ``pytest --noconftest -m gpu tests/executor/test_packing.py`
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,14 +205,43 @@ class Trickle:
         return None  # in memory only
 
 
+class FileTrickle(Trickle):
+    """Weights arriving into a file, as a download writes them: the file holds 0xFF bytes until
+    a range is waited for, which is then written to it. A CUDA pack reads the file itself
+    (pread), so a read ahead of its wait would get NaN."""
+
+    def __init__(self, raw: bytes, path: Path) -> None:
+        super().__init__(raw)
+        path.write_bytes(b"\xff" * len(raw))
+        self._path = path
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, len(raw))  # shared, as a download's: the file's pages
+        finally:
+            os.close(fd)
+
+    def view(self) -> memoryview:
+        return memoryview(self._map)
+
+    def wait(self, begin: int, end: int) -> None:
+        self._map[begin:end] = self._raw[begin:end]
+        self.waits.append((begin, end))
+
+    @property
+    def path(self) -> Path | None:
+        return self._path
+
+
+@pytest.mark.parametrize("into", ["memory", "file"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_arriving_weights_are_read_where_they_arrived(
-    device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    device: str, into: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     written = write(tmp_path, CASES_3D[0], SyntheticBase("qwen3_moe", num_layers=3))
     monkeypatch.setattr(pack_device, "STAGING_BYTES", 4096)  # several chunks per tensor
     expected = pack_adapter(written.config, written.weights, written.spec, MAX_RANK, torch.bfloat16)
-    arriving = Trickle(written.weights.read_bytes())
+    raw = written.weights.read_bytes()
+    arriving = Trickle(raw) if into == "memory" else FileTrickle(raw, tmp_path / "arriving")
     got = pack_adapter(
         written.config, arriving, written.spec, MAX_RANK, torch.bfloat16, device=device
     )
