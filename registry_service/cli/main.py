@@ -167,7 +167,13 @@ def _show_version(out: Output, v: registry_pb2.AdapterVersion) -> None:
             text = ", ".join(map(str, value)) if isinstance(value, list) else value
             out.out.print(f"{key + ':':24} {text}")
     for f in v.files:
-        out.out.print(f"{'file:':24} {f.path}  {_size(f.size_bytes)}  sha256:{f.sha256}")
+        # Piece digests (checked by executors as parts arrive): how many, not each one.
+        pieces = (
+            f"  {len(f.part_sha256)} pieces of {_size(f.part_size_bytes)} sha256-checked"
+            if f.part_size_bytes
+            else ""
+        )
+        out.out.print(f"{'file:':24} {f.path}  {_size(f.size_bytes)}  sha256:{f.sha256}{pieces}")
 
 
 def _labels(pairs: Sequence[str]) -> dict[str, str]:

@@ -79,6 +79,10 @@ def test_upload_list_show_download_round_trip(
     # Human output and errors: one readable line, a meaningful exit code.
     table = adapterctl(address, "list")
     assert table.returncode == 0 and "sql-expert" in table.stdout
+    details = adapterctl(address, "show", "sql-expert:1")
+    weights = next(f for f in shown["files"] if f["path"] == "adapter_model.safetensors")
+    pieces = len(weights["part_sha256"])
+    assert pieces >= 1 and f"{pieces} pieces of 16.0 MiB sha256-checked" in details.stdout
     missing = adapterctl(address, "show", "sql-expert:7")
     assert missing.returncode == 3
     assert missing.stderr.strip().splitlines() == [
