@@ -22,12 +22,11 @@ times, on an otherwise idle executor:
 then Forward for another, pinned adapter from a client process of its own
 (``bench_clients``) calling in a loop through one session: while ``--cold-loads`` new versions
 load cold one after the other, then while the first of them loads again disk-warm
-``--warm-loads`` times (unloaded between, outside the measured windows; the calls of each kind's
-loads pooled), and alone in a
-quiet stretch just before each load (``--idle-seconds`` in all); p50 and p90 of the calls
-overlapping each kind of load, against those alone.
-Rates are adapter file bytes per second (1 GB = 10^9 bytes). ``--small`` is a seconds-long
-smoke run (tests use it).
+``--warm-loads`` times (unloaded between, outside the measured windows; the calls of each
+kind's loads pooled), and alone in a quiet stretch just before each load (``--idle-seconds``
+in all); p50 and p90 of the calls overlapping each kind of load, against those alone. Rates
+are adapter file bytes per second (1 GB = 10^9 bytes). ``--small`` is a seconds-long smoke run
+(tests use it).
 """
 
 from __future__ import annotations
@@ -167,6 +166,15 @@ def _overlapping(calls: list[tuple[float, float]], windows: list[Window]) -> lis
     ]
 
 
+def _within(calls: list[tuple[float, float]], windows: list[Window]) -> list[float]:
+    """The latencies of the calls that ran entirely inside one of ``windows``."""
+    return [
+        seconds
+        for started, seconds in calls
+        if any(begin <= started and started + seconds <= end for begin, end in windows)
+    ]
+
+
 def _forward_during_loads(
     address: str,
     spec: ModelSpec,
@@ -186,30 +194,24 @@ def _forward_during_loads(
     client.go()
     time.sleep(0.2)  # the client is calling before anything is measured
     quiet = idle_seconds / max(1, sum(len(works) for works in loads.values()))
-    windows: dict[str, list[Window]] = {"idle": []}
+    alone: list[Window] = []
+    windows: dict[str, list[Window]] = {}
     seconds: dict[str, list[float]] = {}
     try:
         for kind, works in loads.items():
             for before, work in works:
                 before()
                 time.sleep(0.2)
-                windows["idle"].append((time.time(), time.time() + quiet))
+                begin = time.time()
                 time.sleep(quiet)
+                alone.append((begin, begin + quiet))
                 begin = time.time()
                 seconds.setdefault(kind, []).append(_timed(work))
                 windows.setdefault(kind, []).append((begin, time.time()))
     finally:
         calls = client.finish()
-    latency = {
-        "idle": [
-            t
-            for started, t in calls
-            if any(begin <= started and started + t <= end for begin, end in windows["idle"])
-        ]
-    }
-    for kind, spans in windows.items():
-        if kind != "idle":
-            latency[kind] = _overlapping(calls, spans)
+    latency = {"idle": _within(calls, alone)}
+    latency.update((kind, _overlapping(calls, spans)) for kind, spans in windows.items())
     return latency, seconds
 
 

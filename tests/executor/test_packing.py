@@ -190,7 +190,7 @@ class Trickle:
 
     def __init__(self, raw: bytes) -> None:
         self._raw = raw
-        self._buffer = bytearray(b"\xff" * len(raw))
+        self._buffer: bytearray | mmap.mmap = bytearray(b"\xff" * len(raw))
         self.waits: list[tuple[int, int]] = []
 
     def view(self) -> memoryview:
@@ -216,16 +216,9 @@ class FileTrickle(Trickle):
         self._path = path
         fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, len(raw))  # shared, as a download's: the file's pages
+            self._buffer = mmap.mmap(fd, len(raw))  # shared, as a download's: the file's pages
         finally:
             os.close(fd)
-
-    def view(self) -> memoryview:
-        return memoryview(self._map)
-
-    def wait(self, begin: int, end: int) -> None:
-        self._map[begin:end] = self._raw[begin:end]
-        self.waits.append((begin, end))
 
     @property
     def path(self) -> Path | None:
