@@ -94,6 +94,8 @@ class PackSettings:
     device: torch.device
     #: MoE layers this executor serves: only those are packed (None: all).
     layers: frozenset[int] | None = None
+    #: A CUDA pack copies files from the page cache (page_cache_dma.py) where it can.
+    page_cache_dma: bool = True
 
 
 class AdapterManager:
@@ -397,6 +399,7 @@ class AdapterManager:
                         pack.layers,
                         pin=self.host.pin_memory,
                         device=pack.device,
+                        page_cache_dma=pack.page_cache_dma,
                     )
                 )
             except InvalidArgument as exc:

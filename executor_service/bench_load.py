@@ -58,6 +58,7 @@ from executor_service.disk_cache import DiskCache
 from executor_service.loader import Loader, load_threads
 from executor_service.metrics import ExecutorMetrics
 from executor_service.packer import pack_adapter
+from executor_service.page_cache_dma import readonly_registration
 from executor_service.process import configure_process
 from executor_service.registry_source import RegistrySource
 from executor_service.runtime import ExecutorRuntime, download_streams
@@ -233,6 +234,7 @@ def _executor(
             "host_cache_bytes": 8 * 1024**3,
             "download_streams": args.streams,
             "load_threads": args.load_threads,
+            "page_cache_dma": not args.no_page_cache_dma,
             "load_nice": args.load_nice,
             "gil_switch_interval_us": args.gil_switch_interval_us,
             "kernel_autotune_seconds": 0.0,  # heuristic kernel configs: start at once
@@ -319,6 +321,7 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
                         torch.bfloat16,
                         pin=device.type == "cuda",
                         device=where,
+                        page_cache_dma=settings.page_cache_dma,
                     )
                 )
 
@@ -413,6 +416,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-threads", type=int, default=0, help="--load-threads (0: auto)")
     parser.add_argument("--load-nice", type=int, default=19, help="--load-nice")
     parser.add_argument(
+        "--no-page-cache-dma",
+        action="store_true",
+        help="--no-page-cache-dma: a CUDA pack stages the files' bytes",
+    )
+    parser.add_argument(
         "--gil-switch-interval-us",
         type=int,
         default=ExecutorSettings.model_fields["gil_switch_interval_us"].default,
@@ -460,12 +468,19 @@ def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:
         else f"{platform.machine()}, {os.cpu_count()} cores"
     )
     streams = download_streams(ExecutorSettings.model_validate({"download_streams": args.streams}))
+    dma = (
+        ("page-cache DMA" if readonly_registration(device) else "staged: no read-only DMA")
+        if device.type == "cuda" and not args.no_page_cache_dma
+        else "staged"
+        if device.type == "cuda"
+        else "CPU pack"
+    )
     print(
         f"\nadapter cold start: {results.nbytes / _GB:.3f} GB adapter ({shape.layers} MoE "
         f"layers, rank {shape.rank}, E {shape.num_experts}, H {shape.hidden_size}, "
         f"I {shape.moe_intermediate_size}, bf16), device {args.device} ({where}), "
         f"{streams} download streams, {load_threads(args.load_threads, device)} load threads at "
-        f"nice +{args.load_nice}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}\n"
+        f"nice +{args.load_nice}, {dma}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}\n"
     )
     print("| step | seconds | GB/s |")
     print("|---|---:|---:|")

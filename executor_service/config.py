@@ -78,8 +78,16 @@ class ExecutorSettings(ServerSettings):
         ge=0,
         le=256,
         description="CPU threads that pack one adapter (torch intra-op threads of the loader); "
-        "0 = 1 on a CUDA executor (the GPU packs; the threads read bytes into staging: more "
-        "load faster but slow Forward more while they do), half the CPU cores on a CPU one",
+        "0 = 1 on a CUDA executor (the GPU packs; the threads read bytes into staging where "
+        "the page cache is not copied from directly: more load faster but slow Forward more "
+        "while they do), half the CPU cores on a CPU one",
+    )
+    page_cache_dma: bool = Field(
+        True,
+        description="on a CUDA executor, copy adapter files to the GPU straight from the OS "
+        "page cache (their pages registered read-only with the driver, where the device "
+        "supports it) rather than through page-locked staging buffers: faster loads, and "
+        "less host copying beside Forward",
     )
     load_nice: int = Field(
         19,

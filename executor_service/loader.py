@@ -37,7 +37,8 @@ CONCURRENT_PACKS = 2
 
 
 #: Load threads of a CUDA executor unless set: the GPU packs, and these threads only read the
-#: stored bytes into page-locked staging buffers (pread, one slice each). Every byte a load
+#: stored bytes into page-locked staging buffers (pread, one slice each) where the copy engine
+#: does not read the page cache itself (page_cache_dma.py). Every byte a load
 #: copies on the host slows Forward beside it, so the default reads with one. Measured on an
 #: H100 host (docs/executor.md, 2026-11-26, alone against beside each load): 1 thread, disk
 #: warm 3.4–4.5 GB/s and Forward p50 +4% to +16% during disk-warm loads; 2 threads 4.4–5.2 GB/s

@@ -50,6 +50,7 @@ from executor_service.pack_device import (
     open_weights,
     pack_device,
 )
+from executor_service.page_cache_dma import MappedFile, open_for_dma
 from shared.adapter_format import (
     LayerLayout,
     LoRAPair,
@@ -113,20 +114,26 @@ def pack_adapter(
     only: frozenset[int] | None = None,
     pin: bool = False,
     device: torch.device | str = "cpu",
+    page_cache_dma: bool = True,
 ) -> PackedAdapter:
     """Check a PEFT adapter (adapter_config.json parsed, adapter_model.safetensors as bytes,
     a path or arriving) against ``spec`` and pack it on ``device`` (the CPU, or a CUDA device)
     into host tensors: page-locked when ``pin`` or when packed on CUDA. ``only``: pack just
     those layers (a layer-sharded executor), though the whole adapter is checked. Raises
-    InvalidArgument naming the tensor."""
+    InvalidArgument naming the tensor. ``page_cache_dma``: a CUDA pack of a file copies from
+    its page cache where the driver allows (page_cache_dma.py), else through staging buffers."""
     if isinstance(weights, bytes | memoryview | Path):
         data, wait = open_weights(weights)
         path = weights if isinstance(weights, Path) else None
     else:
         data, wait, path = weights.view(), weights.wait, weights.path
     device = torch.device(device)
-    with file_reader(path if device.type == "cuda" else None) as read:
-        return _pack(config, data, wait, read, spec, max_rank, dtype, only, pin, device)
+    on_gpu = path if device.type == "cuda" else None
+    with (
+        file_reader(on_gpu) as read,
+        open_for_dma(on_gpu if page_cache_dma else None, device) as pages,
+    ):
+        return _pack(config, data, wait, read, pages, spec, max_rank, dtype, only, pin, device)
 
 
 def _pack(
@@ -134,6 +141,7 @@ def _pack(
     data: memoryview,
     wait: Wait,
     read: Read | None,
+    pages: MappedFile | None,
     spec: ModelSpec,
     max_rank: int,
     dtype: torch.dtype,
@@ -145,7 +153,7 @@ def _pack(
     wait(PREFIX_BYTES, PREFIX_BYTES + header_length(data))
     header = parse_bytes(data)
     layout = inspect_adapter(config, header, spec, max_rank)
-    stored = StoredTensors(header, data, wait, read)
+    stored = StoredTensors(header, data, wait, read, pages)
     work = pack_device(device, stored, dtype, pin)
     packing = _Packing(stored, work, spec, dtype)
     layers = {}

@@ -212,6 +212,7 @@ def build_runtime(
             dtype=where.dtype,
             layers=frozenset(model.layers),
             device=where.device,
+            page_cache_dma=settings.page_cache_dma,
         ),
         host=HostCache(settings.host_cache_bytes, pin_memory=where.device.type == "cuda"),
         slots=SlotManager(buffers, LRUPolicy()),

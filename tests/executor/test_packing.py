@@ -31,6 +31,7 @@ from safetensors.torch import load, save
 from executor_service import pack_device
 from executor_service.pack_device import CpuPackDevice, coalesce
 from executor_service.packer import PackedAdapter, pack_adapter
+from executor_service.page_cache_dma import MappedFile, RegisterError, Window
 from executor_service.synthetic import (
     SyntheticAdapter,
     SyntheticBase,
@@ -225,18 +226,27 @@ class FileTrickle(Trickle):
         return self._path
 
 
-@pytest.mark.parametrize("into", ["memory", "file"])
+@pytest.mark.parametrize("into", ["memory", "file", "file, staged"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_arriving_weights_are_read_where_they_arrived(
     device: str, into: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """From a file a CUDA pack copies the page cache (registered windows of two pages) or
+    stages it; either way a range is read only after its wait."""
     written = write(tmp_path, CASES_3D[0], SyntheticBase("qwen3_moe", num_layers=3))
     monkeypatch.setattr(pack_device, "STAGING_BYTES", 4096)  # several chunks per tensor
+    monkeypatch.setattr(pack_device, "WINDOW_BYTES", 2 * mmap.PAGESIZE)  # several windows
     expected = pack_adapter(written.config, written.weights, written.spec, MAX_RANK, torch.bfloat16)
     raw = written.weights.read_bytes()
     arriving = Trickle(raw) if into == "memory" else FileTrickle(raw, tmp_path / "arriving")
     got = pack_adapter(
-        written.config, arriving, written.spec, MAX_RANK, torch.bfloat16, device=device
+        written.config,
+        arriving,
+        written.spec,
+        MAX_RANK,
+        torch.bfloat16,
+        device=device,
+        page_cache_dma=into != "file, staged",
     )
     assert_same_bits(got, expected)
     ends = [end for _, end in arriving.waits]
@@ -342,6 +352,58 @@ def test_cuda_pack_keeps_about_one_layer_on_the_device(device: str, tmp_path: Pa
     # float32 scaling of B (each at most the layer's bytes): under 3 layers, not 6.
     assert torch.cuda.max_memory_allocated() - before < 3 * layer_bytes
     assert torch.cuda.memory_allocated() == before
+
+
+class FailingPages(MappedFile):
+    """A mapped file whose ``fail_at``-th registration is declined, as a driver may."""
+
+    def __init__(self, path: Path, fail_at: int) -> None:
+        super().__init__(path, torch.cuda.current_device())
+        self.registered = 0
+        self._fail_at = fail_at
+
+    def register(self, begin: int, end: int) -> Window:
+        self.registered += 1
+        if self.registered == self._fail_at:
+            raise RegisterError("declined by the test")
+        return super().register(begin, end)
+
+
+@gpu
+@pytest.mark.parametrize("fail_at", [0, 1, 3], ids=["none", "first", "third"])
+def test_the_page_cache_is_copied_until_a_registration_is_declined(
+    device: str,
+    fail_at: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A CUDA pack copies a file's registered pages, window by window; once the driver
+    declines a window (``fail_at``: the n-th, 0 never), that window and the rest go through
+    the staging buffers. Either way the device holds the file's bytes."""
+    written = write(tmp_path, CASES_3D[0], SyntheticBase("qwen3_moe", num_layers=3))
+    monkeypatch.setattr(pack_device, "WINDOW_BYTES", 4 * mmap.PAGESIZE)
+    data, wait = pack_device.open_weights(written.weights)
+    header = parse_bytes(data)
+    keys = sorted(header.tensors, key=lambda key: header.tensors[key].begin)
+    pages = FailingPages(written.weights, fail_at)
+    with pack_device.file_reader(written.weights) as read:
+        try:
+            stored = pack_device.StoredTensors(header, data, wait, read, pages)
+            work = pack_device.pack_device(torch.device(device), stored, torch.float32, True)
+            with work.running():
+                work.begin_layer(keys)  # the whole file as one layer
+                got = {key: work.tensor(key).cpu() for key in keys}
+        finally:
+            pages.close()
+    for key in keys:
+        assert torch.equal(got[key], stored.host(key)), key
+    declined = "staging buffers from here on: declined by the test" in caplog.text
+    assert declined == bool(fail_at)
+    if fail_at:
+        assert pages.registered == fail_at, "a declined driver is not asked again"
+    else:
+        assert pages.registered > 3, "the pack registered window by window"
 
 
 def test_the_file_reader_reads_ranges_and_names_a_file_cut_short(tmp_path: Path) -> None:
