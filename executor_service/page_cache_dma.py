@@ -50,10 +50,10 @@ class RegisterError(RuntimeError):
 
 @dataclass(frozen=True)
 class Window:
-    """Registered pages of a mapped file, covering file bytes [begin, end)."""
+    """Registered whole pages of a mapped file: file bytes [offset, offset + size), which
+    lie at ``address``."""
 
     address: int
-    #: File offset of ``address`` (page-aligned) and the registered length (whole pages).
     offset: int
     size: int
 
