@@ -460,6 +460,15 @@ def main(argv: list[str] | None = None) -> None:
     _print(results, args, shape)
 
 
+def _byte_path(device: torch.device, staged: bool) -> str:
+    """How a load's bytes reach the packing device."""
+    if device.type != "cuda":
+        return "CPU pack"
+    if staged:
+        return "staged"
+    return "page-cache DMA" if readonly_registration(device) else "staged: no read-only DMA"
+
+
 def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:
     device = torch.device(args.device)
     where = (
@@ -468,13 +477,7 @@ def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:
         else f"{platform.machine()}, {os.cpu_count()} cores"
     )
     streams = download_streams(ExecutorSettings.model_validate({"download_streams": args.streams}))
-    dma = (
-        ("page-cache DMA" if readonly_registration(device) else "staged: no read-only DMA")
-        if device.type == "cuda" and not args.no_page_cache_dma
-        else "staged"
-        if device.type == "cuda"
-        else "CPU pack"
-    )
+    dma = _byte_path(device, args.no_page_cache_dma)
     print(
         f"\nadapter cold start: {results.nbytes / _GB:.3f} GB adapter ({shape.layers} MoE "
         f"layers, rank {shape.rank}, E {shape.num_experts}, H {shape.hidden_size}, "
