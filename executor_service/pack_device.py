@@ -24,7 +24,7 @@ packed tensors as the host cache keeps them:
 
 Both run the same torch ops on the same values, each rounding once as IEEE says (casts round to
 nearest even; a reduced float type is multiplied in float32), so a CUDA pack is bit-identical to
-a CPU pack (tests/executor/test_gpu_packing.py). Only the band size of B's gather differs: the
+a CPU pack (tests/executor/test_packing.py). Only the band size of B's gather differs: the
 CPU blocks it to stay in its cache, a GPU takes a tensor at once.
 """
 
