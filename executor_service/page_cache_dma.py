@@ -115,14 +115,17 @@ class MappedFile:
 
     def release(self, window: Window) -> None:
         """Unregisters a window; no copy from it may still be running."""
-        self._windows.remove(window.address)
-        _check(_driver().cuMemHostUnregister(window.address), "releasing a registered window")
+        self._unregister(window.address)
+
+    def _unregister(self, address: int) -> None:
+        self._windows.remove(address)
+        _check(_driver().cuMemHostUnregister(address), "releasing a registered window")
 
     def close(self) -> None:
         """Releases what is still registered and unmaps the file."""
         for address in list(self._windows):
             with contextlib.suppress(RegisterError):
-                self.release(Window(address, 0, 0))
+                self._unregister(address)
         _libc().munmap(self._address, self._length)
         self._context.release()
 
@@ -139,9 +142,7 @@ def open_for_dma(path: Path | None, device: torch.device) -> Iterator[MappedFile
     ):
         yield None
         return
-    with torch.cuda.device(device):
-        ordinal = torch.cuda.current_device()
-    mapped = MappedFile(path, ordinal)
+    mapped = MappedFile(path, _ordinal(device))
     try:
         yield mapped
     finally:
@@ -150,8 +151,13 @@ def open_for_dma(path: Path | None, device: torch.device) -> Iterator[MappedFile
 
 def readonly_registration(device: torch.device) -> bool:
     """Whether the driver registers read-only host memory for ``device``."""
+    return _supported(_ordinal(device))
+
+
+def _ordinal(device: torch.device) -> int:
+    """A CUDA device's index ("cuda" alone: the current one)."""
     with torch.cuda.device(device):
-        return _supported(torch.cuda.current_device())
+        return torch.cuda.current_device()
 
 
 @functools.cache
@@ -229,7 +235,6 @@ def _driver_or_none() -> ctypes.CDLL | None:
     driver.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     driver.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
     driver.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
-    driver.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
     driver.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
     driver.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
     return driver
