@@ -397,9 +397,9 @@ class AdapterManager:
                         pack.max_rank,
                         pack.dtype,
                         pack.layers,
-                        pin=self.host.pin_memory,
                         device=pack.device,
                         page_cache_dma=pack.page_cache_dma,
+                        memory=self.host.memory,
                     )
                 )
             except InvalidArgument as exc:

@@ -319,9 +319,9 @@ def _measure_local(root: Path, args: argparse.Namespace, shape: Shape, spec: Mod
                         spec,
                         shape.rank,
                         torch.bfloat16,
-                        pin=device.type == "cuda",
                         device=where,
                         page_cache_dma=settings.page_cache_dma,
+                        memory=runtime.adapters.host.memory,
                     )
                 )
 

@@ -34,6 +34,12 @@ class ExecutorSettings(ServerSettings):
     host_cache_bytes: int = Field(
         4 * 1024**3, ge=0, description="byte budget of the host-memory adapter cache"
     )
+    host_cache_reserve: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="take the host cache's memory at start-up (its budget plus room for the "
+        "packs in flight; page-locked on a GPU) rather than as the first adapters fill it; "
+        "either way it is kept and recycled, never handed back: auto = on a CUDA executor",
+    )
     registry_address: str | None = Field(
         "127.0.0.1:50051", description="registry host:port adapters are pulled from; empty: none"
     )

@@ -2,12 +2,16 @@
 
 The host cache is the tier between the adapter source (slow: a registry download, a disk
 read, then packing) and the GPU slots (fast: one host→device copy). Entries are keyed by
-digest. On a CUDA executor the tensors are copied into page-locked (pinned) memory once, on
-insertion, so that the copies into GPU slots can run asynchronously on the side stream.
+digest. Its memory is ``memory``'s (``host_pool.py``): packs write their tensors there, and
+the ranges of an evicted entry go back to it once nothing uses them any more. On a CUDA
+executor that memory is page-locked (pinned), so that the copies into GPU slots run
+asynchronously on the side stream; a tensor that is not gets copied into pinned memory once,
+on insertion.
 
 Evicting an entry only drops the host copy: an adapter that sits in a GPU slot stays there
-(the slot holds its own copy), and a host→GPU copy still in flight keeps its source alive
-(torch's pinned-memory allocator does not reuse a block until the copies reading it finished).
+(the slot holds its own copy), and a host→GPU copy still in flight keeps its source from
+being reused (the pool hands a range out again only after the copies enqueued before its
+release).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from executor_service.host_pool import HostPool
 from executor_service.packer import PackedAdapter, PackedLayer
 from executor_service.sources import ResolvedAdapter
 
@@ -60,9 +65,10 @@ def pin_packed(packed: PackedAdapter) -> PackedAdapter:
 class HostCache:
     """Packed adapters by digest within ``budget_bytes`` (``PackedAdapter.nbytes`` each)."""
 
-    def __init__(self, budget_bytes: int, pin_memory: bool) -> None:
+    def __init__(self, budget_bytes: int, memory: HostPool) -> None:
         self.budget_bytes = budget_bytes
-        self.pin_memory = pin_memory
+        self.memory = memory
+        self.pin_memory = memory.pinned
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, HostEntry] = OrderedDict()
         self._used = 0

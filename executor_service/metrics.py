@@ -118,6 +118,16 @@ class ExecutorMetrics:
             "Bytes of packed adapters in the host cache",
             registry=registry,
         )
+        self.host_memory_reserved_bytes = Gauge(
+            "moelora_executor_host_memory_reserved_bytes",
+            "Bytes of host memory the host cache's pool has taken (kept and recycled)",
+            registry=registry,
+        )
+        self.host_memory_fresh_bytes = Counter(
+            "moelora_executor_host_memory_fresh_bytes",
+            "Bytes of packed tensors the host cache's pool had no room for (fresh memory)",
+            registry=registry,
+        )
         self.gpu_slots = Gauge(
             "moelora_executor_gpu_slots",
             "GPU adapter slots by state (free, loaded, pinned)",

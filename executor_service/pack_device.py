@@ -6,8 +6,7 @@ packed tensors as the host cache keeps them:
 
 * ``CpuPackDevice``: stored tensors are views of the weights buffer (a memory map, or a file
   still arriving: each tensor waits for its own bytes), and the packed buffers are the host
-  tensors themselves (page-locked when asked, else large ones on transparent huge pages, which
-  halve the cost of writing into fresh memory), so every byte is written once.
+  tensors themselves (from the host pool, ``host_pool.py``), so every byte is written once.
 * ``CudaPackDevice``: at the start of each layer its stored bytes go host→device. From a file
   whose pages the driver registers read-only (``page_cache_dma.py``), the copy engine reads
   the page cache directly, a registered window at a time; otherwise they go through two small
@@ -19,8 +18,9 @@ packed tensors as the host cache keeps them:
   tensors come back into page-locked host tensors and the stream is synchronised: device memory
   holds about one layer (its stored bytes, its packed tensors, the gather's scratch) at a
   time. Both copies go one chunk in flight at a time (``paced_copy.py``), so that Forward's
-  copies pass between. The page-locked host tensors are allocated ahead, on a thread of their
-  own, while the bytes still arrive (``expect``): fresh page-locked memory maps at a few GB/s.
+  copies pass between. The page-locked host tensors (from the host pool) are allocated ahead,
+  on a thread of their own, while the bytes still arrive (``expect``): where the pool has no
+  room, fresh page-locked memory maps at a few GB/s.
 
 Both run the same torch ops on the same values, each rounding once as IEEE says (casts round to
 nearest even; a reduced float type is multiplied in float32), so a CUDA pack is bit-identical to
@@ -34,7 +34,6 @@ import contextlib
 import ctypes
 import functools
 import logging
-import math
 import mmap
 import os
 import sys
@@ -47,6 +46,7 @@ from typing import Protocol
 
 import torch
 
+from executor_service.host_pool import HostPool
 from executor_service.paced_copy import CHUNK_BYTES, PacedCopier
 from executor_service.page_cache_dma import WINDOW_BYTES, MappedFile, RegisterError, Window
 from shared.safetensors_header import SafetensorsHeader
@@ -194,16 +194,19 @@ class PackDevice(Protocol):
 
 
 def pack_device(
-    device: torch.device, stored: StoredTensors, dtype: torch.dtype, pin: bool
+    device: torch.device, stored: StoredTensors, dtype: torch.dtype, memory: HostPool
 ) -> PackDevice:
-    """The pack device for ``device``: a CUDA pack always writes page-locked host tensors."""
+    """The pack device for ``device``, writing its host tensors into ``memory`` (a CUDA pack
+    needs page-locked memory there)."""
     if device.type == "cuda":
+        if not memory.pinned:
+            raise ValueError("a CUDA pack writes into page-locked host memory")
         with torch.cuda.device(device):  # "cuda" alone: the current one
             device = torch.device("cuda", torch.cuda.current_device())
-        return CudaPackDevice(device, stored, dtype)
+        return CudaPackDevice(device, stored, dtype, memory)
     if device.type != "cpu":
         raise ValueError(f"cannot pack adapters on a {device.type} device")
-    return CpuPackDevice(stored, dtype, pin)
+    return CpuPackDevice(stored, dtype, memory)
 
 
 class CpuPackDevice:
@@ -211,10 +214,10 @@ class CpuPackDevice:
 
     band_bytes = CPU_BAND_BYTES
 
-    def __init__(self, stored: StoredTensors, dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, stored: StoredTensors, dtype: torch.dtype, memory: HostPool) -> None:
         self._stored = stored
         self._dtype = dtype
-        self._pin = pin
+        self._memory = memory
 
     def running(self) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
@@ -226,9 +229,7 @@ class CpuPackDevice:
         return self._stored.host(key)
 
     def empty(self, shape: Sequence[int]) -> torch.Tensor:
-        if self._pin:
-            return torch.empty(tuple(shape), dtype=self._dtype, pin_memory=True)
-        return _huge_paged(shape, self._dtype)
+        return self._memory.empty(shape, self._dtype)
 
     def host(self, packed: torch.Tensor) -> torch.Tensor:
         return packed
@@ -238,27 +239,6 @@ class CpuPackDevice:
 
     def end_layer(self) -> None:
         pass
-
-
-def _huge_paged(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor; a large one in an anonymous mapping of its own that asks
-    for transparent huge pages. The pack writes each output once, into fresh memory: with 4 KiB
-    pages the first-touch page faults cost about three times the writing itself (measured on
-    the 2-core VM: 630 MB written into fresh memory 287 ms, into memory already touched 74 ms,
-    into fresh 2 MiB pages 109 ms). The mapping is unmapped when the tensor is freed."""
-    count = math.prod(shape)
-    nbytes = count * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-    if advice is None or nbytes < _HUGE_PAGE_BYTES:
-        return torch.empty(tuple(shape), dtype=dtype)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # a kernel without them: ordinary pages
-        region.madvise(advice)
-    return torch.frombuffer(region, dtype=dtype, count=count).reshape(tuple(shape))
-
-
-#: Below this a tensor is allocated as usual (a huge page is 2 MiB on x86-64).
-_HUGE_PAGE_BYTES = 4 << 20
 
 
 @functools.cache
@@ -279,10 +259,12 @@ class CudaPackDevice:
         device: torch.device,
         stored: StoredTensors,
         dtype: torch.dtype,
+        memory: HostPool,
     ) -> None:
         self._device = device
         self._stored = stored
         self._dtype = dtype
+        self._memory = memory
         self._stream = _side_stream(device)
         self._source = (
             torch.frombuffer(stored.data, dtype=torch.uint8)
@@ -436,17 +418,20 @@ class CudaPackDevice:
 
     def expect(self, shapes: Sequence[tuple[int, ...]]) -> None:
         """Allocates the page-locked host tensors on a thread of their own while the layers'
-        bytes arrive and pack: fresh page-locked memory is slow to map (about 5 GB/s on an
-        H100 host), and a cold load would otherwise wait for it after each layer."""
+        bytes arrive and pack: where the host pool has no room, fresh page-locked memory is
+        slow to map (about 5 GB/s on an H100 host), and a cold load would otherwise wait for
+        it after each layer."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="pin-ahead")
         for shape in shapes:
-            self._ahead.append(pool.submit(_pinned, self._device, shape, self._dtype))
+            self._ahead.append(pool.submit(self._memory.empty, shape, self._dtype))
         pool.shutdown(wait=False)  # the thread ends once the last one is allocated
 
     def end_layer(self) -> None:
-        for out, packed in self._outgoing:
-            self._copier.copy(out, packed)
-        self._stream.synchronize()
+        try:
+            for out, packed in self._outgoing:
+                self._copier.copy(out, packed)
+        finally:  # no copy may still write a host tensor the pool could hand out again
+            self._stream.synchronize()
         self._outgoing.clear()
         self._placed.clear()  # the layer's device buffers go back to the allocator
 
@@ -455,11 +440,6 @@ def _writable_bytes(tensor: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's memory as writable bytes (it must outlive the view)."""
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def _pinned(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    with torch.cuda.device(device):  # page-locked for this device's context
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 #: Most slices a staging buffer is read in at once (see CudaPackDevice).

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
+from executor_service.host_pool import HostPool
 from executor_service.pack_device import (
     PackDevice,
     Read,
@@ -112,13 +113,14 @@ def pack_adapter(
     max_rank: int,
     dtype: torch.dtype,
     only: frozenset[int] | None = None,
-    pin: bool = False,
     device: torch.device | str = "cpu",
     page_cache_dma: bool = True,
+    memory: HostPool | None = None,
 ) -> PackedAdapter:
     """Check a PEFT adapter (adapter_config.json parsed, adapter_model.safetensors as bytes,
     a path or arriving) against ``spec`` and pack it on ``device`` (the CPU, or a CUDA device)
-    into host tensors: page-locked when ``pin`` or when packed on CUDA. ``only``: pack just
+    into host tensors from ``memory`` (the host cache's pool; None: fresh memory, page-locked
+    for a CUDA device). ``only``: pack just
     those layers (a layer-sharded executor), though the whole adapter is checked. Raises
     InvalidArgument naming the tensor. ``page_cache_dma``: a CUDA pack of a file copies from
     its page cache where the driver allows (page_cache_dma.py), else through staging buffers."""
@@ -128,12 +130,14 @@ def pack_adapter(
     else:
         data, wait, path = weights.view(), weights.wait, weights.path
     device = torch.device(device)
+    if memory is None:
+        memory = HostPool(0, device)
     on_gpu = path if device.type == "cuda" else None
     with (
         file_reader(on_gpu) as read,
         open_for_dma(on_gpu if page_cache_dma else None, device) as pages,
     ):
-        return _pack(config, data, wait, read, pages, spec, max_rank, dtype, only, pin, device)
+        return _pack(config, data, wait, read, pages, spec, max_rank, dtype, only, memory, device)
 
 
 def _pack(
@@ -146,7 +150,7 @@ def _pack(
     max_rank: int,
     dtype: torch.dtype,
     only: frozenset[int] | None,
-    pin: bool,
+    memory: HostPool,
     device: torch.device,
 ) -> PackedAdapter:
     wait(0, PREFIX_BYTES)
@@ -154,7 +158,7 @@ def _pack(
     header = parse_bytes(data)
     layout = inspect_adapter(config, header, spec, max_rank)
     stored = StoredTensors(header, data, wait, read, pages)
-    work = pack_device(device, stored, dtype, pin)
+    work = pack_device(device, stored, dtype, memory)
     packing = _Packing(stored, work, spec, dtype)
     layers = {}
     # In file order: arriving weights come front to back, and each waits for its bytes.

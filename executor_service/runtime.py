@@ -18,8 +18,9 @@ from executor_service.disk_cache import DiskCache
 from executor_service.engine import EngineSettings, ForwardEngine
 from executor_service.graphs import GraphCache
 from executor_service.host_cache import HostCache
+from executor_service.host_pool import HostPool
 from executor_service.kernel_configs import KernelConfigReport, prepare_kernel_configs
-from executor_service.loader import Loader, default_threads, load_threads
+from executor_service.loader import CONCURRENT_PACKS, Loader, default_threads, load_threads
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.prefetch import Prefetcher
@@ -160,6 +161,25 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
     return None
 
 
+def host_pool(
+    settings: ExecutorSettings, buffers: SlotBuffers, metrics: ExecutorMetrics
+) -> HostPool:
+    """The host cache's memory: its budget, plus room for the packs that may run before their
+    put evicts (each at most a slot's bytes), taken at start-up where ``--host-cache-reserve``
+    says so, read by the slot writes' stream."""
+    device = buffers.sync.device
+    reserve = settings.host_cache_reserve
+    pool = HostPool(
+        settings.host_cache_bytes + CONCURRENT_PACKS * buffers.slot_bytes,
+        device,
+        reserve=reserve == "on" or (reserve == "auto" and device.type == "cuda"),
+        reader=buffers.sync.copy_stream,
+        on_fresh=metrics.host_memory_fresh_bytes.inc,
+    )
+    metrics.host_memory_reserved_bytes.set_function(lambda: pool.reserved_bytes)
+    return pool
+
+
 def _runner(
     settings: ExecutorSettings,
     where: Placement,
@@ -214,7 +234,7 @@ def build_runtime(
             device=where.device,
             page_cache_dma=settings.page_cache_dma,
         ),
-        host=HostCache(settings.host_cache_bytes, pin_memory=where.device.type == "cuda"),
+        host=HostCache(settings.host_cache_bytes, host_pool(settings, buffers, metrics)),
         slots=SlotManager(buffers, LRUPolicy()),
         metrics=metrics,
         loader=Loader(load_threads(settings.load_threads, where.device), settings.load_nice),

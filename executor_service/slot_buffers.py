@@ -135,6 +135,8 @@ class SlotBuffers:
             for slots in self._layers.values()
             for t in (slots.a13, slots.b13, slots.a2, slots.b2, slots.enabled)
         )
+        #: The most one packed adapter can take: a slot's share.
+        self.slot_bytes = self.nbytes // s
         log_event(
             log,
             "slot_buffers_allocated",

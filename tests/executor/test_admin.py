@@ -106,6 +106,23 @@ def test_host_cache_keeps_its_byte_budget(qwen_world: World, start_executor: Sta
     assert tiny.load_adapter("alpha", to_gpu=True).location == GPU
 
 
+def test_host_cache_churn_recycles_its_memory(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """Fifteen loads through a cache that holds two: each evicted adapter's memory goes back
+    to the pool and the next pack takes it, so no pack needs fresh memory and the pool stays
+    within its first slab (fifteen adapters would not fit in it)."""
+    probe = start_executor(qwen_world).client.load_adapter("alpha").size_bytes
+    running = start_executor(qwen_world, host_cache_bytes=2 * probe)
+    names = ("alpha", "eta", "zeta") * 5
+    for name in names:
+        running.client.load_adapter(name)
+    assert running.metric("moelora_executor_adapter_evictions_total", tier="host") >= 10
+    reserved = running.metric("moelora_executor_host_memory_reserved_bytes")
+    assert 0 < reserved < len(names) * probe
+    assert running.metric("moelora_executor_host_memory_fresh_bytes_total") == 0
+
+
 def test_references_resolve_to_versions_keyed_by_digest(
     qwen_world: World, start_executor: StartExecutor
 ) -> None:

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load, save
 
 from executor_service import pack_device
+from executor_service.host_pool import HostPool
 from executor_service.pack_device import CpuPackDevice, coalesce
 from executor_service.packer import PackedAdapter, pack_adapter
 from executor_service.page_cache_dma import MappedFile, RegisterError, Window
@@ -390,7 +391,8 @@ def test_the_page_cache_is_copied_until_a_registration_is_declined(
     with pack_device.file_reader(written.weights) as read:
         try:
             stored = pack_device.StoredTensors(header, data, wait, read, pages)
-            work = pack_device.pack_device(torch.device(device), stored, torch.float32, True)
+            cuda = torch.device(device)
+            work = pack_device.pack_device(cuda, stored, torch.float32, HostPool(0, cuda))
             with work.running():
                 work.begin_layer(keys)  # the whole file as one layer
                 got = {key: work.tensor(key).cpu() for key in keys}

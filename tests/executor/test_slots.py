@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from executor_service.host_cache import HostCache
+from executor_service.host_pool import HostPool
 from executor_service.packer import PackedAdapter, PackedLayer
 from executor_service.slot_buffers import DeviceSync, SlotBuffers
 from executor_service.slots import LRUPolicy, SlotLease, SlotManager, Wanted
@@ -168,7 +169,7 @@ def test_pins_capacity_and_missing_data() -> None:
 
 def test_host_cache_lru_within_budget() -> None:
     sizes = _packed(0).nbytes
-    cache = HostCache(budget_bytes=2 * sizes, pin_memory=False)
+    cache = HostCache(budget_bytes=2 * sizes, memory=HostPool(0, torch.device("cpu")))
     a, b, c = _adapter(0), _adapter(1), _adapter(2)
     cache.put(a, _packed(0))
     cache.put(b, _packed(1))
