@@ -235,6 +235,7 @@ def _executor(
             "download_streams": args.streams,
             "load_threads": args.load_threads,
             "page_cache_dma": not args.no_page_cache_dma,
+            "host_cache_reserve": args.host_cache_reserve,
             "load_nice": args.load_nice,
             "gil_switch_interval_us": args.gil_switch_interval_us,
             "kernel_autotune_seconds": 0.0,  # heuristic kernel configs: start at once
@@ -421,6 +422,12 @@ def main(argv: list[str] | None = None) -> None:
         help="--no-page-cache-dma: a CUDA pack stages the files' bytes",
     )
     parser.add_argument(
+        "--host-cache-reserve",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="--host-cache-reserve",
+    )
+    parser.add_argument(
         "--gil-switch-interval-us",
         type=int,
         default=ExecutorSettings.model_fields["gil_switch_interval_us"].default,
@@ -483,7 +490,8 @@ def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:
         f"layers, rank {shape.rank}, E {shape.num_experts}, H {shape.hidden_size}, "
         f"I {shape.moe_intermediate_size}, bf16), device {args.device} ({where}), "
         f"{streams} download streams, {load_threads(args.load_threads, device)} load threads at "
-        f"nice +{args.load_nice}, {dma}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d}\n"
+        f"nice +{args.load_nice}, {dma}, host cache reserve {args.host_cache_reserve}, "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}\n"
     )
     print("| step | seconds | GB/s |")
     print("|---|---:|---:|")

@@ -23,6 +23,7 @@ from executor_service.kernel_configs import KernelConfigReport, prepare_kernel_c
 from executor_service.loader import CONCURRENT_PACKS, Loader, default_threads, load_threads
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
+from executor_service.pack_warmup import warm_up_packing
 from executor_service.prefetch import Prefetcher
 from executor_service.registry_source import RegistrySource, RegistryWatcher
 from executor_service.runner import Runner
@@ -223,6 +224,17 @@ def build_runtime(
     configs = prepare_kernel_configs(settings, where.device, model)
     sync = DeviceSync(where.device)
     buffers = SlotBuffers(model.layers, settings.num_slots, settings.max_rank, where.dtype, sync)
+    host = HostCache(settings.host_cache_bytes, host_pool(settings, buffers, metrics))
+    if where.device.type == "cuda":  # the pack's kernels loaded now, not in the first load
+        seconds = warm_up_packing(
+            model.spec,
+            settings.max_rank,
+            where.dtype,
+            where.device,
+            host.memory,
+            settings.page_cache_dma,
+        )
+        log_event(log, "packing_warmed_up", ms=round(seconds * 1000, 1))
     manager = AdapterManager(
         source=source if source is not None else adapter_source(settings),
         pack=PackSettings(
@@ -234,7 +246,7 @@ def build_runtime(
             device=where.device,
             page_cache_dma=settings.page_cache_dma,
         ),
-        host=HostCache(settings.host_cache_bytes, host_pool(settings, buffers, metrics)),
+        host=host,
         slots=SlotManager(buffers, LRUPolicy()),
         metrics=metrics,
         loader=Loader(load_threads(settings.load_threads, where.device), settings.load_nice),

@@ -157,7 +157,7 @@ def test_a_range_is_not_reused_before_the_copy_reading_it_finished() -> None:
     must still deliver the old bytes: the new owner waited for it."""
     device = torch.device("cuda")
     reader = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    pool = HostPool(4 * MIB, device, reader=reader)
+    pool = HostPool(MIB, device, reader=reader)  # one range: the new tensor must take it
     source = pool.empty((MIB,), torch.uint8)
     assert source.is_pinned()
     source.fill_(1)
