@@ -20,7 +20,6 @@ written through it is the file's page cache itself.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import mmap
 import os
@@ -109,15 +108,11 @@ class ArrivingFile:
 
     def receive_view(self, begin: int, end: int) -> memoryview:
         """The file's bytes ``begin`` to ``end`` as writable memory, to receive a part into;
-        tell ``arrived`` what landed. Writing after ``close`` is harmless: a view taken
-        before keeps the map until it goes, and one asked for after is scratch memory that
-        nothing keeps."""
+        tell ``arrived`` what landed. Writing after ``close`` is harmless (the map outlives
+        the file) and recorded nowhere."""
         # (Mapping the pages ahead with madvise(MADV_POPULATE_WRITE) instead of letting them
         # fault in as the bytes land measured no faster on a 2-core VM: not done.)
-        with self._changed:  # close() unmaps only what no view holds
-            if not self._closed:
-                return self.view()[begin:end]
-        return memoryview(bytearray(end - begin))
+        return self.view()[begin:end]
 
     def arrived(self, begin: int, end: int) -> bool:
         """Bytes ``begin`` to ``end`` landed in ``receive_view``'s memory; False once the file
@@ -163,9 +158,7 @@ class ArrivingFile:
     def close(self) -> None:
         """Stops the hasher, drops later writes and closes the file once the writes in
         progress finished (a worker still waiting for bytes is not waited for). The memory map
-        is unmapped on a thread of its own, once no view of it is left (packed tensors never
-        are: they are copies): unmapping 1.26 GB of pages written through it took 30–45 ms on
-        an H100 host, which a cold load would otherwise wait for before its slot write."""
+        lives on while views of it do (packed tensors never do: they are copies)."""
         with self._changed:
             if self._closed:
                 return
@@ -176,10 +169,6 @@ class ArrivingFile:
         if self._hasher is not None:
             self._hasher.join()
         os.close(self._fd)
-        if self._map is not None:
-            threading.Thread(
-                target=_unmap, args=(self._map,), name="arriving-unmap", daemon=True
-            ).start()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -263,10 +252,3 @@ class ArrivingFile:
                 self._taken[index] = 1
                 complete.append(index)
         return complete
-
-
-def _unmap(region: mmap.mmap) -> None:
-    """Unmaps ``region`` now, unless a view of it is left (a worker still receiving into it,
-    say): then it goes when the last one does."""
-    with contextlib.suppress(BufferError):
-        region.close()  # releases the GIL while it unmaps
