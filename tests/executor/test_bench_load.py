@@ -26,7 +26,8 @@ def test_small_cpu_bench_times_every_stage(capsys: pytest.CaptureFixture[str]) -
     assert sorted(forward) == ["a cold load", "a disk warm load", "alone"], out
     assert all(int(calls) > 0 for calls in forward.values()), out
     assert re.search(
-        r"^\| a disk warm load \| \d+ \| [\d.]+ \| [+-]\d+% \| [\d.]+ \| 2 \| [\d.]+ \| -?[\d.]+ \|$",
+        r"^\| a disk warm load \| \d+ \| [\d.]+ \| [+-]\d+% \| [\d.]+ \| 2 \| [\d.]+ "
+        r"\| -?[\d.]+ \|$",
         out,
         re.M,
     )
