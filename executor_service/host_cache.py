@@ -5,8 +5,7 @@ read, then packing) and the GPU slots (fast: one host→device copy). Entries ar
 digest. Its memory is ``memory``'s (``host_pool.py``): packs write their tensors there, and
 the ranges of an evicted entry go back to it once nothing uses them any more. On a CUDA
 executor that memory is page-locked (pinned), so that the copies into GPU slots run
-asynchronously on the side stream; a tensor that is not gets copied into pinned memory once,
-on insertion.
+asynchronously on the side stream.
 
 Evicting an entry only drops the host copy: an adapter that sits in a GPU slot stays there
 (the slot holds its own copy), and a host→GPU copy still in flight keeps its source from
@@ -19,12 +18,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
-
-import torch
+from dataclasses import dataclass
 
 from executor_service.host_pool import HostPool
-from executor_service.packer import PackedAdapter, PackedLayer
+from executor_service.packer import PackedAdapter
 from executor_service.sources import ResolvedAdapter
 
 
@@ -47,28 +44,12 @@ class HostPut:
     evicted: tuple[ResolvedAdapter, ...]
 
 
-def pin_packed(packed: PackedAdapter) -> PackedAdapter:
-    """A copy of ``packed`` in page-locked memory (for asynchronous copies to the GPU)."""
-
-    def pin(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        if tensor is None or tensor.is_pinned():
-            return tensor  # the packer wrote it pinned already
-        return tensor.pin_memory()
-
-    layers = {
-        index: PackedLayer(a13=pin(lay.a13), b13=pin(lay.b13), a2=pin(lay.a2), b2=pin(lay.b2))
-        for index, lay in packed.layers.items()
-    }
-    return replace(packed, layers=layers)
-
-
 class HostCache:
     """Packed adapters by digest within ``budget_bytes`` (``PackedAdapter.nbytes`` each)."""
 
     def __init__(self, budget_bytes: int, memory: HostPool) -> None:
         self.budget_bytes = budget_bytes
         self.memory = memory
-        self.pin_memory = memory.pinned
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, HostEntry] = OrderedDict()
         self._used = 0
@@ -92,10 +73,8 @@ class HostCache:
             return self._entries.get(digest)
 
     def put(self, adapter: ResolvedAdapter, packed: PackedAdapter) -> HostPut:
-        """Inserts (pinning first when configured), evicting least recently used entries
-        until it fits. An adapter larger than the budget is returned but not kept."""
-        if self.pin_memory:
-            packed = pin_packed(packed)
+        """Inserts, evicting least recently used entries until it fits. An adapter larger
+        than the budget is returned but not kept."""
         entry = HostEntry(adapter=adapter, packed=packed, inserted_at=time.time())
         if packed.nbytes > self.budget_bytes:
             return HostPut(entry=entry, stored=False, evicted=())

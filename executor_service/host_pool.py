@@ -127,12 +127,11 @@ class HostPool:
         self._freed: deque[_Freed] = deque()
         self._pending: list[_Freed] = []
         self._used = 0
-        self._touch = reserve
         if reserve and self._max_slabs:
             start = time.perf_counter()
             with self._lock:
                 while len(self._slabs) < self._max_slabs:
-                    self._add_slab()
+                    self._add_slab(touch=True)
             log_event(
                 log,
                 "host_memory_reserved",
@@ -182,7 +181,7 @@ class HostPool:
             self._merge(wait=True)
             found = self._first_fit(size)
         if found is None and len(self._slabs) < self._max_slabs:
-            self._add_slab()
+            self._add_slab(touch=False)
             found = self._first_fit(size)
         if found is not None:
             self._used += size
@@ -219,7 +218,9 @@ class HostPool:
             self._used -= freed.size
         self._pending = still
 
-    def _add_slab(self) -> None:
+    def _add_slab(self, touch: bool) -> None:
+        """Takes one more slab; ``touch``: fault its pages in now, not in the first loads
+        (a page-locked one always is)."""
         size = self.slab_bytes
         if self.pinned:
             with torch.cuda.device(self._device):  # page-locked for this device's context
@@ -230,7 +231,7 @@ class HostPool:
             _advise_huge_pages(region)
             owner = region
             address = ctypes.addressof(ctypes.c_char.from_buffer(region))
-            if self._touch:  # the faults now, not in the first loads
+            if touch:
                 torch.frombuffer(region, dtype=torch.uint8).zero_()
         self._slabs.append(_Slab(address, size, owner, [(0, size)]))
 

@@ -18,24 +18,19 @@ from pathlib import Path
 
 import torch
 
+from executor_service.adapters import PackSettings
 from executor_service.host_pool import HostPool
 from executor_service.packer import pack_adapter
 from executor_service.synthetic import SyntheticAdapter, write_adapter
 from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.adapter_format import AdapterFormat
-from shared.model_spec import ModelSpec
 
 
-def warm_up_packing(
-    spec: ModelSpec,
-    max_rank: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    memory: HostPool,
-    page_cache_dma: bool,
-) -> float:
-    """Packs one tiny adapter per format on ``device``; returns the seconds it took."""
+def warm_up_packing(pack: PackSettings, memory: HostPool) -> float:
+    """Packs one tiny adapter per format as ``pack`` says, into ``memory``; returns the
+    seconds it took."""
     start = time.perf_counter()
+    spec = pack.spec
     formats = [AdapterFormat.TARGET_PARAMETERS]
     if spec.type.peft_2d_modules:
         formats.append(AdapterFormat.PER_EXPERT)
@@ -47,10 +42,10 @@ def warm_up_packing(
                 json.loads((folder / CONFIG_FILE).read_text()),
                 folder / WEIGHTS_FILE,
                 spec,
-                max_rank,
-                dtype,
-                device=device,
-                page_cache_dma=page_cache_dma,
+                pack.max_rank,
+                pack.dtype,
+                device=pack.device,
+                page_cache_dma=pack.page_cache_dma,
                 memory=memory,
             )
     return time.perf_counter() - start

@@ -224,28 +224,22 @@ def build_runtime(
     configs = prepare_kernel_configs(settings, where.device, model)
     sync = DeviceSync(where.device)
     buffers = SlotBuffers(model.layers, settings.num_slots, settings.max_rank, where.dtype, sync)
+    pack = PackSettings(
+        spec=model.spec,
+        base_model_name=model.name,
+        max_rank=settings.max_rank,
+        dtype=where.dtype,
+        layers=frozenset(model.layers),
+        device=where.device,
+        page_cache_dma=settings.page_cache_dma,
+    )
     host = HostCache(settings.host_cache_bytes, host_pool(settings, buffers, metrics))
     if where.device.type == "cuda":  # the pack's kernels loaded now, not in the first load
-        seconds = warm_up_packing(
-            model.spec,
-            settings.max_rank,
-            where.dtype,
-            where.device,
-            host.memory,
-            settings.page_cache_dma,
-        )
+        seconds = warm_up_packing(pack, host.memory)
         log_event(log, "packing_warmed_up", ms=round(seconds * 1000, 1))
     manager = AdapterManager(
         source=source if source is not None else adapter_source(settings),
-        pack=PackSettings(
-            spec=model.spec,
-            base_model_name=model.name,
-            max_rank=settings.max_rank,
-            dtype=where.dtype,
-            layers=frozenset(model.layers),
-            device=where.device,
-            page_cache_dma=settings.page_cache_dma,
-        ),
+        pack=pack,
         host=host,
         slots=SlotManager(buffers, LRUPolicy()),
         metrics=metrics,

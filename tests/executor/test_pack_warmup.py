@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from executor_service.adapters import PackSettings
 from executor_service.host_pool import HostPool
 from executor_service.pack_warmup import warm_up_packing
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
@@ -21,7 +22,7 @@ def test_the_warm_up_packs_every_model_type(model_type: str, tmp_path: Path) -> 
     spec = write_base_checkpoint(tmp_path, SyntheticBase(model_type, num_experts=4))
     fresh: list[int] = []
     memory = HostPool(64 << 20, CPU, on_fresh=fresh.append)
-    seconds = warm_up_packing(spec, 4, torch.float32, CPU, memory, page_cache_dma=True)
+    seconds = warm_up_packing(PackSettings(spec, model_type, 4, torch.float32, CPU), memory)
     assert seconds > 0 and not fresh
     assert memory.reserved_bytes > 0 and memory.used_bytes == 0
 
@@ -32,5 +33,5 @@ def test_the_warm_up_packs_on_the_gpu(tmp_path: Path) -> None:
     spec = write_base_checkpoint(tmp_path, SyntheticBase("qwen3_moe", num_experts=8))
     cuda = torch.device("cuda")
     memory = HostPool(64 << 20, cuda)
-    warm_up_packing(spec, 4, torch.bfloat16, cuda, memory, page_cache_dma=True)
+    warm_up_packing(PackSettings(spec, "qwen3_moe", 4, torch.bfloat16, cuda), memory)
     assert memory.reserved_bytes > 0 and memory.used_bytes == 0
