@@ -95,7 +95,7 @@ class PackSettings:
     #: MoE layers this executor serves: only those are packed (None: all).
     layers: frozenset[int] | None = None
     #: A CUDA pack copies files from the page cache (page_cache_dma.py) where it can.
-    page_cache_dma: bool = True
+    page_cache_dma: bool = False
 
 
 class AdapterManager:

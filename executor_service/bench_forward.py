@@ -239,9 +239,8 @@ def _kernel_timer(
             bucket = graphs.bucket(tokens) or tokens
             graph = graphs.get(index, bucket)
             assert graph is not None, "CUDA-graph capture failed; see the log"
-            graph.input.copy_(torch.randn(bucket, h, generator=generator).to(device, dtype))
-            graph.slots.fill_(-1)
-            graph.slots[:tokens].copy_(token_slots)
+            x = torch.randn(tokens, h, generator=generator).to(dtype)
+            graphs.staging.fill([x], token_slots.cpu(), pad_to=bucket)
             samples = []
             for _ in range(50):
                 start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]

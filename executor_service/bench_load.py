@@ -234,7 +234,7 @@ def _executor(
             "host_cache_bytes": 8 * 1024**3,
             "download_streams": args.streams,
             "load_threads": args.load_threads,
-            "page_cache_dma": not args.no_page_cache_dma,
+            "page_cache_dma": args.page_cache_dma,
             "host_cache_reserve": args.host_cache_reserve,
             "load_nice": args.load_nice,
             "gil_switch_interval_us": args.gil_switch_interval_us,
@@ -417,9 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load-threads", type=int, default=0, help="--load-threads (0: auto)")
     parser.add_argument("--load-nice", type=int, default=19, help="--load-nice")
     parser.add_argument(
-        "--no-page-cache-dma",
+        "--page-cache-dma",
         action="store_true",
-        help="--no-page-cache-dma: a CUDA pack stages the files' bytes",
+        help="--page-cache-dma: a CUDA pack copies the files from the page cache",
     )
     parser.add_argument(
         "--host-cache-reserve",
@@ -467,11 +467,11 @@ def main(argv: list[str] | None = None) -> None:
     _print(results, args, shape)
 
 
-def _byte_path(device: torch.device, staged: bool) -> str:
+def _byte_path(device: torch.device, page_cache_dma: bool) -> str:
     """How a load's bytes reach the packing device."""
     if device.type != "cuda":
         return "CPU pack"
-    if staged:
+    if not page_cache_dma:
         return "staged"
     return "page-cache DMA" if readonly_registration(device) else "staged: no read-only DMA"
 
@@ -484,7 +484,7 @@ def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:
         else f"{platform.machine()}, {os.cpu_count()} cores"
     )
     streams = download_streams(ExecutorSettings.model_validate({"download_streams": args.streams}))
-    dma = _byte_path(device, args.no_page_cache_dma)
+    dma = _byte_path(device, args.page_cache_dma)
     print(
         f"\nadapter cold start: {results.nbytes / _GB:.3f} GB adapter ({shape.layers} MoE "
         f"layers, rank {shape.rank}, E {shape.num_experts}, H {shape.hidden_size}, "

@@ -17,10 +17,10 @@ packed tensors as the host cache keeps them:
   allocator reuses its blocks from one pack to the next); at the layer's end the packed
   tensors come back into page-locked host tensors and the stream is synchronised: device memory
   holds about one layer (its stored bytes, its packed tensors, the gather's scratch) at a
-  time. Both copies go one chunk in flight at a time (``paced_copy.py``), so that Forward's
-  copies pass between. The page-locked host tensors (from the host pool) are allocated ahead,
-  on a thread of their own, while the bytes still arrive (``expect``): where the pool has no
-  room, fresh page-locked memory maps at a few GB/s.
+  time. Both copies are enqueued without pacing (``bulk_copy.py``): Forward's input and
+  output do not use the copy engines. The page-locked host tensors (from the host pool) are
+  allocated ahead, on a thread of their own, while the bytes still arrive (``expect``): where
+  the pool has no room, fresh page-locked memory maps at a few GB/s.
 
 Both run the same torch ops on the same values, each rounding once as IEEE says (casts round to
 nearest even; a reduced float type is multiplied in float32), so a CUDA pack is bit-identical to
@@ -46,8 +46,8 @@ from typing import Protocol
 
 import torch
 
+from executor_service.bulk_copy import copy_in_pieces
 from executor_service.host_pool import HostPool
-from executor_service.paced_copy import CHUNK_BYTES, PacedCopier
 from executor_service.page_cache_dma import WINDOW_BYTES, MappedFile, RegisterError, Window
 from shared.safetensors_header import SafetensorsHeader
 
@@ -60,15 +60,8 @@ TORCH_DTYPES = {
     "F64": torch.float64,
 }
 
-#: Bytes of one page-locked staging buffer (two per CUDA pack): one paced chunk.
-STAGING_BYTES = CHUNK_BYTES
-
-#: Bytes of one paced copy from registered pages. Half a staging chunk: those copies follow
-#: one another with no host copy between, so the copy engine is busy nearly all the load long
-#: and each of Forward's own copies waits behind one (H100 host, disk-warm loads, Forward p50
-#: against alone: 4 MiB +14% to +33% over 6 runs, 2 MiB +17% and +20%, 1 MiB +13% to +21%
-#: over 4, at 5.4–6.1, 5.6 and 4.1–4.9 GB/s).
-DMA_CHUNK_BYTES = 2 << 20
+#: Bytes of one page-locked staging buffer (two per CUDA pack).
+STAGING_BYTES = 4 << 20
 
 #: Source bytes of one band of B's gather on the CPU: a core's share of its L2 cache, where the
 #: band's transposed scratch then stays for the scaling pass (measured on the 2-core VM: 1 MiB
@@ -285,13 +278,15 @@ class CudaPackDevice:
             if self._slices > 1 and stored.read is not None
             else None
         )
-        self._copier = PacedCopier(self._stream)
         self._turn = 0
+        #: Per staging buffer: recorded after the last copy out of it (it is refilled after).
+        self._staged: list[torch.cuda.Event | None] = [None, None]
         #: The file's pages, registered a window at a time; on until a registration fails.
         self._pages = stored.pages
         self._dma = stored.pages is not None
-        #: The registered window the last copies were made from.
+        #: The registered window the last copy was made from, and recorded after that copy.
         self._held: Window | None = None
+        self._held_copied: torch.cuda.Event | None = None
         #: The current layer's tensors: the device buffer holding each, and its offset there.
         self._placed: dict[str, tuple[torch.Tensor, int]] = {}
         #: The current layer's packed tensors and the host tensors they go to at its end.
@@ -347,15 +342,12 @@ class CudaPackDevice:
             return None
 
     def _copy_registered(self, out: torch.Tensor, window: Window, start: int) -> None:
-        """out ← the file's bytes from ``start`` (registered in ``window``), chunk by chunk.
-        The window was registered while the last chunk of the one before was copied."""
+        """out ← the file's bytes from ``start`` (registered in ``window``), one copy. The
+        window was registered while the copy from the one before ran."""
         self._release_held()
         self._held = window
-        for at in range(0, out.numel(), DMA_CHUNK_BYTES):
-            stop = min(at + DMA_CHUNK_BYTES, out.numel())
-            self._copier.wait()
-            out[at:stop].copy_(window.tensor(start + at, start + stop), non_blocking=True)
-            self._copier.enqueued()
+        out.copy_(window.tensor(start, start + out.numel()), non_blocking=True)
+        self._held_copied = _recorded(self._stream)
 
     def _copy_staged(self, out: torch.Tensor, start: int) -> None:
         """out ← the file's bytes from ``start`` through the two staging buffers: one is filled
@@ -364,18 +356,20 @@ class CudaPackDevice:
         for at in range(0, out.numel(), size):
             count = min(size, out.numel() - at)
             turn, self._turn = self._turn, 1 - self._turn
+            if (copied := self._staged[turn]) is not None:
+                copied.synchronize()  # its last copy is done: it may be refilled
             if self._stored.read is not None:
                 self._fill(self._stored.read, start + at, self._staging_bytes[turn][:count])
             else:
                 self._staging[turn][:count].copy_(self._source[start + at : start + at + count])
-            self._copier.wait()
             out[at : at + count].copy_(self._staging[turn][:count], non_blocking=True)
-            self._copier.enqueued()
+            self._staged[turn] = _recorded(self._stream)
 
     def _release_held(self) -> None:
         """Releases the registered window copies were last made from, once they are done."""
         if self._held is not None and self._pages is not None:
-            self._copier.wait()
+            if self._held_copied is not None:
+                self._held_copied.synchronize()
             held, self._held = self._held, None
             self._pages.release(held)
 
@@ -429,11 +423,18 @@ class CudaPackDevice:
     def end_layer(self) -> None:
         try:
             for out, packed in self._outgoing:
-                self._copier.copy(out, packed)
+                copy_in_pieces(out, packed)
         finally:  # no copy may still write a host tensor the pool could hand out again
             self._stream.synchronize()
         self._outgoing.clear()
         self._placed.clear()  # the layer's device buffers go back to the allocator
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event after the work enqueued on ``stream`` so far; waiting on it sleeps."""
+    event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+    event.record(stream)
+    return event
 
 
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:

@@ -114,7 +114,7 @@ def pack_adapter(
     dtype: torch.dtype,
     only: frozenset[int] | None = None,
     device: torch.device | str = "cpu",
-    page_cache_dma: bool = True,
+    page_cache_dma: bool = False,
     memory: HostPool | None = None,
 ) -> PackedAdapter:
     """Check a PEFT adapter (adapter_config.json parsed, adapter_model.safetensors as bytes,

@@ -6,9 +6,10 @@ S·E·R·(2H + 3I) elements per layer. Writing slot s copies each layer's packed
 ``[s, :, :r]`` (B: ``[s, ..., :r]``), zeroes the rest of the rank and sets ``enabled[s]``.
 
 On CUDA the copies run on a side stream, so that loading overlaps the compute of requests
-using other slots, one chunk in flight at a time (``paced_copy.py``), so that requests' own
-copies are not held up behind them: the writing thread (the request that needs the adapter,
-or LoadAdapter's) waits until the last chunk is enqueued. Events order it: a write first waits
+using other slots, enqueued all at once (``bulk_copy.py``): requests move their own input and
+output without the copy engines, so nothing of theirs waits behind a slot write. The writing
+thread (the request that needs the adapter, or LoadAdapter's) returns once the copies are
+enqueued. Events order it: a write first waits
 for the events recorded after the last kernels that read the slot, and records a ``ready``
 event that the kernels using the new adapter wait for. On the CPU everything is synchronous
 and the events are None.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.paced_copy import PacedCopier
+from executor_service.bulk_copy import copy_in_pieces
 from executor_service.packer import PackedAdapter, PackedLayer
 from kernels import LoRASlots, MoELayerWeights
 from shared.logs import log_event
@@ -164,8 +165,7 @@ class SlotBuffers:
             for event in after:
                 if event is not None:
                     stream.wait_event(event)
-            # One chunk in flight at a time (paced_copy.py): Forward's copies pass between.
-            self._copy(slot, packed, PacedCopier(stream).copy)
+            self._copy(slot, packed, copy_in_pieces)
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record(stream)
         return ready

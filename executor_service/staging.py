@@ -1,10 +1,13 @@
-"""Pinned (page-locked) host buffers for one launch's input, slot ids and output.
+"""Page-locked host buffers for one launch's input, slot ids, routing and output.
 
-Request bytes are copied once, straight from the message into the pinned input (casting to
-the compute dtype on the way when the wire dtype differs); host↔device copies from and to
-pinned memory run asynchronously, so a launch needs one synchronisation, at its end. One
-``Staging`` belongs to the one thread that launches work on the device (the scheduler's), and
-its buffers are reused launch after launch (grown when a longer one comes).
+Request bytes are copied once, straight from the message into the page-locked input (casting
+to the compute dtype on the way when the wire dtype differs). The GPU's threads then read them
+there, and write the output back there (``kernels/host_copy.py``): no copy engine is involved,
+so Forward never waits behind a load's bulk copies. A launch needs one synchronisation, at its
+end. A ``Staging`` belongs to the one thread that launches work on the device (the
+scheduler's), and its buffers are reused launch after launch. ``growable`` ones are replaced by
+larger ones when a longer launch comes. A CUDA graph's are fixed: the graph reads and writes
+them in place.
 """
 
 from __future__ import annotations
@@ -13,34 +16,69 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import Routing
+
 
 class Staging:
-    """Reusable pinned buffers of ``hidden_size`` columns in ``dtype``."""
+    """Reusable page-locked buffers of ``hidden_size`` columns in ``dtype``, for ``rows`` rows
+    (more later if ``growable``)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, rows: int) -> None:
+    def __init__(
+        self, hidden_size: int, dtype: torch.dtype, rows: int, *, growable: bool = True
+    ) -> None:
         self._hidden = hidden_size
         self._dtype = dtype
-        self._rows = 0
+        self._growable = growable
+        self.rows = 0
         self.input = self.output = self.slots = torch.empty(0)
         self._grow(rows)
+        self._topk_ids = torch.empty(0, dtype=torch.int32)
+        self._topk_weights = torch.empty(0, dtype=torch.float32)
 
     def _grow(self, rows: int) -> None:
-        if rows <= self._rows:
+        if rows <= self.rows:
             return
-        self._rows = rows
-        self.input = torch.empty(rows, self._hidden, dtype=self._dtype).pin_memory()
+        if self.rows and not self._growable:
+            raise ValueError(f"{rows} rows do not fit fixed staging of {self.rows}")
+        self.rows = rows
+        # Zeros, not garbage: a graph computes its padding rows too, from whatever is here.
+        self.input = torch.zeros(rows, self._hidden, dtype=self._dtype).pin_memory()
         self.output = torch.empty(rows, self._hidden, dtype=self._dtype).pin_memory()
         self.slots = torch.empty(rows, dtype=torch.int32).pin_memory()
 
-    def fill(self, parts: Sequence[torch.Tensor], token_slots: torch.Tensor | None) -> int:
-        """Copies the requests' rows (and slot ids) one after the other; returns the rows."""
+    def fill(
+        self,
+        parts: Sequence[torch.Tensor],
+        token_slots: torch.Tensor | None,
+        pad_to: int = 0,
+    ) -> int:
+        """Copies the requests' rows (and slot ids) one after the other; rows from there up to
+        ``pad_to`` get slot -1 (no adapter). Returns the rows."""
         rows = sum(int(p.shape[0]) for p in parts)
-        self._grow(rows)
+        self._grow(max(rows, pad_to))
         start = 0
         for part in parts:
             end = start + int(part.shape[0])
             self.input[start:end].copy_(part)
             start = end
-        if token_slots is not None:
+        padded = max(rows, pad_to)
+        if token_slots is None:
+            self.slots[:padded].fill_(-1)
+        else:
             self.slots[:rows].copy_(token_slots)
+            self.slots[rows:padded].fill_(-1)
         return rows
+
+    def routing(self, routing: Routing) -> Routing:
+        """The caller's routing, copied into page-locked buffers (views valid until the next
+        call)."""
+        ids, weights = routing.topk_ids, routing.topk_weights
+        if self._topk_ids.numel() < ids.numel():
+            self._topk_ids = torch.empty(ids.numel(), dtype=torch.int32).pin_memory()
+        if self._topk_weights.numel() < weights.numel():
+            self._topk_weights = torch.empty(weights.numel(), dtype=torch.float32).pin_memory()
+        pinned_ids = self._topk_ids[: ids.numel()].view(ids.shape)
+        pinned_weights = self._topk_weights[: weights.numel()].view(weights.shape)
+        pinned_ids.copy_(ids)
+        pinned_weights.copy_(weights)
+        return Routing(topk_ids=pinned_ids, topk_weights=pinned_weights)

@@ -139,12 +139,19 @@ def test_graph_replay_equals_eager_bit_for_bit(world: World, dtype: torch.dtype)
         token_slots = torch.randint(-1, slots, (bucket,), generator=generator).to(device)
         token_slots = token_slots.to(torch.int32)
         token_slots[tokens:] = -1
-        graph.input.copy_(x)
-        graph.slots.copy_(token_slots)
+        rows = graphs.staging.fill([x[:tokens].cpu()], token_slots[:tokens].cpu(), bucket)
+        assert rows == tokens
         graph.replay()
         eager = _triton(x, layer, LoRAContext(lora, token_slots), None)
         torch.cuda.synchronize()
-        assert torch.equal(graph.output, eager), f"T={tokens} (bucket {bucket}) differs"
+        # The graph read its input from page-locked staging: x's first rows, then whatever
+        # the staging held (rows carrying slot -1, as the eager run's own padding).
+        padded = graphs.staging.input[:bucket].to(device)
+        padded_eager = _triton(padded, layer, LoRAContext(lora, token_slots), None)
+        torch.cuda.synchronize()
+        output = graphs.staging.output[:bucket]
+        assert torch.equal(output[:tokens], eager[:tokens].cpu()), f"T={tokens} differs"
+        assert torch.equal(output, padded_eager.cpu()), f"T={tokens} (bucket {bucket}) differs"
     assert graphs.captured_bytes >= 0
 
 
@@ -179,3 +186,25 @@ def test_merged_requests_match_each_alone_on_the_gpu(world: World, running: Runn
         error = relative_error(result.output, alone[index].output)
         assert error < GPU_BFLOAT16_RELATIVE, (mixes[index], error)
     assert running.metric("moelora_executor_forward_runs_total", mode="graph") > 0
+
+
+def test_a_launch_past_the_largest_graph_runs_eagerly_and_matches(
+    world: World, running: Running
+) -> None:
+    """T beyond the largest CUDA-graph bucket runs eagerly (its staging grows past its start-up
+    size, its input and output move by the GPU's threads): each row matches the same rows
+    served by graphs within bf16."""
+    tokens = 600  # past graphs.BUCKETS[-1] and the staging's start-up rows (max_batch_tokens)
+    hidden = torch.randn(tokens, world.hidden.shape[1], generator=torch.Generator().manual_seed(9))
+    eager_before = running.metric("moelora_executor_forward_runs_total", mode="eager")
+    whole = running.client.forward(world.layer, hidden, [(tokens, "alpha")])
+    assert running.metric("moelora_executor_forward_runs_total", mode="eager") > eager_before
+    parts = [
+        running.client.forward(world.layer, hidden[start : start + 100], [(100, "alpha")])
+        for start in range(0, tokens, 100)
+    ]
+    pieced = torch.cat([p.output for p in parts])
+    assert relative_error(whole.output, pieced) < GPU_BFLOAT16_RELATIVE
+    for start in range(0, tokens, 100):  # no block of rows lost or shifted
+        block = slice(start, start + 100)
+        assert relative_error(whole.output[block], pieced[block]) < GPU_BFLOAT16_RELATIVE

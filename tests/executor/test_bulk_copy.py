@@ -1,13 +1,14 @@
-"""A load's bulk copies cut into chunks: the pieces cover the tensors exactly once, each within
+"""A load's bulk copies cut into pieces: the pieces cover the tensors exactly once, each within
 the byte limit, whatever the strides (a slot's rank columns are a strided view); on a GPU the
-paced copy moves the bytes exactly, host→device and back."""
+copy in pieces moves the bytes exactly, host→device and back."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from executor_service.paced_copy import CHUNK_BYTES, PacedCopier, chunks
+from executor_service import bulk_copy
+from executor_service.bulk_copy import chunks, copy_in_pieces
 
 
 @pytest.mark.parametrize(
@@ -35,20 +36,23 @@ def test_pieces_cover_a_strided_copy_exactly_once(shape: tuple[int, ...], limit:
 
 def test_a_copy_between_different_shapes_is_refused() -> None:
     with pytest.raises(ValueError, match=r"copy of shape \(2, 3\) into \(3, 2\)"):
-        list(chunks(torch.zeros(3, 2), torch.zeros(2, 3)))
+        list(chunks(torch.zeros(3, 2), torch.zeros(2, 3), 8))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_paced_copies_move_the_bytes_exactly_both_ways() -> None:
+def test_copies_in_pieces_move_the_bytes_exactly_both_ways(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bulk_copy, "PIECE_BYTES", 1 << 20)
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    copier = PacedCopier(stream)
-    experts, rank, hidden = 40, 96, (CHUNK_BYTES // 96) + 5  # rows just over a chunk
+    experts, rank, hidden = 40, 96, ((1 << 20) // 96) + 5  # rows just over a piece
     source = torch.randn(experts, rank, hidden).to(torch.bfloat16).pin_memory()
     slot = torch.zeros(experts, rank + 32, hidden, dtype=torch.bfloat16, device="cuda")
-    copier.copy(slot[:, :rank], source)
     back = torch.empty_like(source).pin_memory()
-    copier.copy(back, slot[:, :rank])
+    with torch.cuda.stream(stream):
+        copy_in_pieces(slot[:, :rank], source)
+        copy_in_pieces(back, slot[:, :rank])
     stream.synchronize()
     assert torch.equal(back, source)
     assert int(slot[:, rank:].count_nonzero()) == 0
