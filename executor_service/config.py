@@ -93,8 +93,8 @@ class ExecutorSettings(ServerSettings):
         description="on a CUDA executor, copy adapter files to the GPU straight from the OS "
         "page cache (their pages registered read-only with the driver, where the device "
         "supports it) rather than through page-locked staging buffers: disk-warm loads about "
-        "twice as fast, but Forward beside them slows more (H100: 9 against 4.6 GB/s, "
-        "Forward p50 +70% against +13% during disk-warm loads)",
+        "twice as fast, but Forward beside them slows more (H100 medians: 8.3 against 4.5 "
+        "GB/s, Forward p50 +68% against +13% during disk-warm loads)",
     )
     load_nice: int = Field(
         19,

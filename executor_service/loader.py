@@ -37,12 +37,11 @@ CONCURRENT_PACKS = 2
 
 
 #: Load threads of a CUDA executor unless set: the GPU packs, and these threads only read the
-#: stored bytes into page-locked staging buffers (pread, one slice each) where the copy engine
-#: does not read the page cache itself (page_cache_dma.py). Every byte a load
-#: copies on the host slows Forward beside it, so the default reads with one. Measured on an
-#: H100 host (docs/executor.md, 2026-11-26, alone against beside each load): 1 thread, disk
-#: warm 3.4–4.5 GB/s and Forward p50 +4% to +16% during disk-warm loads; 2 threads 4.4–5.2 GB/s
-#: and +21% to +26%.
+#: stored bytes into page-locked staging buffers (pread, one slice each) unless the copy engine
+#: reads the page cache itself (--page-cache-dma). Every byte a load copies on the host slows
+#: Forward beside it, so the default reads with one. Measured on an H100 host (docs/executor.md,
+#: 2026-11-26, unpaced copies, taking turns): 1 thread, disk warm 4.65 and 5.26 GB/s, Forward
+#: p50 +21% and +30% during cold loads; 2 threads, 6.82 and 6.52 GB/s, +40% and +25%.
 CUDA_LOAD_THREADS = 1
 
 

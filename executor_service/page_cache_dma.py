@@ -17,6 +17,10 @@ through torch would. It needs the device to support read-only registration (an H
 vllm-omni found a B300 that does not): registering a private mapping writable instead would
 make copy-on-write copy every page. Where it is not supported ``open_for_dma`` gives None, and
 where one registration fails the caller stages the bytes instead.
+
+Off by default (``--page-cache-dma``): with the copies unpaced, one per 64 MiB window, disk-warm
+loads ran at 7.7–9.7 GB/s against 3.4–5.4 staged, but Forward's p50 beside them rose +55% to +77%
+against +7% to +17% staged, for a cause not yet found (docs/executor.md, seventh pass).
 """
 
 from __future__ import annotations
