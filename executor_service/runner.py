@@ -59,9 +59,8 @@ class Runner:
         self._metrics = metrics
         self._graphs = graphs
         self._staging = staging
-        # Made once: creating and destroying CUDA events per launch goes through the driver,
-        # which a load registering pages holds for milliseconds at a time. Safe to reuse, as
-        # each launch reads its events before the next one records them.
+        # Made once, not four driver objects created and destroyed per launch; safe to reuse,
+        # as each launch reads its events before the next one records them.
         self._events = (
             [torch.cuda.Event(enable_timing=True) for _ in range(4)]  # type: ignore[no-untyped-call]
             if staging is not None
