@@ -15,6 +15,7 @@ recorded pieces, which the disk cache then keeps for its check after a restart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -96,8 +97,8 @@ class CuttingProxy:
                     self.limit = 0
                     self.forwarded.set()
                     if not self.stall:
-                        source.close()
-                        dest.close()
+                        _cut(source)
+                        _cut(dest)
                     return
                 if limit is not None:
                     self.limit = limit - len(data)
@@ -113,7 +114,16 @@ class CuttingProxy:
         self._closed = True
         self._listener.close()
         for sock in self._sockets:
-            sock.close()
+            _cut(sock)
+
+
+def _cut(sock: socket.socket) -> None:
+    """Closes a connection so that its peer sees it closed at once. A plain close from one
+    thread, while another thread is blocked receiving on the socket, sends nothing until that
+    receive returns: the peer (a gRPC channel without keepalive) would wait forever."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 class StreamOnlyClient(RegistryClient):
