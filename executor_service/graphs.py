@@ -101,7 +101,7 @@ class GraphCache:
             side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
             side.wait_stream(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(side):
-                io.slots[:bucket].fill_(-1)
+                io.fill([], None, pad_to=bucket)  # no rows: every slot id -1
                 for _ in range(2):  # compile, tune and allocate outside the capture
                     forward()
             torch.cuda.current_stream(self._device).wait_stream(side)

@@ -29,18 +29,17 @@ class Staging:
         self._hidden = hidden_size
         self._dtype = dtype
         self._growable = growable
-        self.rows = 0
         self.input = self.output = self.slots = torch.empty(0)
         self._grow(rows)
         self._topk_ids = torch.empty(0, dtype=torch.int32)
         self._topk_weights = torch.empty(0, dtype=torch.float32)
 
     def _grow(self, rows: int) -> None:
-        if rows <= self.rows:
+        held = self.input.shape[0]
+        if rows <= held:
             return
-        if self.rows and not self._growable:
-            raise ValueError(f"{rows} rows do not fit fixed staging of {self.rows}")
-        self.rows = rows
+        if held and not self._growable:
+            raise ValueError(f"{rows} rows do not fit fixed staging of {held}")
         # Zeros, not garbage: a graph computes its padding rows too, from whatever is here.
         self.input = torch.zeros(rows, self._hidden, dtype=self._dtype).pin_memory()
         self.output = torch.empty(rows, self._hidden, dtype=self._dtype).pin_memory()

@@ -45,10 +45,6 @@ def test_refuses_mismatched_or_strided_tensors() -> None:
         copy_bytes(torch.empty(8, device=DEVICE), strided)
 
 
-def test_an_empty_copy_launches_nothing() -> None:
-    copy_bytes(torch.empty(0, device=DEVICE), torch.empty(0, device=DEVICE))
-
-
 @gpu_only
 def test_moves_bytes_between_page_locked_host_memory_and_the_gpu() -> None:
     nbytes = 5 * BLOCK_BYTES + 3
