@@ -1,21 +1,24 @@
 """Where a file downloaded in parallel parts is assembled, checked and read while it arrives.
 
 ``ArrivingFile`` is a file of known size and sha256, allocated up front (so a full disk fails
-before any byte is fetched) and filled by part workers in any order. It records which byte
-ranges have arrived, so that a reader (the packer) can wait for the ranges it needs and use
-them while the rest is still on its way, and it hashes the file in order by a thread of its
-own as its contiguous prefix grows (the bytes are read back from the page cache through the
-memory map: no copy). When the registry recorded the sha256 of the file's fixed-size pieces
-(``Pieces``), there is no such thread: the worker that completes a piece hashes it, so the
-check runs on as many cores as there are workers instead of one, in any order, and a bad piece
-is named as it fails. ``wait_verified`` says whether the whole file matched: a reader may look
-at bytes early, but nothing built from them may be published before that.
+before any byte is fetched) and filled by part workers in any order, each writing its part
+front to back through an ``Inflow``. It records which byte ranges have arrived, so that a
+reader (the packer) can wait for the ranges it needs and use them while the rest is still on
+its way. When the registry recorded the sha256 of the file's fixed-size pieces (``Pieces``),
+each worker hashes its part's pieces from its own bytes as they pass, before they are written
+(parts are whole pieces), so the check runs on as many cores as there are workers, on bytes
+still in the CPU's cache, and a bad piece is named as it fails. Without pieces one thread of
+its own hashes the file in order as its contiguous prefix grows, reading it back with
+``pread``. ``wait_verified`` says whether the whole file matched: a reader may look at bytes
+early, but nothing built from them may be published before that.
 
-Parts arrive two ways: ``write`` stores bytes that came as objects (the registry's gRPC
-stream) with ``pwrite``; ``receive_view`` hands out the file's own memory for a socket to
-receive into (HTTP range reads: the one copy is the kernel's) and ``arrived`` records what
-landed there. The memory map is shared (MAP_SHARED), so it sees the ``pwrite``s, and what is
-written through it is the file's page cache itself.
+Bytes are written with ``pwrite`` from the worker's memory (a reused receive buffer, or the
+objects the registry's gRPC stream delivered). The serving process maps none of the file's
+pages to write them: received straight into a shared memory map of the file instead, a
+1.26 GB adapter took some 300 000 write faults and a 1.26 GB unmap on the load's path, beside
+Forward's threads in the same process (docs/executor.md, issue 13's eighth pass). Readers get
+``view``, a shared map of the file that sees what was written; a CUDA pack reads the file
+with ``pread`` instead and touches only the header through it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from executor_service.loader import lower_priority
 from shared.errors import DataLoss
 from shared.part_digests import Pieces
 
-#: Bytes hashed per step, so that the hasher notices a cancel within milliseconds.
+#: Bytes hashed per step by the whole-file hasher (its reused read buffer), so that it
+#: notices a cancel within milliseconds.
 _HASH_STEP = 8 << 20
 
 
@@ -46,8 +50,8 @@ class ArrivingFile:
         nice: int,
         pieces: Pieces | None = None,
     ) -> None:
-        """``pieces``: the file's piece digests, checked as each piece completes (by the
-        thread that completed it); without them the whole file is hashed in order."""
+        """``pieces``: the file's piece digests, checked by the workers as each piece passes;
+        without them the whole file is hashed in order."""
         if pieces is not None:
             pieces.check(size, label)
         self.path = path
@@ -71,28 +75,37 @@ class ArrivingFile:
         self._closed = False
         self._writing = 0
         #: Checked by pieces (when there are any: an empty file has none) or by one hasher.
-        self._pieces = pieces if pieces is not None and size else None
-        #: Per piece: whether a thread took it to hash; and how many are not yet verified.
-        self._taken = bytearray(len(self._pieces.sha256) if self._pieces else 0)
-        self._unverified = len(self._taken)
+        self.pieces = pieces if pieces is not None and size else None
+        self._unverified = len(self.pieces.sha256) if self.pieces else 0
         self._hasher: threading.Thread | None = None
-        if self._pieces is None:
+        if self.pieces is None:
             self._hasher = threading.Thread(target=self._hash, name="arriving-hash", daemon=True)
             self._hasher.start()
 
     # -- the workers' side -----------------------------------------------------------------
 
-    def write(self, offset: int, data: bytes) -> None:
-        """Stores bytes that arrived for ``offset``; dropped once the file is closed (a worker
-        that was still receiving when the load was abandoned)."""
+    def inflow(self, offset: int) -> Inflow:
+        """A writer of this file's bytes from ``offset`` on, in order (one per part)."""
+        return Inflow(self, offset)
+
+    def fail(self, error: BaseException) -> None:
+        """The download failed: every waiter gets ``error`` (the first one reported)."""
+        with self._changed:
+            if self._error is None:
+                self._error = error
+            self._changed.notify_all()
+
+    def store(self, offset: int, data: memoryview) -> bool:
+        """Stores bytes that arrived for ``offset`` (``Inflow`` calls it, having hashed them);
+        False, and nothing stored, once the file is closed (a worker that was still receiving
+        when the load was abandoned)."""
         with self._changed:
             if self._closed:
-                return
+                return False
             self._writing += 1  # close() waits for writes in progress: the fd stays theirs
         written_all = False
         try:
-            view = memoryview(data)
-            at = offset
+            view, at = data, offset
             while view:  # pwrite may write less than asked
                 written = os.pwrite(self._fd, view, at)
                 view, at = view[written:], at + written
@@ -100,36 +113,27 @@ class ArrivingFile:
         finally:
             with self._changed:
                 self._writing -= 1
-                complete = []
-                if written_all and not self._closed:
-                    complete = self._add(offset, offset + len(data))
+                stored = written_all and not self._closed
+                if stored:
+                    self._add(offset, offset + len(data))
                 self._changed.notify_all()
-        self._check_pieces(complete)
+        return stored
 
-    def receive_view(self, begin: int, end: int) -> memoryview:
-        """The file's bytes ``begin`` to ``end`` as writable memory, to receive a part into;
-        tell ``arrived`` what landed. Writing after ``close`` is harmless (the map outlives
-        the file) and recorded nowhere."""
-        # (Mapping the pages ahead with madvise(MADV_POPULATE_WRITE) instead of letting them
-        # fault in as the bytes land measured no faster on a 2-core VM: not done.)
-        return self.view()[begin:end]
-
-    def arrived(self, begin: int, end: int) -> bool:
-        """Bytes ``begin`` to ``end`` landed in ``receive_view``'s memory; False once the file
-        is closed (the receiver should stop). Hashes the pieces this completed, if any."""
+    def piece_hashed(self, index: int, actual: str) -> None:
+        """Records the sha256 of piece ``index`` as ``Inflow`` found it, once it is stored."""
+        assert self.pieces is not None
+        expected = self.pieces.sha256[index]
         with self._changed:
-            if self._closed:
-                return False
-            complete = self._add(begin, end)
-            self._changed.notify_all()
-        self._check_pieces(complete)
-        return True
-
-    def fail(self, error: BaseException) -> None:
-        """The download failed: every waiter gets ``error`` (the first one reported)."""
-        with self._changed:
-            if self._error is None:
-                self._error = error
+            if actual != expected:
+                if self._error is None:
+                    begin, end = self.pieces.span(index, self.size)
+                    self._error = DataLoss(
+                        f"{self.label}: downloaded bytes {begin}-{end} (piece {index + 1} "
+                        f"of {len(self.pieces.sha256)}) have sha256 {actual}, expected {expected}"
+                    )
+            else:
+                self._unverified -= 1
+                self._verified = self._unverified == 0
             self._changed.notify_all()
 
     # -- the reader's side -----------------------------------------------------------------
@@ -175,7 +179,7 @@ class ArrivingFile:
     def _hash(self) -> None:
         lower_priority(self._nice)
         digest = hashlib.sha256()
-        view = self.view()
+        buffer = memoryview(bytearray(min(_HASH_STEP, self.size)))
         done = 0
         while done < self.size:
             with self._changed:
@@ -185,9 +189,10 @@ class ArrivingFile:
                     return
                 ready = self._prefix()
             while done < ready:
-                step = min(ready, done + _HASH_STEP)
-                digest.update(view[done:step])  # releases the GIL
-                done = step
+                step = buffer[: min(len(buffer), ready - done)]
+                read = os.preadv(self._fd, [step], done)  # releases the GIL, as update does
+                digest.update(step[:read])
+                done += read
         with self._changed:
             if digest.hexdigest() == self.sha256:
                 self._verified = True
@@ -197,29 +202,6 @@ class ArrivingFile:
                     f"expected {self.sha256}"
                 )
             self._changed.notify_all()
-
-    def _check_pieces(self, indices: list[int]) -> None:
-        """Hashes pieces this thread completed (outside the lock: hashlib releases the GIL,
-        so the workers hash in parallel) and records the outcome."""
-        if not indices:
-            return
-        assert self._pieces is not None
-        view = self.view()
-        for index in indices:
-            actual = self._pieces.digest(view, index)
-            expected = self._pieces.sha256[index]
-            with self._changed:
-                if actual != expected:
-                    if self._error is None:
-                        begin, end = self._pieces.span(index, self.size)
-                        self._error = DataLoss(
-                            f"{self.label}: downloaded bytes {begin}-{end} (piece {index + 1} "
-                            f"of {len(self._taken)}) have sha256 {actual}, expected {expected}"
-                        )
-                else:
-                    self._unverified -= 1
-                    self._verified = self._unverified == 0
-                self._changed.notify_all()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -234,9 +216,8 @@ class ArrivingFile:
     def _has(self, begin: int, end: int) -> bool:
         return begin >= end or any(b <= begin and end <= e for b, e in self._arrived)
 
-    def _add(self, begin: int, end: int) -> list[int]:
-        """Records an arrival; returns the pieces it completed, taken for the caller to hash
-        (lock held)."""
+    def _add(self, begin: int, end: int) -> None:
+        """Records an arrival (lock held)."""
         merged: list[tuple[int, int]] = []
         for b, e in sorted([*self._arrived, (begin, end)]):
             if merged and b <= merged[-1][1]:
@@ -244,11 +225,51 @@ class ArrivingFile:
             else:
                 merged.append((b, e))
         self._arrived = merged
-        if self._pieces is None or begin >= end:
+
+
+class Inflow:
+    """A part's bytes written into an ``ArrivingFile`` front to back from ``offset``: each
+    piece of a file that has pieces is hashed from the bytes as they pass and checked once it
+    is stored (a part starts on a piece's boundary). Used by one thread."""
+
+    def __init__(self, file: ArrivingFile, offset: int) -> None:
+        pieces = file.pieces
+        if pieces is not None and offset % pieces.size:
+            raise ValueError(f"{file.label}: a part at {offset} starts inside a piece")
+        self._file = file
+        self._next = offset
+        self._piece = hashlib.sha256()
+
+    def write(self, at: int, data: bytes | memoryview) -> bool:
+        """Hashes and stores bytes for ``at``, which must follow the last ones; False once the
+        file is closed (the worker should stop)."""
+        if at != self._next:
+            raise DataLoss(
+                f"{self._file.label}: bytes for offset {at} arrived, expected offset {self._next}"
+            )
+        view = memoryview(data).cast("B")
+        hashed = self._hash(at, view)
+        if not self._file.store(at, view):
+            return False
+        for index, digest in hashed:
+            self._file.piece_hashed(index, digest)
+        self._next = at + len(view)
+        return True
+
+    def _hash(self, at: int, view: memoryview) -> list[tuple[int, str]]:
+        """Feeds ``view`` (at offset ``at``) to the running piece's hash; returns the
+        (index, sha256) of the pieces it completed. hashlib releases the GIL."""
+        pieces = self._file.pieces
+        if pieces is None:
             return []
-        complete = []
-        for index in range(begin // self._pieces.size, (end - 1) // self._pieces.size + 1):
-            if not self._taken[index] and self._has(*self._pieces.span(index, self.size)):
-                self._taken[index] = 1
-                complete.append(index)
-        return complete
+        completed = []
+        while view:
+            index = at // pieces.size
+            end = min((index + 1) * pieces.size, self._file.size)
+            take = min(len(view), end - at)
+            self._piece.update(view[:take])
+            view, at = view[take:], at + take
+            if at == end:
+                completed.append((index, self._piece.hexdigest()))
+                self._piece = hashlib.sha256()
+        return completed

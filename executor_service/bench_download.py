@@ -99,7 +99,7 @@ def _hashing(enabled: bool) -> Iterator[None]:
     if enabled:
         yield
         return
-    real = arriving.ArrivingFile._hash, arriving.ArrivingFile._check_pieces
+    real = arriving.ArrivingFile._hash, arriving.Inflow._hash
 
     def complete_only(self: arriving.ArrivingFile) -> None:
         with self._changed:
@@ -108,18 +108,21 @@ def _hashing(enabled: bool) -> Iterator[None]:
             self._verified = True
             self._changed.notify_all()
 
-    def pieces_unhashed(self: arriving.ArrivingFile, indices: list[int]) -> None:
-        with self._changed:
-            self._unverified -= len(indices)
-            self._verified = self._unverified == 0
-            self._changed.notify_all()
+    def pieces_unhashed(self: arriving.Inflow, at: int, view: memoryview) -> list[tuple[int, str]]:
+        """The pieces that end within ``view``, taken as matching."""
+        pieces, size = self._file.pieces, self._file.size
+        if pieces is None:
+            return []
+        end = at + len(view)
+        indices = range(at // pieces.size, min(pieces.count(size), end // pieces.size + 1))
+        return [(i, pieces.sha256[i]) for i in indices if at < pieces.span(i, size)[1] <= end]
 
     arriving.ArrivingFile._hash = complete_only  # type: ignore[method-assign]
-    arriving.ArrivingFile._check_pieces = pieces_unhashed  # type: ignore[method-assign]
+    arriving.Inflow._hash = pieces_unhashed  # type: ignore[method-assign]
     try:
         yield
     finally:
-        arriving.ArrivingFile._hash, arriving.ArrivingFile._check_pieces = real  # type: ignore[method-assign]
+        arriving.ArrivingFile._hash, arriving.Inflow._hash = real  # type: ignore[method-assign]
 
 
 def _download(address: str, path: str, streams: int, disk: Path) -> None:

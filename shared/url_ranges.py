@@ -1,12 +1,13 @@
-"""Byte ranges of presigned URLs (S3's, or the registry's blob HTTP server's) received straight
-into the caller's buffer.
+"""Byte ranges of presigned URLs (S3's, or the registry's blob HTTP server's) received into the
+caller's buffer.
 
-``UrlRangeReader.read_into`` sends one HTTP Range GET and lets the socket write the body into
-the memory the caller gives (the executor gives a writable view of the file being downloaded):
-the bytes are copied once, by the kernel, with the GIL released, instead of into a new bytes
-object per chunk and then again into the file. Each reader keeps its connections open between
-requests (HTTP/1.1 keep-alive), one per request in flight; a kept connection the server closed
-meanwhile is replaced once, before any byte of the answer arrived, as urllib3 does.
+``UrlRangeReader.read`` sends one HTTP Range GET and lets the socket write the body into the
+buffer the caller gives, a buffer-full at a time, handing each to the caller before the next
+(the executor hashes it and writes it into the file being downloaded): the socket's bytes are
+copied by the kernel, with the GIL released, into memory that stays mapped and in the CPU's
+cache, instead of into a new bytes object per chunk. Each reader keeps its connections open
+between requests (HTTP/1.1 keep-alive), one per request in flight; a kept connection the server
+closed meanwhile is replaced once, before any byte of the answer arrived, as urllib3 does.
 
 The bytes are unchecked, like every ranged read: the caller hashes the whole file once every
 range arrived.
@@ -20,14 +21,9 @@ import threading
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-#: Bytes received per step: the caller learns of arrivals (and may stop) at this grain. Each
-#: step takes the GIL back: at 3.5 GB/s, 1 MiB steps did so 3 500 times a second beside the
-#: executor's Forward calls (4 MiB: Forward p90 during a cold load 4.3–7.3 ms against 8.8–9.6
-#: on an H100 host, docs/executor.md).
-STEP_BYTES = 4 << 20
-
-#: (offset, length) of bytes that just landed in the buffer → whether to go on.
-Arrived = Callable[[int, int], bool]
+#: (offset, bytes) of bytes that just landed in the buffer → whether to go on. The bytes are a
+#: view of the buffer, valid until the call returns.
+Deliver = Callable[[int, memoryview], bool]
 
 #: Errors of a kept connection that the server had closed while it was idle.
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
@@ -66,18 +62,23 @@ class UrlRangeReader:
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
 
-    def read_into(self, url: str, offset: int, into: memoryview, arrived: Arrived) -> None:
-        """Receives bytes ``offset`` to ``offset + len(into)`` of ``url``'s object into
-        ``into``, calling ``arrived(at, n)`` after each step; returns early when it says False.
-        Raises UrlUnreachable when no connection can be made, HttpStatusError for an answer
-        that is not the range, ConnectionError when the body ends short, OSError and
-        http.client.HTTPException for the transport's other failures."""
-        if not into:
+    def read(
+        self, url: str, offset: int, length: int, buffer: memoryview, deliver: Deliver
+    ) -> None:
+        """Receives bytes ``offset`` to ``offset + length`` of ``url``'s object into
+        ``buffer``, calling ``deliver(at, bytes)`` with each buffer-full (the last may be
+        shorter); returns early when it says False. Raises UrlUnreachable when no connection
+        can be made, HttpStatusError for an answer that is not the range, ConnectionError when
+        the body ends short, OSError and http.client.HTTPException for the transport's other
+        failures."""
+        if not length:
             return
+        if not buffer:
+            raise ValueError("an empty buffer receives nothing")
         parts = urlsplit(url)
         origin = (parts.scheme, parts.netloc)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
-        headers = {"Range": f"bytes={offset}-{offset + len(into) - 1}"}
+        headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
         connection, reused = self._take(origin)
         try:
             try:
@@ -90,7 +91,7 @@ class UrlRangeReader:
                 connection = self._connect(origin)
                 connection.request("GET", target, headers=headers)
                 response = connection.getresponse()
-            complete = self._receive(response, offset, into, arrived)
+            complete = self._receive(response, offset, length, buffer, deliver)
         except BaseException:
             connection.close()
             raise
@@ -107,28 +108,39 @@ class UrlRangeReader:
                 connection.close()
 
     def _receive(
-        self, response: http.client.HTTPResponse, offset: int, into: memoryview, arrived: Arrived
+        self,
+        response: http.client.HTTPResponse,
+        offset: int,
+        length: int,
+        buffer: memoryview,
+        deliver: Deliver,
     ) -> bool:
-        """Fills ``into`` from ``response``; False if ``arrived`` stopped it first."""
+        """Hands ``response``'s body to ``deliver`` a ``buffer``-full at a time; False if it
+        stopped first."""
         if response.status != 206 and not (response.status == 200 and offset == 0):
             text = response.read(500).decode("utf-8", "replace").strip()
             raise HttpStatusError(response.status, text or str(response.reason))
-        if response.length != len(into):
+        if response.length != length:
             # A 200 to a range from 0 is the whole object: right only if that is the range.
             raise HttpStatusError(
                 response.status,
-                f"answered {response.length} bytes for a range of {len(into)} at {offset}",
+                f"answered {response.length} bytes for a range of {length} at {offset}",
             )
         done = 0
-        while done < len(into):
-            n = response.readinto(into[done : done + STEP_BYTES])
-            if not n:
-                raise ConnectionError(
-                    f"the body ended at byte {offset + done}, expected {offset + len(into)}"
-                )
-            if not arrived(offset + done, n):
+        while done < length:
+            step = buffer[: min(len(buffer), length - done)]
+            filled = 0
+            while filled < len(step):
+                n = response.readinto(step[filled:])
+                if not n:
+                    raise ConnectionError(
+                        f"the body ended at byte {offset + done + filled}, "
+                        f"expected {offset + length}"
+                    )
+                filled += n
+            if not deliver(offset + done, step):
                 return False
-            done += n
+            done += filled
         return True
 
     def _take(self, origin: tuple[str, str]) -> tuple[http.client.HTTPConnection, bool]:

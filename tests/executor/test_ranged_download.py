@@ -1,6 +1,6 @@
 """Parallel ranged downloads into arriving files: parts written out of order reassemble the
-file, whether they come as objects (the gRPC stream) or are received straight into the file's
-memory (HTTP); a reader sees a range as soon as it arrived (before the whole file is checked),
+file, whether they come as objects (the gRPC stream) or are received into the worker's reused
+buffer (HTTP); a reader sees a range as soon as it arrived (before the whole file is checked),
 damaged bytes fail the check (at the end when the file is hashed whole; as soon as the piece
 is in when the registry listed piece digests), a failed part reaches every waiter, and a closed
 download drops what still arrives. The range reader reads a real local file, as the registry
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from executor_service.arriving import ArrivingFile
 from executor_service.listing import RemoteFile
 from executor_service.ranged_download import Part, RangedDownload, RangeReader, _parts
 from shared.errors import DataLoss, Unavailable
@@ -63,19 +64,18 @@ def _reader(paths: list[Path], *, piece: int = MIB, damage_at: int | None = None
 
 
 def _receiver(paths: list[Path], *, piece: int = MIB) -> RangeReader:
-    """Receives parts straight into the file's memory, ``piece`` by piece (as a socket's
-    readinto does)."""
+    """Receives parts into the worker's buffer, ``piece`` by piece (as a socket's readinto
+    does), each written before the buffer is reused."""
 
     def read(part: Part) -> None:
-        view = part.receive_view()
-        assert len(view) == part.length
+        assert len(part.buffer) >= piece
         with paths[part.index].open("rb", buffering=0) as handle:
             handle.seek(part.offset)
             done = 0
             while done < part.length:
-                n = handle.readinto(view[done : done + piece])
+                n = handle.readinto(part.buffer[: min(piece, part.length - done)])
                 assert n
-                if not part.arrived(part.offset + done, n):
+                if not part.write(part.offset + done, part.buffer[:n]):
                     return
                 done += n
 
@@ -113,7 +113,7 @@ def test_parts_from_parallel_streams_reassemble_and_verify(
 
 
 @CHECKS
-def test_parts_received_into_the_file_reassemble_and_verify(
+def test_parts_received_into_a_reused_buffer_reassemble_and_verify(
     tmp_path: Path, piece_size: int | None
 ) -> None:
     paths, files = _sources(tmp_path, piece_size)
@@ -127,7 +127,7 @@ def test_parts_received_into_the_file_reassemble_and_verify(
 
 
 @CHECKS
-@pytest.mark.parametrize("receive", [False, True], ids=["objects", "in-place"])
+@pytest.mark.parametrize("receive", [False, True], ids=["objects", "buffer"])
 def test_a_range_is_readable_before_the_whole_file_is_checked(
     tmp_path: Path, receive: bool, piece_size: int | None
 ) -> None:
@@ -169,7 +169,7 @@ def test_damaged_bytes_fail_the_check_after_they_were_usable(tmp_path: Path) -> 
         download.close()
 
 
-@pytest.mark.parametrize("receive", [False, True], ids=["objects", "in-place"])
+@pytest.mark.parametrize("receive", [False, True], ids=["objects", "buffer"])
 def test_a_damaged_piece_fails_the_download_before_the_rest_arrived(
     tmp_path: Path, receive: bool
 ) -> None:
@@ -247,7 +247,7 @@ def test_a_failed_part_reaches_every_waiter(tmp_path: Path) -> None:
         download.close()
 
 
-@pytest.mark.parametrize("receive", [False, True], ids=["objects", "in-place"])
+@pytest.mark.parametrize("receive", [False, True], ids=["objects", "buffer"])
 def test_closing_drops_what_still_arrives(tmp_path: Path, receive: bool) -> None:
     paths, files = _sources(tmp_path)
     inside = threading.Event()
@@ -260,13 +260,8 @@ def test_closing_drops_what_still_arrives(tmp_path: Path, receive: bool) -> None
             return
         inside.set()
         assert release.wait(30)
-        if receive:
-            view = part.receive_view()
-            view[:10] = b"x" * 10  # lands in memory of a file no longer kept: harmless
-            stopped = not part.arrived(part.offset, 10)
-        else:
-            stopped = not part.write(part.offset, b"x" * 10)
-        if stopped:
+        data = part.buffer[:10] if receive else b"x" * 10
+        if not part.write(part.offset, data):
             told_to_stop.set()
 
     download = _download(tmp_path, files, slow, streams=2)
@@ -277,3 +272,31 @@ def test_closing_drops_what_still_arrives(tmp_path: Path, receive: bool) -> None
     big = download.file("big.bin")
     with pytest.raises(RuntimeError, match="abandoned"):
         big.wait(0, big.size)
+
+
+def test_a_part_takes_its_bytes_in_order_from_a_piece_boundary(tmp_path: Path) -> None:
+    """A worker's bytes are hashed as they pass, so they must come front to back: a gap or a
+    repeat is refused (naming the offsets) rather than hashed into the wrong piece."""
+    paths, files = _sources(tmp_path, piece_size=MIB)
+    data = paths[1].read_bytes()
+
+    def skipping(part: Part) -> None:
+        if part.index == 1 and part.offset == 0:
+            assert part.write(0, data[:1000])
+            part.write(2000, data[2000:3000])  # bytes 1000-2000 never came
+        else:
+            _reader(paths)(part)
+
+    download = _download(tmp_path, files, skipping)
+    try:
+        with pytest.raises(DataLoss, match="bytes for offset 2000 arrived, expected offset 1000"):
+            download.wait_verified()
+    finally:
+        download.close()
+    pieces = _piece_digests(data[: 3 * MIB], MIB)
+    file = ArrivingFile(tmp_path / "x.bin", 3 * MIB, "0" * 64, "x.bin", 0, pieces)
+    try:
+        with pytest.raises(ValueError, match="starts inside a piece"):
+            file.inflow(MIB + 1)
+    finally:
+        file.close()

@@ -171,13 +171,26 @@ def test_a_body_cut_short_is_never_complete(
         _get(url)
     reader = UrlRangeReader(timeout=10)
     size = (tmp_path / "a" / WEIGHTS).stat().st_size
-    into = memoryview(bytearray(size + 1000))
-    with pytest.raises(ConnectionError, match="ended at byte"):
-        reader.read_into(url, 0, into, lambda at, n: True)
+    buffer = memoryview(bytearray(size + 1000))
+    with pytest.raises(ConnectionError, match=f"ended at byte {size}, expected {size + 1000}"):
+        reader.read(url, 0, size + 1000, buffer, lambda at, data: True)
     reader.close()
 
 
-def test_the_range_reader_keeps_connections_and_receives_in_place(
+def _read(reader: UrlRangeReader, url: str, begin: int, end: int, step: int) -> bytes:
+    """Bytes ``begin`` to ``end`` of ``url``, received into a reused ``step``-byte buffer."""
+    got = bytearray()
+
+    def keep(at: int, data: memoryview) -> bool:
+        assert at == begin + len(got) and len(data) <= step
+        got.extend(data)
+        return True
+
+    reader.read(url, begin, end - begin, memoryview(bytearray(step)), keep)
+    return bytes(got)
+
+
+def test_the_range_reader_keeps_connections_and_receives_into_a_reused_buffer(
     served: Served, tmp_path: Path
 ) -> None:
     url = _urls(served)[WEIGHTS]
@@ -186,32 +199,26 @@ def test_the_range_reader_keeps_connections_and_receives_in_place(
     assert blob_http is not None
     reader = UrlRangeReader(timeout=10)
     try:
-        into = bytearray(len(weights))
-        view = memoryview(into)
         cuts = [0, 1, 65_536, len(weights) // 2, len(weights)]
-        seen: list[tuple[int, int]] = []
-
-        def record(at: int, n: int) -> bool:
-            seen.append((at, n))
-            return True
-
-        for begin, end in itertools.pairwise(cuts):
-            reader.read_into(url, begin, view[begin:end], record)
-        assert bytes(into) == weights
-        assert sum(n for _, n in seen) == len(weights)
+        pieces = [_read(reader, url, b, e, step=100_003) for b, e in itertools.pairwise(cuts)]
+        assert b"".join(pieces) == weights
         assert len(blob_http._server._connections) == 1  # one kept-alive connection
         # The server drops idle connections (its timeout, a restart): the reader reconnects.
         blob_http._server.close_connections(0)
         wait_for(lambda: not blob_http._server._connections)
-        into[:] = bytes(len(weights))
-        reader.read_into(url, 0, view, lambda at, n: True)
-        assert bytes(into) == weights
+        assert _read(reader, url, 0, len(weights), step=len(weights)) == weights
         # A receiver that stops early: the connection is not reused (its body is unread).
-        seen.clear()
-        reader.read_into(url, 0, view, lambda at, n: record(at, n) and False)
-        assert len(seen) == 1
+        seen: list[int] = []
+
+        def stop(at: int, data: memoryview) -> bool:
+            seen.append(at)
+            return False
+
+        reader.read(url, 0, len(weights), memoryview(bytearray(4096)), stop)
+        assert seen == [0]
+        assert _read(reader, url, 10, 20, step=4096) == weights[10:20]
         with pytest.raises(HttpStatusError) as info:
-            reader.read_into(_with_query(url, signature="0" * 64), 0, view[:10], lambda *_: True)
+            _read(reader, _with_query(url, signature="0" * 64), 0, 10, step=4096)
         assert info.value.status == 403 and "signature" in info.value.message
     finally:
         reader.close()
