@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from shared import keepalive
 from shared.config import ServerSettings
 from shared.errors import InvalidArgument
 from shared.layer_set import parse_layers
@@ -62,6 +63,13 @@ class ExecutorSettings(ServerSettings):
     )
     registry_timeout_seconds: float = Field(
         30.0, gt=0, description="deadline of each registry call (downloads excepted)"
+    )
+    registry_keepalive_seconds: float = Field(
+        keepalive.DEFAULT_KEEPALIVE_SECONDS,
+        ge=keepalive.MIN_CLIENT_PING_SECONDS,
+        description="ping the registry after this long without a word from it while a call "
+        "is open (a download, the watch); no answer within as long again fails the "
+        "connection's calls: a dead connection cannot hold a load or the watch",
     )
     adapter_dir: Path | None = Field(
         None,

@@ -59,6 +59,10 @@ EventType = registry_pb2.AdapterEventType
 
 #: Errors that mean "the registry did not answer", as opposed to an answer that says no.
 _UNREACHABLE = (Unavailable, DeadlineExceeded)
+#: A part read over the DownloadAdapter stream gets the client's call deadline plus a second
+#: per MiB (a part is at most 64 MiB): a registry that stops sending over a live connection
+#: (keepalive finds a dead one) fails the part instead of holding the load forever.
+_SLOWEST_STREAM_BYTES_PER_SECOND = 1 << 20
 #: After presigned URLs could not be connected to (say a registry whose --http-public-url
 #: names a host executors cannot reach), downloads take the DownloadAdapter stream this long
 #: before URLs are tried again.
@@ -272,8 +276,11 @@ class RegistrySource:
 
     def _stream_reader(self, adapter: ResolvedAdapter, ref: str) -> RangeReader:
         def read(part: Part) -> None:
+            deadline = self.client.timeout + part.length / _SLOWEST_STREAM_BYTES_PER_SECOND
             try:
-                for at, data in self.client.read_range(ref, part.index, part.offset, part.length):
+                for at, data in self.client.read_range(
+                    ref, part.index, part.offset, part.length, timeout=deadline
+                ):
                     if not part.write(at, data):
                         return
             except _UNREACHABLE as exc:

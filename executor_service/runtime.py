@@ -151,6 +151,7 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
             root_certificates=root_certificates,
             timeout=settings.registry_timeout_seconds,
             connections=streams,
+            keepalive_seconds=settings.registry_keepalive_seconds,
         )
         disk = DiskCache(settings.disk_cache_dir, settings.disk_cache_bytes, check_threads=streams)
         urls = UrlRangeReader(

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram
 
+from shared import keepalive
 from shared.errors import RETRY_AFTER_METADATA, MoeLoraError, Overloaded
 from shared.logs import log_event
 
@@ -218,6 +219,7 @@ class GrpcServer:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
+                *keepalive.server_options(),
             ],
         )
         self.health = health.HealthServicer(experimental_non_blocking=True)

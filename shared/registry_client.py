@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from moelora.v1 import model_pb2, registry_pb2, registry_pb2_grpc
+from shared import keepalive
 from shared.adapter_files import ADAPTER_FILES
 from shared.auth import open_channel
 from shared.background_writer import BackgroundWriter
@@ -98,14 +99,19 @@ class RegistryClient:
         root_certificates: bytes | None = None,
         timeout: float = 30.0,
         connections: int = 1,
+        keepalive_seconds: float = keepalive.DEFAULT_KEEPALIVE_SECONDS,
     ) -> None:
         """``connections``: TCP connections that ranged reads (``read_range``) spread over;
         one HTTP/2 connection is served by one thread at each end, so parallel ranged reads
-        need connections of their own to run in parallel."""
-        options = [
+        need connections of their own to run in parallel. ``keepalive_seconds``: while a
+        call is open, a connection silent this long is pinged, and closed when the ping is not
+        answered within as long again (``shared/keepalive.py``): a connection that died
+        without a word cannot hold a download or the watch stream forever."""
+        options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.service_config", _RETRY_READS),
+            *keepalive.client_options(keepalive_seconds),
         ]
         self._channels = [
             open_channel(

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
 from executor_service.metrics import ExecutorMetrics
 from executor_service.packer import pack_adapter
-from executor_service.registry_source import RegistrySource
+from executor_service.registry_source import RegistrySource, RegistryWatcher
 from executor_service.sources import AdapterFiles, ResolvedAdapter
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
 from moelora.v1 import registry_pb2
@@ -49,6 +50,7 @@ from shared.errors import FailedPrecondition, InvalidArgument, MoeLoraError
 from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
+from shared.url_ranges import UrlRangeReader
 from tests.conftest import free_port, wait_for
 from tests.registry.conftest import registry_settings, serve_registry
 
@@ -225,6 +227,59 @@ def test_a_cut_connection_leaves_no_entry_and_the_next_load_succeeds(
     assert other.bytes_from_server < setup.nbytes // 10
 
 
+@pytest.mark.parametrize("path", ["urls", "stream"])
+def test_a_connection_gone_silent_fails_the_load_in_seconds_and_the_next_load_succeeds(
+    setup: Setup, proxy: CuttingProxy, tmp_path: Path, path: str
+) -> None:
+    """A connection that dies without a word (the proxy holds it open and forwards nothing,
+    as a partition or a powered-off node does) fails the download instead of holding it
+    forever: on the stream, gRPC keepalive (1 s here) finds the unanswered ping, though the
+    call itself has a minute; over the URLs, the socket's timeout (2 s here)."""
+    disk = DiskCache(tmp_path / "disk", budget_bytes=10**9)
+    client_type = RegistryClient if path == "urls" else StreamOnlyClient
+    stalled = setup.http_proxy if path == "urls" else proxy
+    with client_type(proxy.address, timeout=60, connections=STREAMS, keepalive_seconds=1) as client:
+        source = RegistrySource(
+            client, proxy.address, disk, STREAMS, nice=0, urls=UrlRangeReader(timeout=2)
+        )
+        adapter = source.resolve(AdapterRef.parse("a:1"))
+        stalled.limit, stalled.stall = setup.nbytes // 2, True
+        started = time.monotonic()
+        with pytest.raises(MoeLoraError) as info:
+            _fetched(source, adapter)
+        assert time.monotonic() - started < 20, "noticed by keepalive, not the call deadline"
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+        assert stalled.forwarded.is_set()
+        assert disk.entries() == [] and _leftovers(tmp_path / "disk") == []
+        setup.http_proxy.reset()
+        proxy.reset()
+        files = _fetched(source, adapter)
+    assert isinstance(files.weights, Path)
+    assert files.weights.read_bytes() == (setup.adapter / WEIGHTS_FILE).read_bytes()
+
+
+def test_a_watch_gone_silent_is_noticed_and_reconnected(
+    setup: Setup, proxy: CuttingProxy, tmp_path: Path
+) -> None:
+    """A quiet watch stream over a connection that died without a word: keepalive (1 s here)
+    finds it, so the source stops trusting moving references (aliases, bare names: the watcher
+    clears ``connected`` and the source's watching flag together) instead of serving them
+    stale forever, and the watcher reconnects once the network is back."""
+    disk = DiskCache(tmp_path / "disk", budget_bytes=10**9)
+    with RegistryClient(proxy.address, timeout=60, keepalive_seconds=1) as client:
+        source = _source(client, proxy.address, disk)
+        watcher = RegistryWatcher(client, source, on_deleted=lambda digest: None)
+        watcher.start()
+        try:
+            assert watcher.connected.wait(30)
+            proxy.limit, proxy.stall = 0, True  # the next bytes from the registry: a ping's ack
+            wait_for(lambda: not watcher.connected.is_set(), timeout=15)
+            proxy.reset()
+            assert watcher.connected.wait(30)
+        finally:
+            watcher.close()
+
+
 def test_urls_nobody_answers_fall_back_to_the_stream(
     setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -264,10 +319,11 @@ from executor_service.client import ExecutorClient, RetryPolicy
 from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
 from executor_service.metrics import ExecutorMetrics
-from executor_service.registry_source import RegistrySource
+from executor_service.registry_source import RegistrySource, RegistryWatcher
 from executor_service.sources import AdapterFiles, ResolvedAdapter
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
+from shared.url_ranges import UrlRangeReader
 address, root = sys.argv[1], Path(sys.argv[2])
 with RegistryClient(address, timeout=60, connections=2) as client:
     source = RegistrySource(client, address, DiskCache(root, 10**9), streams=2, nice=0)
