@@ -1,31 +1,35 @@
 """Where a file downloaded in parallel parts is assembled, checked and read while it arrives.
 
 ``ArrivingFile`` is a file of known size and sha256, allocated up front (so a full disk fails
-before any byte is fetched) and filled by part workers in any order, each writing its part
+before any byte is fetched) and filled by part workers in any order, each filling its part
 front to back through an ``Inflow``. It records which byte ranges have arrived, so that a
 reader (the packer) can wait for the ranges it needs and use them while the rest is still on
 its way. When the registry recorded the sha256 of the file's fixed-size pieces (``Pieces``),
-each worker hashes its part's pieces from its own bytes as they pass, before they are written
-(parts are whole pieces), so the check runs on as many cores as there are workers, on bytes
-still in the CPU's cache, and a bad piece is named as it fails. Without pieces one thread of
-its own hashes the file in order as its contiguous prefix grows, reading it back with
-``pread``. ``wait_verified`` says whether the whole file matched: a reader may look at bytes
-early, but nothing built from them may be published before that.
+each worker hashes its part's pieces step by step as the bytes land, while they are still in
+the CPU's cache (parts are whole pieces), so the check runs on as many cores as there are
+workers and a bad piece is named as it fails. Without pieces one thread of its own hashes the
+file in order as its contiguous prefix grows, reading it back with ``pread``. ``wait_verified``
+says whether the whole file matched: a reader may look at bytes early, but nothing built from
+them may be published before that.
 
-Bytes are written with ``pwrite`` from the worker's memory (a reused receive buffer, or the
-objects the registry's gRPC stream delivered). The serving process maps none of the file's
-pages to write them: received straight into a shared memory map of the file instead, a
-1.26 GB adapter took some 300 000 write faults and a 1.26 GB unmap on the load's path, beside
-Forward's threads in the same process (docs/executor.md, issue 13's eighth pass). Readers get
-``view``, a shared map of the file that sees what was written; a CUDA pack reads the file
-with ``pread`` instead and touches only the header through it.
+Parts arrive two ways. A socket receives straight into the file's shared memory map
+(``Inflow.receive`` + ``received``: the one copy is the kernel's), each step's pages mapped
+ahead by one ``madvise(MADV_POPULATE_WRITE)`` with the GIL released: left to fault in as the
+bytes land, a 1.26 GB adapter took some 300 000 page faults on the download's threads, and
+Forward beside it lost about twice the time (docs/executor.md, issue 13's eighth pass).
+Bytes that came as objects (the registry's gRPC stream) are written with ``pwrite``
+(``Inflow.write``). Writing every part with ``pwrite`` from a buffer of the worker's instead
+serialised the workers on the file's inode lock: 2.5-4.4 GB/s for 8 threads on an H200 host,
+against 10-12 through the map.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import mmap
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -36,6 +40,10 @@ from shared.part_digests import Pieces
 #: Bytes hashed per step by the whole-file hasher (its reused read buffer), so that it
 #: notices a cancel within milliseconds.
 _HASH_STEP = 8 << 20
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_PAGE = mmap.PAGESIZE
+#: madvise through ctypes: a foreign call releases the GIL (mmap.madvise holds it).
+_madvise = ctypes.CDLL(None, use_errno=True).madvise if sys.platform == "linux" else None
 
 
 class ArrivingFile:
@@ -67,6 +75,11 @@ class ArrivingFile:
         except BaseException:
             os.close(self._fd)
             raise
+        self._address = 0
+        if self._map is not None:
+            exported = ctypes.c_char.from_buffer(self._map)
+            self._address = ctypes.addressof(exported)
+            del exported  # the map is never closed, only dropped: its address stays valid
         self._changed = threading.Condition()
         #: Disjoint arrived ranges [begin, end), sorted; few: each worker fills its part in order.
         self._arrived: list[tuple[int, int]] = []
@@ -118,6 +131,28 @@ class ArrivingFile:
                     self._add(offset, offset + len(data))
                 self._changed.notify_all()
         return stored
+
+    def landed(self, begin: int, end: int) -> bool:
+        """Bytes ``begin`` to ``end`` landed in the map (``Inflow`` calls it, having hashed
+        them); False once the file is closed."""
+        with self._changed:
+            if self._closed:
+                return False
+            self._add(begin, end)
+            self._changed.notify_all()
+        return True
+
+    def populate(self, begin: int, end: int) -> None:
+        """Maps the pages of bytes ``begin`` to ``end`` for writing, in one call (best effort:
+        where the kernel declines, they fault in as written)."""
+        if _madvise is None or begin >= end:
+            return
+        start = (self._address + begin) // _PAGE * _PAGE
+        _madvise(
+            ctypes.c_void_p(start),
+            ctypes.c_size_t(self._address + end - start),
+            ctypes.c_int(_MADV_POPULATE_WRITE),
+        )
 
     def piece_hashed(self, index: int, actual: str) -> None:
         """Records the sha256 of piece ``index`` as ``Inflow`` found it, once it is stored."""
@@ -228,9 +263,10 @@ class ArrivingFile:
 
 
 class Inflow:
-    """A part's bytes written into an ``ArrivingFile`` front to back from ``offset``: each
-    piece of a file that has pieces is hashed from the bytes as they pass and checked once it
-    is stored (a part starts on a piece's boundary). Used by one thread."""
+    """A part's bytes put into an ``ArrivingFile`` front to back from ``offset``, written
+    (``write``) or received in place (``receive`` + ``received``): each piece of a file that
+    has pieces is hashed step by step as its bytes come and checked once all are in (a part
+    starts on a piece's boundary). Used by one thread."""
 
     def __init__(self, file: ArrivingFile, offset: int) -> None:
         pieces = file.pieces
@@ -241,19 +277,43 @@ class Inflow:
         self._piece = hashlib.sha256()
 
     def write(self, at: int, data: bytes | memoryview) -> bool:
-        """Hashes and stores bytes for ``at``, which must follow the last ones; False once the
-        file is closed (the worker should stop)."""
-        if at != self._next:
-            raise DataLoss(
-                f"{self._file.label}: bytes for offset {at} arrived, expected offset {self._next}"
-            )
+        """Hashes and stores bytes that came as an object for ``at``, which must follow the
+        last ones; False once the file is closed (the worker should stop)."""
+        self._check_next(at)
         view = memoryview(data).cast("B")
         hashed = self._hash(at, view)
         if not self._file.store(at, view):
             return False
+        return self._advance(view, hashed)
+
+    def receive(self, n: int) -> memoryview:
+        """Where the next ``n`` bytes go: the file's own memory, its pages mapped ahead;
+        report them with ``received``. Landing after ``close`` is harmless (the map outlives
+        the file) and recorded nowhere."""
+        begin = self._next
+        end = min(begin + n, self._file.size)
+        self._file.populate(begin, end)
+        return self._file.view()[begin:end]
+
+    def received(self, n: int) -> bool:
+        """The next ``n`` bytes landed where ``receive`` said: hashes and records them; False
+        once the file is closed (the worker should stop)."""
+        view = self._file.view()[self._next : self._next + n]
+        hashed = self._hash(self._next, view)
+        if not self._file.landed(self._next, self._next + n):
+            return False
+        return self._advance(view, hashed)
+
+    def _check_next(self, at: int) -> None:
+        if at != self._next:
+            raise DataLoss(
+                f"{self._file.label}: bytes for offset {at} arrived, expected offset {self._next}"
+            )
+
+    def _advance(self, view: memoryview, hashed: list[tuple[int, str]]) -> bool:
         for index, digest in hashed:
             self._file.piece_hashed(index, digest)
-        self._next = at + len(view)
+        self._next += len(view)
         return True
 
     def _hash(self, at: int, view: memoryview) -> list[tuple[int, str]]:

@@ -5,9 +5,9 @@ from the front and the packer behind it rarely waits), each part fetched as one 
 (the registry's DownloadAdapter with a range, or an HTTP Range GET on a presigned URL) into
 where it belongs in an ``ArrivingFile``, which checks it as it grows (by the registry's piece
 digests in the workers as the bytes pass, parts being whole pieces, or in order by one hasher):
-a ``Part`` takes bytes in order (``write``), objects the registry's stream delivered or what a
-socket received into the worker's reused ``buffer``. The first failure of any part stops the
-others and is what every waiter gets.
+a ``Part`` takes bytes in order, objects the registry's stream delivered (``write``) or what a
+socket received straight into the file (``receive`` + ``received``). The first failure of any
+part stops the others and is what every waiter gets.
 
 This is what s3transfer and hf_transfer do for one large object: parallel ranged GETs into a
 preallocated file; here the bytes are also usable (for packing) before the whole file is in.
@@ -28,38 +28,32 @@ _MIB = 1 << 20
 #: Parts are at least this big (fewer requests), at most ``_MAX_PART`` (finer interleaving).
 _MIN_PART = 8 * _MIB
 _MAX_PART = 64 * _MIB
-#: Each worker's receive buffer: hashed and written out a buffer-full at a time. Each step takes
-#: the GIL back: at 3.5 GB/s, 1 MiB steps did so 3 500 times a second beside the executor's
-#: Forward calls (4 MiB: Forward p90 during a cold load 4.3–7.3 ms against 8.8–9.6 on an H100
-#: host, docs/executor.md).
-RECEIVE_BYTES = 4 * _MIB
 
 
 class Part:
-    """Bytes ``offset`` to ``offset + length`` of file ``index``, where they go, and the
-    worker's ``buffer`` to receive them into (reused from part to part: its pages stay
-    mapped)."""
+    """Bytes ``offset`` to ``offset + length`` of file ``index``, and where they go. ``write``
+    and ``received`` return False once the download stopped: the reader should return then."""
 
     def __init__(
-        self,
-        index: int,
-        offset: int,
-        length: int,
-        inflow: Inflow,
-        buffer: memoryview,
-        stopped: threading.Event,
+        self, index: int, offset: int, length: int, inflow: Inflow, stopped: threading.Event
     ) -> None:
         self.index = index
         self.offset = offset
         self.length = length
-        self.buffer = buffer
         self._inflow = inflow
         self._stopped = stopped
 
     def write(self, at: int, data: bytes | memoryview) -> bool:
-        """Stores the part's next bytes, for ``at`` (hashed, then copied into the file); False
-        once the download stopped: the reader should return then."""
+        """Stores the part's next bytes, for ``at``, that came as an object (a copy)."""
         return not self._stopped.is_set() and self._inflow.write(at, data)
+
+    def receive(self, n: int) -> memoryview:
+        """Where the part's next ``n`` bytes go in the file, to receive them into."""
+        return self._inflow.receive(n)
+
+    def received(self, n: int) -> bool:
+        """The next ``n`` bytes landed where ``receive`` said."""
+        return not self._stopped.is_set() and self._inflow.received(n)
 
 
 #: Fetches a part (see ``Part``); raises what went wrong.
@@ -132,12 +126,11 @@ class RangedDownload:
 
     def _work(self) -> None:
         lower_priority(self._nice)
-        buffer = memoryview(bytearray(RECEIVE_BYTES))
         while (taken := self._take()) is not None:
             index, offset, length = taken
             file = self._files[index]
             try:
-                self._read(Part(index, offset, length, file.inflow(offset), buffer, self._stopped))
+                self._read(Part(index, offset, length, file.inflow(offset), self._stopped))
             except BaseException as exc:  # every waiter gets it
                 self._stopped.set()
                 for each in self._files:

@@ -301,7 +301,7 @@ class RegistrySource:
         def read(part: Part) -> None:
             where = f"adapter {adapter.label}: the blob store behind {self.address}"
             try:
-                self.urls.read(links[part.index], part.offset, part.length, part.buffer, part.write)
+                self.urls.read(links[part.index], part.offset, part.length, part)
             except UrlUnreachable as exc:  # before any byte of the part: nothing to undo
                 self._urls_unreachable_until = time.monotonic() + _URLS_RETRY_SECONDS
                 log_event(

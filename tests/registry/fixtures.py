@@ -1,6 +1,7 @@
 """Tiny checkpoints and PEFT adapters written with numpy + safetensors (no torch):
 a qwen3_moe base model (H=16, I=8, E=4, k=2, 2 MoE layers) and 3D
-``target_parameters`` adapters for it, plus helpers that break them."""
+``target_parameters`` adapters for it, plus helpers that break them; and ``Collect``, a sink for
+``UrlRangeReader``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
+
+from shared.url_ranges import STEP_BYTES
 
 
 @dataclass(frozen=True)
@@ -148,3 +151,22 @@ def write_adapter_of_size(folder: Path, size: int, seed: int = 1) -> Path:
     weights = struct.pack("<Q", len(raw) + padding) + raw + b" " * padding + data
     (folder / "adapter_model.safetensors").write_bytes(weights)
     return folder
+
+
+class Collect:
+    """A sink that receives a range into memory of its own, ``step`` bytes at most a time,
+    stopping after ``stop_after`` steps if given."""
+
+    def __init__(self, length: int, step: int = STEP_BYTES, stop_after: int = 0) -> None:
+        self.data = bytearray(length)
+        self.steps: list[int] = []
+        self._step = step
+        self._stop_after = stop_after
+
+    def receive(self, n: int) -> memoryview:
+        at = sum(self.steps)
+        return memoryview(self.data)[at : at + min(n, self._step)]
+
+    def received(self, n: int) -> bool:
+        self.steps.append(n)
+        return len(self.steps) != self._stop_after

@@ -22,10 +22,10 @@ from registry_service import blob_reads
 from registry_service.byte_ranges import RangeNotSatisfiable, parse_range
 from registry_service.url_signing import SignatureRejected, UrlSigner
 from shared.errors import MoeLoraError
-from shared.url_ranges import HttpStatusError, UrlRangeReader
+from shared.url_ranges import STEP_BYTES, HttpStatusError, UrlRangeReader
 from tests.conftest import wait_for
 from tests.registry.conftest import BASE, Served, register_base
-from tests.registry.fixtures import write_adapter
+from tests.registry.fixtures import Collect, write_adapter
 
 WEIGHTS = "adapter_model.safetensors"
 RANK = 256  # 448 KiB of weights
@@ -171,26 +171,20 @@ def test_a_body_cut_short_is_never_complete(
         _get(url)
     reader = UrlRangeReader(timeout=10)
     size = (tmp_path / "a" / WEIGHTS).stat().st_size
-    buffer = memoryview(bytearray(size + 1000))
     with pytest.raises(ConnectionError, match=f"ended at byte {size}, expected {size + 1000}"):
-        reader.read(url, 0, size + 1000, buffer, lambda at, data: True)
+        reader.read(url, 0, size + 1000, Collect(size + 1000))
     reader.close()
 
 
 def _read(reader: UrlRangeReader, url: str, begin: int, end: int, step: int) -> bytes:
-    """Bytes ``begin`` to ``end`` of ``url``, received into a reused ``step``-byte buffer."""
-    got = bytearray()
-
-    def keep(at: int, data: memoryview) -> bool:
-        assert at == begin + len(got) and len(data) <= step
-        got.extend(data)
-        return True
-
-    reader.read(url, begin, end - begin, memoryview(bytearray(step)), keep)
-    return bytes(got)
+    """Bytes ``begin`` to ``end`` of ``url``, received ``step`` bytes at most at a time."""
+    sink = Collect(end - begin, step)
+    reader.read(url, begin, end - begin, sink)
+    assert sum(sink.steps) == end - begin and max(sink.steps) <= step
+    return bytes(sink.data)
 
 
-def test_the_range_reader_keeps_connections_and_receives_into_a_reused_buffer(
+def test_the_range_reader_keeps_connections_and_receives_in_place(
     served: Served, tmp_path: Path
 ) -> None:
     url = _urls(served)[WEIGHTS]
@@ -206,16 +200,11 @@ def test_the_range_reader_keeps_connections_and_receives_into_a_reused_buffer(
         # The server drops idle connections (its timeout, a restart): the reader reconnects.
         blob_http._server.close_connections(0)
         wait_for(lambda: not blob_http._server._connections)
-        assert _read(reader, url, 0, len(weights), step=len(weights)) == weights
+        assert _read(reader, url, 0, len(weights), step=STEP_BYTES) == weights
         # A receiver that stops early: the connection is not reused (its body is unread).
-        seen: list[int] = []
-
-        def stop(at: int, data: memoryview) -> bool:
-            seen.append(at)
-            return False
-
-        reader.read(url, 0, len(weights), memoryview(bytearray(4096)), stop)
-        assert seen == [0]
+        stopping = Collect(len(weights), step=4096, stop_after=1)
+        reader.read(url, 0, len(weights), stopping)
+        assert stopping.steps == [4096]
         assert _read(reader, url, 10, 20, step=4096) == weights[10:20]
         with pytest.raises(HttpStatusError) as info:
             _read(reader, _with_query(url, signature="0" * 64), 0, 10, step=4096)

@@ -14,7 +14,7 @@ from shared.errors import MoeLoraError
 from shared.registry_client import RegistryClient
 from shared.url_ranges import UrlRangeReader, UrlUnreachable, tls_context
 from tests.registry.conftest import BASE, Served, register_base
-from tests.registry.fixtures import write_adapter
+from tests.registry.fixtures import Collect, write_adapter
 from tests.tls_certs import self_signed
 
 
@@ -41,22 +41,16 @@ def test_blob_urls_are_https_with_the_registrys_certificate(
     url = urls["adapter_model.safetensors"]
     assert url.startswith("https://127.0.0.1:")
     weights = (folder / "adapter_model.safetensors").read_bytes()
-    got = bytearray()
-
-    def keep(at: int, data: memoryview) -> bool:
-        got.extend(data)
-        return True
-
-    into = memoryview(bytearray(1000))
+    got = Collect(1000)
     trusting = UrlRangeReader(timeout=10, ssl_context=tls_context(cert.read_bytes()))
     try:
-        trusting.read(url, 100, 1000, into, keep)
+        trusting.read(url, 100, 1000, got)
     finally:
         trusting.close()
-    assert bytes(got) == weights[100:1100]
+    assert bytes(got.data) == weights[100:1100]
     untrusting = UrlRangeReader(timeout=10, ssl_context=tls_context(None))
     with pytest.raises(UrlUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
-        untrusting.read(url, 0, 1000, into, keep)
+        untrusting.read(url, 0, 1000, Collect(1000))
     plain = UrlRangeReader(timeout=10)
     with pytest.raises((OSError, http.client.HTTPException)):
-        plain.read(url.replace("https://", "http://"), 0, 1000, into, keep)
+        plain.read(url.replace("https://", "http://"), 0, 1000, Collect(1000))
