@@ -8,15 +8,15 @@ its way. When the registry recorded the sha256 of the file's fixed-size pieces (
 each worker hashes its part's pieces step by step as the bytes land, while they are still in
 the CPU's cache (parts are whole pieces), so the check runs on as many cores as there are
 workers and a bad piece is named as it fails. Without pieces one thread of its own hashes the
-file in order as its contiguous prefix grows, reading it back with ``pread``. ``wait_verified``
+file in order as its contiguous prefix grows (through the memory map: no copy). ``wait_verified``
 says whether the whole file matched: a reader may look at bytes early, but nothing built from
 them may be published before that.
 
 Parts arrive two ways. A socket receives straight into the file's shared memory map
 (``Inflow.receive`` + ``received``: the one copy is the kernel's), each step's pages mapped
 ahead by one ``madvise(MADV_POPULATE_WRITE)`` with the GIL released: left to fault in as the
-bytes land, a 1.26 GB adapter took some 300 000 page faults on the download's threads, and
-Forward beside it lost about twice the time (docs/executor.md, issue 13's eighth pass).
+bytes land (some 27 000 faults for a 1.26 GB adapter on the 6.18 kernels here), Forward beside
+a cold load lost 1.7 times as much time (docs/executor.md, issue 13's eighth pass).
 Bytes that came as objects (the registry's gRPC stream) are written with ``pwrite``
 (``Inflow.write``). Writing every part with ``pwrite`` from a buffer of the worker's instead
 serialised the workers on the file's inode lock: 2.5-4.4 GB/s for 8 threads on an H200 host,
@@ -37,8 +37,8 @@ from executor_service.loader import lower_priority
 from shared.errors import DataLoss
 from shared.part_digests import Pieces
 
-#: Bytes hashed per step by the whole-file hasher (its reused read buffer), so that it
-#: notices a cancel within milliseconds.
+#: Bytes hashed per step by the whole-file hasher, so that it notices a cancel within
+#: milliseconds.
 _HASH_STEP = 8 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _PAGE = mmap.PAGESIZE
@@ -214,7 +214,7 @@ class ArrivingFile:
     def _hash(self) -> None:
         lower_priority(self._nice)
         digest = hashlib.sha256()
-        buffer = memoryview(bytearray(min(_HASH_STEP, self.size)))
+        view = self.view()
         done = 0
         while done < self.size:
             with self._changed:
@@ -224,10 +224,9 @@ class ArrivingFile:
                     return
                 ready = self._prefix()
             while done < ready:
-                step = buffer[: min(len(buffer), ready - done)]
-                read = os.preadv(self._fd, [step], done)  # releases the GIL, as update does
-                digest.update(step[:read])
-                done += read
+                step = min(ready, done + _HASH_STEP)
+                digest.update(view[done:step])  # releases the GIL
+                done = step
         with self._changed:
             if digest.hexdigest() == self.sha256:
                 self._verified = True

@@ -130,6 +130,8 @@ class UrlRangeReader:
         done = 0
         while done < length:
             step = sink.receive(min(STEP_BYTES, length - done))
+            if not step:
+                raise ValueError("the sink gave no memory to receive into")
             filled = 0
             while filled < len(step):
                 n = response.readinto(step[filled:])
