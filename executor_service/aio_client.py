@@ -37,6 +37,7 @@ from executor_service.client import (
     stream_error,
 )
 from moelora.v1 import executor_pb2, executor_pb2_grpc
+from shared import keepalive
 from shared.auth import bearer_metadata
 from shared.errors import MoeLoraError, Unavailable, from_rpc_error
 
@@ -55,8 +56,10 @@ class AsyncExecutorClient:
         max_message_bytes: int = 512 * 1024 * 1024,
         retry: RetryPolicy | None = None,
         token: str | None = None,
+        keepalive_seconds: float = keepalive.DEFAULT_KEEPALIVE_SECONDS,
     ) -> None:
-        options = channel_options(max_message_bytes)
+        """Arguments as ``ExecutorClient``'s."""
+        options = channel_options(max_message_bytes, keepalive_seconds)
         if tls or root_certificates is not None:
             credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self._channel = grpc.aio.secure_channel(address, credentials, options=options)

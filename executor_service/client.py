@@ -28,7 +28,7 @@ import grpc
 import torch
 
 from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared import torch_codec
+from shared import keepalive, torch_codec
 from shared.auth import open_channel
 from shared.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
 from shared.grpc_server import wait_until_serving
@@ -115,11 +115,14 @@ def forward_request(
     return request
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """gRPC channel options that let messages up to ``max_message_bytes`` through both ways."""
+def channel_options(max_message_bytes: int, keepalive_seconds: float) -> list[tuple[str, int]]:
+    """gRPC channel options that let messages up to ``max_message_bytes`` through both ways
+    and find a connection gone silent within twice ``keepalive_seconds`` while a call is open
+    (``shared/keepalive.py``)."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        *keepalive.client_options(keepalive_seconds),
     ]
 
 
@@ -146,16 +149,20 @@ class ExecutorClient:
         max_message_bytes: int = 512 * 1024 * 1024,
         retry: RetryPolicy | None = None,
         token: str | None = None,
+        keepalive_seconds: float = keepalive.DEFAULT_KEEPALIVE_SECONDS,
     ) -> None:
         """``token``: the bearer token every call carries (an executor with auth on wants
         read for Forward and the listings, admin for Load/Unload/Pin/Unpin); ``tls`` with the
-        system roots, or ``root_certificates`` (PEM) when given."""
+        system roots, or ``root_certificates`` (PEM) when given; ``keepalive_seconds``: a
+        connection silent this long while a call is open is pinged, and fails its calls
+        UNAVAILABLE when the ping is not answered within as long again (a ForwardStream over
+        a dead connection does not wait for its deadline)."""
         self._channel = open_channel(
             address,
             token=token,
             tls=tls,
             root_certificates=root_certificates,
-            options=channel_options(max_message_bytes),
+            options=channel_options(max_message_bytes, keepalive_seconds),
         )
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
         self.address = address

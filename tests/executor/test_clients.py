@@ -1,15 +1,18 @@
-"""The asyncio client: the same answers, errors and retry rules as the sync client."""
+"""The asyncio client: the same answers, errors and retry rules as the sync client; and both
+clients' keepalive."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from executor_service.aio_client import AsyncExecutorClient
-from executor_service.client import ForwardCall, ForwardResult, RetryPolicy
+from executor_service.client import ExecutorClient, ForwardCall, ForwardResult, RetryPolicy
 from executor_service.sources import LocalFolderSource
 from shared.errors import InvalidArgument, NotFound, Unavailable
 from tests.executor.conftest import (
@@ -19,6 +22,7 @@ from tests.executor.conftest import (
     slowed_kernel,
 )
 from tests.executor.worlds import TOKENS, World
+from tests.proxy import CuttingProxy
 
 
 def test_forward_calls_in_flight_together_and_errors(
@@ -114,3 +118,37 @@ def test_overloaded_is_retried_after_its_hint(
     assert running.metric("moelora_executor_overloaded_total") >= 1
     for result in results:
         assert_close(result.output, qwen_world.reference[("alpha", layer)])
+
+
+def test_a_stream_over_a_connection_gone_silent_fails_in_seconds(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """A ForwardStream whose connection dies without a word (the proxy holds it open and
+    forwards nothing) fails UNAVAILABLE once keepalive (1 s here) finds the unanswered ping,
+    not at its deadline a minute later."""
+    running = start_executor(qwen_world)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer]
+    proxy = CuttingProxy(running.app.address)
+    silent = threading.Event()
+
+    def calls() -> Iterator[ForwardCall]:
+        yield ForwardCall(layer, hidden, [(TOKENS, "alpha")])
+        assert silent.wait(30)
+        yield ForwardCall(layer, hidden, [(TOKENS, "alpha")])
+
+    try:
+        with ExecutorClient(proxy.address, timeout=60, keepalive_seconds=1) as client:
+            answers = client.forward_stream(calls())
+            first = next(answers)
+            assert isinstance(first, ForwardResult)
+            assert_close(first.output, qwen_world.reference[("alpha", layer)])
+            proxy.limit, proxy.stall = 0, True  # the next bytes from the executor never arrive
+            silent.set()
+            started = time.monotonic()
+            with pytest.raises(Unavailable):
+                next(answers)
+            assert time.monotonic() - started < 20, "noticed by keepalive, not the deadline"
+    finally:
+        silent.set()
+        proxy.close()
