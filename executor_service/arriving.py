@@ -35,7 +35,7 @@ from pathlib import Path
 
 from executor_service.loader import lower_priority
 from shared.errors import DataLoss
-from shared.part_digests import Pieces
+from shared.part_digests import PartHasher, Pieces
 
 #: Bytes hashed per step by the whole-file hasher, so that it notices a cancel within
 #: milliseconds.
@@ -273,7 +273,10 @@ class Inflow:
             raise ValueError(f"{file.label}: a part at {offset} starts inside a piece")
         self._file = file
         self._next = offset
-        self._piece = hashlib.sha256()
+        #: The part's pieces, hashed in order from the first (index ``offset // size``).
+        self._pieces = PartHasher(pieces.size) if pieces is not None else None
+        self._first = offset // pieces.size if pieces is not None else 0
+        self._reported = 0
 
     def write(self, at: int, data: bytes | memoryview) -> bool:
         """Hashes and stores bytes that came as an object for ``at``, which must follow the
@@ -283,7 +286,8 @@ class Inflow:
         hashed = self._hash(at, view)
         if not self._file.store(at, view):
             return False
-        return self._advance(view, hashed)
+        self._advance(view, hashed)
+        return True
 
     def receive(self, n: int) -> memoryview:
         """Where the next ``n`` bytes go: the file's own memory, its pages mapped ahead;
@@ -301,7 +305,8 @@ class Inflow:
         hashed = self._hash(self._next, view)
         if not self._file.landed(self._next, self._next + n):
             return False
-        return self._advance(view, hashed)
+        self._advance(view, hashed)
+        return True
 
     def _check_next(self, at: int) -> None:
         if at != self._next:
@@ -309,26 +314,20 @@ class Inflow:
                 f"{self._file.label}: bytes for offset {at} arrived, expected offset {self._next}"
             )
 
-    def _advance(self, view: memoryview, hashed: list[tuple[int, str]]) -> bool:
+    def _advance(self, view: memoryview, hashed: list[tuple[int, str]]) -> None:
         for index, digest in hashed:
             self._file.piece_hashed(index, digest)
         self._next += len(view)
-        return True
 
     def _hash(self, at: int, view: memoryview) -> list[tuple[int, str]]:
-        """Feeds ``view`` (at offset ``at``) to the running piece's hash; returns the
-        (index, sha256) of the pieces it completed. hashlib releases the GIL."""
-        pieces = self._file.pieces
-        if pieces is None:
+        """Feeds ``view`` (at offset ``at``) to the part's piece hashes; returns the
+        (index, sha256) of the pieces it completed, the file's short last one included.
+        hashlib releases the GIL."""
+        if self._pieces is None:
             return []
-        completed = []
-        while view:
-            index = at // pieces.size
-            end = min((index + 1) * pieces.size, self._file.size)
-            take = min(len(view), end - at)
-            self._piece.update(view[:take])
-            view, at = view[take:], at + take
-            if at == end:
-                completed.append((index, self._piece.hexdigest()))
-                self._piece = hashlib.sha256()
-        return completed
+        digests = self._pieces.update(view)
+        if at + len(view) == self._file.size:
+            digests = list(self._pieces.finish()[self._reported :])
+        indices = range(self._first + self._reported, self._first + self._reported + len(digests))
+        self._reported += len(digests)
+        return list(zip(indices, digests, strict=True))

@@ -68,20 +68,25 @@ class PartHasher:
         self._filled = 0
         self._done: list[str] = []
 
-    def update(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
+    def update(self, data: bytes | memoryview) -> list[str]:
+        """Hashes the next bytes; returns the digests of the pieces they completed."""
+        view = memoryview(data).cast("B")
+        completed = []
         while view:
             take = min(len(view), self.part_size - self._filled)
             self._current.update(view[:take])
             self._filled += take
             view = view[take:]
             if self._filled == self.part_size:
-                self._close_piece()
+                completed.append(self._close_piece())
+        return completed
 
-    def _close_piece(self) -> None:
-        self._done.append(self._current.hexdigest())
+    def _close_piece(self) -> str:
+        digest = self._current.hexdigest()
+        self._done.append(digest)
         self._current = hashlib.sha256()
         self._filled = 0
+        return digest
 
     def finish(self) -> tuple[str, ...]:
         """Every piece's digest, the short last one included; ceil(bytes / part_size) values."""
