@@ -48,7 +48,7 @@ class ExecutorApp:
             settings.server_options(settings.grpc_workers),
             [SERVICE_NAME],
             lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(self.servicer, server),
-            authorize=open_authorizer(settings),
+            authorizer=open_authorizer(settings),
         )
         #: The loaded runtime, once ``loaded`` is set without ``load_error``.
         self.runtime: ExecutorRuntime | None = None

@@ -8,13 +8,11 @@ adapters are evicted, so a tenant's own (read) token must not reach them. ``writ
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from executor_service.config import ExecutorSettings
 from moelora.v1 import executor_pb2
-from shared.errors import PermissionDenied
-from shared.grpc_server import Authorizer
-from shared.tokens import Role, TokenChecker, open_token_checker
+from shared.tokens import MethodAuthorizer, Role, method_roles, open_token_checker
 
 _SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"]
 
@@ -29,26 +27,10 @@ _ROLES_BY_NAME = {
 }
 
 #: Full method name -> the least role that may call it; an RPC missing here is refused.
-METHOD_ROLES: Mapping[str, Role] = {
-    f"/{_SERVICE.full_name}/{m.name}": _ROLES_BY_NAME[m.name]
-    for m in _SERVICE.methods
-    if m.name in _ROLES_BY_NAME
-}
+METHOD_ROLES: Mapping[str, Role] = method_roles(_SERVICE, _ROLES_BY_NAME)
 
 
-def method_authorizer(checker: TokenChecker, roles: Mapping[str, Role]) -> Authorizer:
-    """The server hook: each call's token must carry the role ``roles`` names for its method."""
-
-    def authorize(method: str, metadata: Sequence[tuple[str, str | bytes]]) -> None:
-        role = roles.get(method)
-        if role is None:
-            raise PermissionDenied(f"{method} is not open to any role")
-        checker.require(metadata, role)
-
-    return authorize
-
-
-def open_authorizer(settings: ExecutorSettings) -> Authorizer | None:
+def open_authorizer(settings: ExecutorSettings) -> MethodAuthorizer | None:
     """The hook as the settings ask (None: auth off); refuses auth without a token file."""
     checker = open_token_checker(
         settings.auth,
@@ -57,4 +39,4 @@ def open_authorizer(settings: ExecutorSettings) -> Authorizer | None:
         local=True,
         hint="ExecutorClient(token=...)",
     )
-    return method_authorizer(checker, METHOD_ROLES) if checker.enabled else None
+    return MethodAuthorizer(checker, METHOD_ROLES) if checker.enabled else None

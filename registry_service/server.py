@@ -14,6 +14,7 @@ import grpc
 from moelora.v1 import registry_pb2, registry_pb2_grpc
 from registry_service import messages, metrics
 from registry_service.app import RegistryApp
+from registry_service.auth import METHOD_ROLES
 from registry_service.config import RegistrySettings
 from registry_service.domain import Chunk, UploadTrailer
 from registry_service.service import Registry
@@ -21,7 +22,7 @@ from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
 from shared.grpc_server import GrpcServer
 from shared.model_spec import ModelSpec
 from shared.rpc_metadata import WATCH_START_METADATA
-from shared.tokens import Principal, Role, TokenChecker
+from shared.tokens import MethodAuthorizer, Principal, TokenChecker
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name
 
@@ -39,15 +40,16 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         self._draining = draining
         self._watch_slots = threading.BoundedSemaphore(max_watch_streams)
 
-    def _auth(self, context: grpc.ServicerContext, role: Role) -> Principal:
-        return self._authorizer.require(context.invocation_metadata(), role)
+    def _caller(self, context: grpc.ServicerContext) -> Principal:
+        """Who is calling (the server checked the token's role for this method already)."""
+        return self._authorizer.identify(context.invocation_metadata())
 
     # -- base models ---------------------------------------------------------------------------
 
     def RegisterBaseModel(
         self, request: registry_pb2.RegisterBaseModelRequest, context: grpc.ServicerContext
     ) -> registry_pb2.RegisterBaseModelResponse:
-        principal = self._auth(context, Role.ADMIN)
+        principal = self._caller(context)
         spec = ModelSpec.from_proto(request.base_model)
         record, created = self._registry.register_base_model(
             request.base_model.name, spec, principal.name
@@ -59,14 +61,12 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     def GetBaseModel(
         self, request: registry_pb2.GetBaseModelRequest, context: grpc.ServicerContext
     ) -> registry_pb2.GetBaseModelResponse:
-        self._auth(context, Role.READ)
         record = self._registry.get_base_model(request.name)
         return registry_pb2.GetBaseModelResponse(base_model=record.spec.to_proto(record.name))
 
     def ListBaseModels(
         self, request: registry_pb2.ListBaseModelsRequest, context: grpc.ServicerContext
     ) -> registry_pb2.ListBaseModelsResponse:
-        self._auth(context, Role.READ)
         page = self._registry.list_base_models(request.page_size, request.page_token)
         return registry_pb2.ListBaseModelsResponse(
             base_models=[r.spec.to_proto(r.name) for r in page.items],
@@ -80,7 +80,7 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         request_iterator: Iterator[registry_pb2.UploadAdapterRequest],
         context: grpc.ServicerContext,
     ) -> registry_pb2.UploadAdapterResponse:
-        principal = self._auth(context, Role.WRITE)
+        principal = self._caller(context)
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("payload") != "header":
             raise InvalidArgument(
@@ -93,14 +93,12 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     def GetAdapter(
         self, request: registry_pb2.GetAdapterRequest, context: grpc.ServicerContext
     ) -> registry_pb2.GetAdapterResponse:
-        self._auth(context, Role.READ)
         version = self._registry.get(request.ref)
         return registry_pb2.GetAdapterResponse(version=messages.version_to_proto(version))
 
     def ListAdapters(
         self, request: registry_pb2.ListAdaptersRequest, context: grpc.ServicerContext
     ) -> registry_pb2.ListAdaptersResponse:
-        self._auth(context, Role.READ)
         page = self._registry.list_versions(
             messages.list_filter_from_proto(request), request.page_size, request.page_token
         )
@@ -112,7 +110,6 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     def DownloadAdapter(
         self, request: registry_pb2.DownloadAdapterRequest, context: grpc.ServicerContext
     ) -> Iterator[registry_pb2.DownloadAdapterResponse]:
-        self._auth(context, Role.READ)
         version, chunks = self._registry.download(
             request.ref, request.chunk_size, messages.range_from_proto(request)
         )
@@ -123,14 +120,13 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     def GetDownloadUrls(
         self, request: registry_pb2.GetDownloadUrlsRequest, context: grpc.ServicerContext
     ) -> registry_pb2.GetDownloadUrlsResponse:
-        self._auth(context, Role.READ)
         presigned = self._registry.presign(request.ref, request.expires_in_seconds)
         return messages.presigned_to_proto(presigned)
 
     def SetAlias(
         self, request: registry_pb2.SetAliasRequest, context: grpc.ServicerContext
     ) -> registry_pb2.SetAliasResponse:
-        principal = self._auth(context, Role.WRITE)
+        principal = self._caller(context)
         change = self._registry.set_alias(
             request.name, request.alias, request.version, principal.name
         )
@@ -142,21 +138,20 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     def DeleteAlias(
         self, request: registry_pb2.DeleteAliasRequest, context: grpc.ServicerContext
     ) -> registry_pb2.DeleteAliasResponse:
-        principal = self._auth(context, Role.WRITE)
+        principal = self._caller(context)
         previous = self._registry.delete_alias(request.name, request.alias, principal.name)
         return registry_pb2.DeleteAliasResponse(previous_version=previous)
 
     def DeleteAdapterVersion(
         self, request: registry_pb2.DeleteAdapterVersionRequest, context: grpc.ServicerContext
     ) -> registry_pb2.DeleteAdapterVersionResponse:
-        principal = self._auth(context, Role.WRITE)
+        principal = self._caller(context)
         version = self._registry.delete(request.ref, principal.name)
         return registry_pb2.DeleteAdapterVersionResponse(version=messages.version_to_proto(version))
 
     def WatchAdapters(
         self, request: registry_pb2.WatchAdaptersRequest, context: grpc.ServicerContext
     ) -> Iterator[registry_pb2.WatchAdaptersResponse]:
-        self._auth(context, Role.READ)
         if not self._watch_slots.acquire(blocking=False):
             raise ResourceExhausted(
                 "too many WatchAdapters streams on this replica (max_watch_streams); "
@@ -187,7 +182,6 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     def GarbageCollect(
         self, request: registry_pb2.GarbageCollectRequest, context: grpc.ServicerContext
     ) -> registry_pb2.GarbageCollectResponse:
-        self._auth(context, Role.ADMIN)
         report = self._registry.gc(request.grace_seconds or None, request.dry_run)
         return registry_pb2.GarbageCollectResponse(
             removed_blobs=report.removed_blobs,
@@ -227,5 +221,8 @@ def create_server(app: RegistryApp, settings: RegistrySettings) -> GrpcServer:
         lambda grpc_server: registry_pb2_grpc.add_AdapterRegistryServicer_to_server(
             servicer, grpc_server
         ),
+        authorizer=MethodAuthorizer(app.authorizer, METHOD_ROLES)
+        if app.authorizer.enabled
+        else None,
     )
     return server

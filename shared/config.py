@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal, Self, TypeVar
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict, SettingsError
 
+from shared.call_limits import CallLimits
 from shared.grpc_server import ServerOptions
 
 ENV_PREFIX = "MOELORA_"
@@ -67,6 +68,26 @@ class ServerSettings(ServiceSettings):
     )
     tls_cert_file: Path | None = Field(None, description="PEM certificate: serve TLS")
     tls_key_file: Path | None = Field(None, description="PEM private key for tls_cert_file")
+    max_concurrent_rpcs: int = Field(
+        0,
+        ge=0,
+        description="calls in progress at once (running or waiting for a worker thread), "
+        "health, reflection and the registry's watches apart; more are refused at once with "
+        "RESOURCE_EXHAUSTED and a retry hint; 0 = four per worker thread",
+    )
+    max_calls_per_peer: int = Field(
+        64,
+        ge=1,
+        description="calls without a bearer token (every call while auth is off) that one "
+        "client address may have in progress at once; more: RESOURCE_EXHAUSTED",
+    )
+    message_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="how long a call's request message (a request stream's first one) may "
+        "take to arrive; a call still waiting then ends with DEADLINE_EXCEEDED and frees its "
+        "thread",
+    )
     log_level: str = Field("info", description="debug, info, warning or error")
     log_format: Literal["json", "text"] = Field("json", description="json or text log lines")
 
@@ -84,6 +105,11 @@ class ServerSettings(ServiceSettings):
             drain_seconds=self.drain_seconds,
             tls_cert_file=self.tls_cert_file,
             tls_key_file=self.tls_key_file,
+            limits=CallLimits(
+                max_concurrent_rpcs=self.max_concurrent_rpcs,
+                max_calls_per_peer=self.max_calls_per_peer,
+                message_timeout_seconds=self.message_timeout_seconds,
+            ),
         )
 
 

@@ -1,5 +1,7 @@
 """The gRPC server both services run: health, reflection, error mapping, RPC
-metrics, message-size limits, TLS, and a drain on SIGTERM.
+metrics, message-size limits, TLS, and a drain on SIGTERM; every call passes the limits of
+``shared.call_limits`` (authentication on metadata, lanes, per-peer limits, message deadlines,
+revocation) first.
 
 A service builds a ``GrpcServer``, registers its servicers through ``register``
 and calls ``serve_forever``. Domain errors raised by handlers become status codes
@@ -13,10 +15,9 @@ import logging
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram
 
 from shared import keepalive
+from shared.call_limits import OPEN_PREFIXES, Admission, CallAuthorizer, CallLimits, Lane
 from shared.errors import RETRY_AFTER_METADATA, MoeLoraError, Overloaded
-from shared.logs import log_event
+from shared.logs import internal_error_message, log_event
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +45,6 @@ RPC_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 
-_ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-#: Called before each RPC (health and reflection excepted) with the full method name
-#: ("/moelora.v1.Executor/Forward") and the call's metadata; refuses it by raising a
-#: MoeLoraError (Unauthenticated, PermissionDenied).
-Authorizer = Callable[[str, Sequence[tuple[str, str | bytes]]], None]
-
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -61,6 +56,7 @@ class ServerOptions:
     drain_seconds: float = 30.0
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    limits: CallLimits = field(default_factory=CallLimits)
 
 
 class _State:
@@ -87,24 +83,13 @@ class _State:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
 
-def internal_error_message(event: str, **fields: object) -> str:
-    """Logs the exception being handled under a fresh error id (with its traceback) and
-    returns the message a caller gets: the id, never the internals."""
-    error_id = uuid.uuid4().hex[:12]
-    log_event(log, event, logging.ERROR, exc_info=True, error_id=error_id, **fields)
-    return f"internal error (id {error_id}); see the server log"
-
-
 class _Call:
-    """Around one RPC: refuses it while draining, authorizes it, counts it in flight, maps
-    its errors to status codes and records its metrics."""
+    """Around one RPC: refuses it while draining, counts it in flight, maps its errors to
+    status codes and records its metrics."""
 
-    def __init__(
-        self, method: str, state: _State, authorize: Authorizer | None, counted: bool
-    ) -> None:
+    def __init__(self, method: str, state: _State, counted: bool) -> None:
         self.method = method
         self._state = state
-        self._authorize = authorize
         self._counted = counted
 
     @contextlib.contextmanager
@@ -117,8 +102,6 @@ class _Call:
         if self._counted:
             self._state.enter()
         try:
-            if self._authorize is not None and self._counted:
-                self._authorize(self.method, tuple(context.invocation_metadata()))
             yield
         except Exception as exc:
             if _is_abort(exc, context):
@@ -169,9 +152,8 @@ class _Call:
 class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     """Wraps every handler in a ``_Call`` (see there)."""
 
-    def __init__(self, state: _State, authorize: Authorizer | None) -> None:
+    def __init__(self, state: _State) -> None:
         self._state = state
-        self._authorize = authorize
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
@@ -179,8 +161,8 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             return None
         method: str = details.method
         # Health and reflection are answered during a drain and don't hold it up.
-        counted = not method.startswith(_ALWAYS_ALLOWED)
-        call = _Call(method, self._state, self._authorize, counted)
+        counted = not method.startswith(OPEN_PREFIXES)
+        call = _Call(method, self._state, counted)
         des, ser = handler.request_deserializer, handler.response_serializer
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(call.unary(handler.unary_unary), des, ser)
@@ -204,17 +186,20 @@ class GrpcServer:
         options: ServerOptions,
         service_names: Sequence[str],
         register: Callable[[grpc.Server], None],
-        authorize: Authorizer | None = None,
+        authorizer: CallAuthorizer | None = None,
+        lanes: Sequence[Lane] = (),
     ) -> None:
-        """``authorize`` is called before every RPC but health and reflection."""
+        """``authorizer`` decides on every call but health and reflection, on its metadata;
+        ``lanes`` give methods threads of their own (see ``shared.call_limits``)."""
         self.options = options
         self._state = _State()
         self._stopped = threading.Event()
         self._service_names = list(service_names)
+        self._admission = Admission(options.limits, options.max_workers, authorizer, lanes)
         limit = options.max_message_bytes
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="grpc"),
-            interceptors=[_ErrorAndMetricsInterceptor(self._state, authorize)],
+            interceptors=[self._admission.interceptor, _ErrorAndMetricsInterceptor(self._state)],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -287,6 +272,7 @@ class GrpcServer:
                 log, "drain_timeout", logging.WARNING, grace_seconds=self.options.drain_seconds
             )
         self._server.stop(0).wait()
+        self._admission.close()
         if on_drained is not None:
             on_drained()
         log_event(log, "server_stopped")
@@ -337,7 +323,6 @@ def wait_until_serving(
 
 
 __all__ = [
-    "Authorizer",
     "GrpcServer",
     "ServerOptions",
     "health_check",

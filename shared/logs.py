@@ -15,9 +15,11 @@ import json
 import logging
 import sys
 import time
+import uuid
 from typing import Any
 
 _FIELDS_ATTR = "moelora_fields"
+_INTERNAL = logging.getLogger(__name__)
 
 
 class JsonFormatter(logging.Formatter):
@@ -75,3 +77,11 @@ def log_event(
     """Logs one event with structured fields (and the current exception if asked)."""
     if logger.isEnabledFor(level):
         logger.log(level, event, exc_info=exc_info, extra={_FIELDS_ATTR: fields})
+
+
+def internal_error_message(event: str, **fields: object) -> str:
+    """Logs the exception being handled under a fresh error id (with its traceback) and
+    returns the message a caller gets: the id, never the internals."""
+    error_id = uuid.uuid4().hex[:12]
+    log_event(_INTERNAL, event, logging.ERROR, exc_info=True, error_id=error_id, **fields)
+    return f"internal error (id {error_id}); see the server log"

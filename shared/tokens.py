@@ -21,12 +21,13 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shared.auth import bearer_token
-from shared.errors import PermissionDenied, Unauthenticated
+from shared.errors import MoeLoraError, PermissionDenied, Unauthenticated
 from shared.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,16 @@ class Role(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the token's name (recorded as created_by) and role."""
+    """Who is calling: the token's name (recorded as created_by) and role, and the token's
+    digest ("" while auth is off)."""
 
     name: str
     role: Role
+    token_sha256: str = ""
+
+    @property
+    def has_token(self) -> bool:
+        return bool(self.token_sha256)
 
 
 EMBEDDED = Principal("embedded", Role.ADMIN)
@@ -92,7 +99,7 @@ def parse_token_file(text: str, where: str) -> dict[str, Principal]:
             raise ValueError(f"{at}: name {name!r} is invalid or repeated")
         if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest) or digest in table:
             raise ValueError(f"{at}: sha256 must be 64 lower-case hex digits, once per file")
-        table[digest] = Principal(name, Role.parse(str(role)))
+        table[digest] = Principal(name, Role.parse(str(role)), digest)
         names.add(name)
     return table
 
@@ -145,7 +152,8 @@ class TokenChecker:
     def enabled(self) -> bool:
         return self._tokens is not None
 
-    def require(self, metadata: Iterable[tuple[str, str | bytes]] | None, role: Role) -> Principal:
+    def identify(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
+        """Who the metadata's token belongs to (``EMBEDDED`` while auth is off)."""
         if self._tokens is None:
             return EMBEDDED
         token = bearer_token(metadata)
@@ -156,12 +164,66 @@ class TokenChecker:
         principal = self._tokens.table().get(hash_token(token))
         if principal is None:
             raise Unauthenticated("unknown or revoked bearer token")
-        if principal.role < role:
-            raise PermissionDenied(
-                f"token {principal.name!r} has role {principal.role.name.lower()}; "
-                f"this call needs {role.name.lower()}"
-            )
         return principal
+
+    def require(self, metadata: Iterable[tuple[str, str | bytes]] | None, role: Role) -> Principal:
+        principal = self.identify(metadata)
+        _check_role(principal, role)
+        return principal
+
+    def recheck(self, principal: Principal, role: Role) -> MoeLoraError | None:
+        """Whether ``principal``'s token still holds ``role`` in the current token file: the
+        error that ends its calls, or None."""
+        if self._tokens is None or not principal.has_token:
+            return None
+        current = self._tokens.table().get(principal.token_sha256)
+        if current is None:
+            return Unauthenticated(f"token {principal.name!r} was revoked")
+        try:
+            _check_role(current, role)
+        except PermissionDenied as exc:
+            return exc
+        return None
+
+
+def _check_role(principal: Principal, role: Role) -> None:
+    if principal.role < role:
+        raise PermissionDenied(
+            f"token {principal.name!r} has role {principal.role.name.lower()}; "
+            f"this call needs {role.name.lower()}"
+        )
+
+
+def method_roles(service: Any, roles_by_name: Mapping[str, Role]) -> dict[str, Role]:
+    """Full method name -> least role for the methods of ``service`` (a protobuf service
+    descriptor) that ``roles_by_name`` names; a method left out is open to no role."""
+    return {
+        f"/{service.full_name}/{m.name}": roles_by_name[m.name]
+        for m in service.methods
+        if m.name in roles_by_name
+    }
+
+
+class MethodAuthorizer:
+    """The gRPC server's auth hook (``shared.call_limits.CallAuthorizer``): a call's token must
+    hold the role ``roles`` names for its method; a method missing there is refused."""
+
+    def __init__(self, checker: TokenChecker, roles: Mapping[str, Role]) -> None:
+        self.checker = checker
+        self._roles = roles
+
+    def _role(self, method: str) -> Role:
+        role = self._roles.get(method)
+        if role is None:
+            raise PermissionDenied(f"{method} is not open to any role")
+        return role
+
+    def authorize(self, method: str, metadata: Sequence[tuple[str, str | bytes]]) -> Principal:
+        return self.checker.require(metadata, self._role(method))
+
+    def still_authorized(self, method: str, caller: object) -> MoeLoraError | None:
+        assert isinstance(caller, Principal)
+        return self.checker.recheck(caller, self._role(method))
 
 
 def is_loopback(listen: str) -> bool:

@@ -26,15 +26,21 @@ def test_idle_streams_cannot_starve_unary_calls(
     layer = qwen_world.moe_layers[0]
     hidden = qwen_world.inputs[layer][:4]
     release = threading.Event()
+    request = executor_pb2.ForwardStreamRequest(
+        request_id=7, forward=forward_request(layer, hidden, [(4, None)])
+    )
 
     def idle() -> Iterator[executor_pb2.ForwardStreamRequest]:
-        release.wait(30)  # a slow client: opens the stream and sends nothing
-        yield from ()
+        # A slow client: one request, then nothing (a stream that never sends its first
+        # request ends after --message-timeout-seconds: tests/hostile).
+        yield request
+        release.wait(30)
 
     with grpc.insecure_channel(running.app.address) as channel:
         stub = executor_pb2_grpc.ExecutorStub(channel)
         held = [stub.ForwardStream(idle(), timeout=30) for _ in range(2)]
-        time.sleep(0.5)  # both streams are open on the server
+        for stream in held:
+            assert next(stream).request_id == 7  # both streams are open on the server
         refused = stub.ForwardStream(idle(), timeout=30)
         with pytest.raises(grpc.RpcError) as info:
             next(refused)
@@ -48,9 +54,6 @@ def test_idle_streams_cannot_starve_unary_calls(
         for stream in held:
             assert list(stream) == []
         # The slots are free again.
-        request = executor_pb2.ForwardStreamRequest(
-            request_id=7, forward=forward_request(layer, hidden, [(4, None)])
-        )
         answers = list(stub.ForwardStream(iter([request]), timeout=30))
         assert [a.request_id for a in answers] == [7] and answers[0].HasField("forward")
 
