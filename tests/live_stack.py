@@ -43,6 +43,8 @@ class Stack:
     tmp: Path
     executor_flags: tuple[str, ...] = ()
     registry_flags: tuple[str, ...] = ()
+    #: The token the stack's own clients send (auth on: one with the admin role).
+    token: str | None = None
     registry_address: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
     executor_address: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
     registry: ServerProcess | None = None
@@ -119,11 +121,14 @@ class Stack:
                 process.terminate()
 
     def registry_client(self) -> RegistryClient:
-        return RegistryClient(self.registry_address, timeout=30)
+        return RegistryClient(self.registry_address, timeout=30, token=self.token)
 
     def executor_client(self, attempts: int = 1, timeout: float = 30.0) -> ExecutorClient:
         return ExecutorClient(
-            self.executor_address, timeout=timeout, retry=RetryPolicy(attempts=attempts)
+            self.executor_address,
+            timeout=timeout,
+            retry=RetryPolicy(attempts=attempts),
+            token=self.token,
         )
 
 

@@ -11,11 +11,13 @@ import threading
 class CuttingProxy:
     """Forwards 127.0.0.1 TCP connections to ``target``; once ``limit`` more bytes came from
     the server (counted from when it is set) it cuts the connection (``stall``: stops
-    forwarding and holds it open)."""
+    forwarding and holds it open). ``source``: the address the server sees them come from
+    (another loopback address is another client address to the server)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, source: str = "") -> None:
         host, port = target.rsplit(":", 1)
         self._target = (host, int(port))
+        self._source = (source, 0) if source else None
         self.limit: int | None = None
         self.stall = False
         self.forwarded = threading.Event()  # set once a connection reached its limit
@@ -32,7 +34,7 @@ class CuttingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self._target)
+            server = socket.create_connection(self._target, source_address=self._source)
             self._sockets += [client, server]
             threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
