@@ -14,19 +14,15 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from moelora.v1 import executor_pb2, registry_pb2
 from shared.auth import bearer_metadata
 from shared.call_limits import HEALTH_CALLS_PER_PEER
 from tests.hostile.conftest import MESSAGE_TIMEOUT_SECONDS, HealthWatch, Tokens, long_run
 from tests.live_stack import Stack, open_fds
 
-#: (service, idle method, a request the method takes)
+#: service -> the method called idly
 TARGETS = {
-    "executor": ("/moelora.v1.Executor/GetExecutorInfo", executor_pb2.GetExecutorInfoRequest()),
-    "registry": (
-        "/moelora.v1.AdapterRegistry/ListBaseModels",
-        registry_pb2.ListBaseModelsRequest(),
-    ),
+    "executor": "/moelora.v1.Executor/GetExecutorInfo",
+    "registry": "/moelora.v1.AdapterRegistry/ListBaseModels",
 }
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
@@ -80,7 +76,7 @@ def test_idle_calls_without_a_token_are_refused_at_once(
     request: pytest.FixtureRequest,
 ) -> None:
     count = 1000 if long_run(request) else 70
-    method, _ = TARGETS[service]
+    method = TARGETS[service]
     address = getattr(authed_stack, f"{service}_address")
     process = getattr(authed_stack, service)
     fds_before = open_fds(process.proc.pid)
@@ -110,7 +106,7 @@ def test_idle_calls_with_a_token_end_after_the_message_timeout(
     request: pytest.FixtureRequest,
 ) -> None:
     count = 300 if long_run(request) else 70
-    method, _ = TARGETS[service]
+    method = TARGETS[service]
     address = getattr(authed_stack, f"{service}_address")
     release = threading.Event()
     with HealthWatch(address) as health:
