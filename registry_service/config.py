@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Literal, Self
+from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from shared.config import ServerSettings
 from shared.part_digests import MIB
@@ -98,11 +98,19 @@ class RegistrySettings(ServerSettings):
         0.5, gt=0, description="how often WatchAdapters streams look for other replicas' events"
     )
     max_watch_streams: int = Field(
-        32, ge=1, description="WatchAdapters streams served at once; more: RESOURCE_EXHAUSTED"
+        4096,
+        ge=2,
+        description="WatchAdapters streams served at once, each on a thread of its own (not a "
+        "worker's); more: RESOURCE_EXHAUSTED. Readers other than the executor fleet's token "
+        "(fleet in the token file) may hold half of them",
     )
-    max_workers: int = Field(
-        64, ge=4, description="gRPC worker threads; each open WatchAdapters stream holds one"
+    max_watch_streams_per_token: int = Field(
+        16,
+        ge=1,
+        description="WatchAdapters streams one token may hold at once, the executor fleet's "
+        "token excepted; more: RESOURCE_EXHAUSTED",
     )
+    max_workers: int = Field(64, ge=4, description="gRPC worker threads (watches apart)")
     migrate_on_start: bool = Field(True, description="run Alembic migrations at start-up")
     metrics_listen: str = Field(
         "127.0.0.1:9401", description="host:port of the Prometheus /metrics endpoint; empty: off"
@@ -127,15 +135,6 @@ class RegistrySettings(ServerSettings):
         description="file whose bytes (16 or more) sign the blob URLs; replicas serving one "
         "blob directory share it; default: a random key per process",
     )
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Self:
-        if self.max_watch_streams > self.max_workers - 4:
-            raise ValueError(
-                f"max_watch_streams ({self.max_watch_streams}) must leave at least 4 of the "
-                f"{self.max_workers} max_workers to other RPCs"
-            )
-        return self
 
     @property
     def data_path(self) -> Path:

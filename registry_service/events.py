@@ -24,6 +24,7 @@ class EventFeed:
         self._changed = threading.Condition()
         self._latest = latest_sequence()
         self._poke = threading.Event()
+        self._wakes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="event-feed", daemon=True)
 
@@ -38,6 +39,12 @@ class EventFeed:
         with self._changed:
             self._changed.notify_all()
 
+    def wake(self) -> None:
+        """Wakes every waiting watch stream, to look whether it should stop."""
+        with self._changed:
+            self._wakes += 1
+            self._changed.notify_all()
+
     def notify(self) -> None:
         """Called after a commit that appended events: look now, not at the next poll."""
         self._poke.set()
@@ -48,11 +55,13 @@ class EventFeed:
             return self._latest
 
     def wait_beyond(self, sequence: int, timeout: float) -> int:
-        """Blocks until an event after ``sequence`` exists or ``timeout`` passed;
-        returns the newest sequence known."""
+        """Blocks until an event after ``sequence`` exists, ``wake`` is called or ``timeout``
+        passed; returns the newest sequence known."""
         with self._changed:
+            wakes = self._wakes
             self._changed.wait_for(
-                lambda: self._latest > sequence or self._stop.is_set(), timeout=timeout
+                lambda: self._latest > sequence or self._stop.is_set() or self._wakes != wakes,
+                timeout=timeout,
             )
             return self._latest
 

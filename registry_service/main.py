@@ -8,7 +8,7 @@ gc                remove unreferenced blobs and dead versions, without a server
 backfill-parts    record per-piece sha256s (--part-size-bytes) for versions uploaded
                   before the registry did; exits 1 if a blob failed its sha256
 hash-token N R    make a random token for name N with role R (read, write, admin)
-                  and print it with its token-file entry
+                  and print it with its token-file entry (--fleet: the executors' token)
 """
 
 from __future__ import annotations
@@ -96,8 +96,13 @@ def hash_token(args: Sequence[str]) -> None:
     )
     parser.add_argument("name", help="who the token is for; recorded as created_by")
     parser.add_argument("role", choices=["read", "write", "admin"])
+    parser.add_argument(
+        "--fleet",
+        action="store_true",
+        help="the token the executor fleet presents: its watches are not capped per token",
+    )
     ns = parser.parse_args(args)
-    token, entry = new_token_entry(ns.name, Role.parse(ns.role))
+    token, entry = new_token_entry(ns.name, Role.parse(ns.role), fleet=ns.fleet)
     print(json.dumps({"token": token, "entry": entry}))
 
 

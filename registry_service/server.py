@@ -5,7 +5,6 @@ shared/grpc_server.py's interceptor."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +17,9 @@ from registry_service.auth import METHOD_ROLES
 from registry_service.config import RegistrySettings
 from registry_service.domain import Chunk, UploadTrailer
 from registry_service.service import Registry
-from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
+from registry_service.watch_quota import WatchQuota
+from shared.call_limits import Lane
+from shared.errors import InvalidArgument, Unavailable
 from shared.grpc_server import GrpcServer
 from shared.model_spec import ModelSpec
 from shared.rpc_metadata import WATCH_START_METADATA
@@ -33,12 +34,12 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         registry: Registry,
         authorizer: TokenChecker,
         draining: Callable[[], bool],
-        max_watch_streams: int,
+        watches: WatchQuota,
     ) -> None:
         self._registry = registry
         self._authorizer = authorizer
         self._draining = draining
-        self._watch_slots = threading.BoundedSemaphore(max_watch_streams)
+        self._watches = watches
 
     def _caller(self, context: grpc.ServicerContext) -> Principal:
         """Who is calling (the server checked the token's role for this method already)."""
@@ -152,12 +153,10 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     def WatchAdapters(
         self, request: registry_pb2.WatchAdaptersRequest, context: grpc.ServicerContext
     ) -> Iterator[registry_pb2.WatchAdaptersResponse]:
-        if not self._watch_slots.acquire(blocking=False):
-            raise ResourceExhausted(
-                "too many WatchAdapters streams on this replica (max_watch_streams); "
-                "retry later or on another replica"
-            )
+        release = self._watches.acquire(self._caller(context))
         metrics.WATCH_STREAMS.inc()
+        # A client gone (or a stream ended by revocation) wakes the waiting watches at once.
+        context.add_callback(self._registry.feed.wake)
         try:
             start = self._registry.watch_start(
                 request.after_sequence, request.name, request.base_model
@@ -177,7 +176,7 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
                 )
         finally:
             metrics.WATCH_STREAMS.dec()
-            self._watch_slots.release()
+            release()
 
     def GarbageCollect(
         self, request: registry_pb2.GarbageCollectRequest, context: grpc.ServicerContext
@@ -214,7 +213,17 @@ def create_server(app: RegistryApp, settings: RegistrySettings) -> GrpcServer:
     def draining() -> bool:
         return server is not None and server.draining
 
-    servicer = RegistryServicer(app.registry, app.authorizer, draining, settings.max_watch_streams)
+    watches = WatchQuota(settings.max_watch_streams, settings.max_watch_streams_per_token)
+    servicer = RegistryServicer(app.registry, app.authorizer, draining, watches)
+    # Watches wait on threads of their own: a fleet of idle watches takes none from other RPCs.
+    watch_lane = Lane(
+        "watch",
+        frozenset({f"/{SERVICE_NAME}/WatchAdapters"}),
+        workers=settings.max_watch_streams,
+        max_calls=settings.max_watch_streams,
+        refusal=f"{settings.max_watch_streams} WatchAdapters streams are open on this replica, "
+        "the most it serves (--max-watch-streams); retry later or on another replica",
+    )
     server = GrpcServer(
         settings.server_options(settings.max_workers),
         [SERVICE_NAME],
@@ -224,5 +233,7 @@ def create_server(app: RegistryApp, settings: RegistrySettings) -> GrpcServer:
         authorizer=MethodAuthorizer(app.authorizer, METHOD_ROLES)
         if app.authorizer.enabled
         else None,
+        lanes=[watch_lane],
     )
+    server.on_drain(app.feed.wake)  # waiting watches end with "reconnect" at once
     return server

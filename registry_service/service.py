@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 _HEARTBEAT_SECONDS = 30.0
 _BLOB_WRITE_ATTEMPTS = 3
 _WATCH_BATCH = 500
-#: How often a waiting watch stream checks whether it should stop.
-_WATCH_WAKE_SECONDS = 0.25
+#: How often a waiting watch stream checks whether it should stop, besides being woken when
+#: its client goes and when the server drains (thousands may wait: few wake-ups each).
+_WATCH_WAKE_SECONDS = 5.0
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 MIN_CHUNK_BYTES = 64 * 1024
 MAX_CHUNK_BYTES = 4 * 1024 * 1024

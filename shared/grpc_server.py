@@ -196,6 +196,7 @@ class GrpcServer:
         self._stopped = threading.Event()
         self._service_names = list(service_names)
         self._admission = Admission(options.limits, options.max_workers, authorizer, lanes)
+        self._drain_listeners: list[Callable[[], None]] = []
         limit = options.max_message_bytes
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="grpc"),
@@ -257,6 +258,10 @@ class GrpcServer:
         """Set once the drain starts: long-lived streams watch it to end themselves."""
         return self._state.draining
 
+    def on_drain(self, listener: Callable[[], None]) -> None:
+        """Calls ``listener`` when the drain starts (to wake streams that wait)."""
+        self._drain_listeners.append(listener)
+
     def drain(self, on_drained: Callable[[], None] | None = None) -> None:
         """Stops taking new RPCs (they get UNAVAILABLE, which clients retry elsewhere),
         reports NOT_SERVING, lets RPCs in flight finish for up to ``drain_seconds``,
@@ -265,6 +270,8 @@ class GrpcServer:
             return
         self._state.draining.set()
         self.set_serving(False)
+        for listener in self._drain_listeners:
+            listener()
         log_event(log, "server_draining", grace_seconds=self.options.drain_seconds)
         idle = self._state.wait_idle(self.options.drain_seconds)
         if not idle:

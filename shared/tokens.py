@@ -2,9 +2,12 @@
 
 The token file is JSON, tokens stored only as SHA-256 hex::
 
-    {"tokens": [{"name": "ci", "role": "write", "sha256": "<64 hex>"}]}
+    {"tokens": [{"name": "ci", "role": "write", "sha256": "<64 hex>"},
+                {"name": "executors", "role": "read", "sha256": "<64 hex>", "fleet": true}]}
 
-``moelora-registry hash-token NAME ROLE`` makes a random token and its entry.
+``moelora-registry hash-token NAME ROLE [--fleet]`` makes a random token and its entry.
+``fleet`` marks the token the executor fleet presents to the registry: its WatchAdapters
+streams are not capped per token and may use the watch capacity other readers may not.
 Roles are ordered read < write < admin; a call needs at least the role its
 RPC names (each service's table). The file is re-read when it changes, so a
 token can be added or revoked without a restart (a Kubernetes Secret update).
@@ -58,6 +61,8 @@ class Principal:
     name: str
     role: Role
     token_sha256: str = ""
+    #: The executor fleet's token (see the module docstring).
+    fleet: bool = False
 
     @property
     def has_token(self) -> bool:
@@ -71,12 +76,15 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def new_token_entry(name: str, role: Role) -> tuple[str, dict[str, str]]:
+def new_token_entry(name: str, role: Role, fleet: bool = False) -> tuple[str, dict[str, Any]]:
     """A fresh random token and its token-file entry."""
     if not _TOKEN_NAME.fullmatch(name):
         raise ValueError(f"token name {name!r}: use 1-128 of A-Z a-z 0-9 . _ @ -")
     token = secrets.token_urlsafe(32)
-    return token, {"name": name, "role": role.name.lower(), "sha256": hash_token(token)}
+    entry: dict[str, Any] = {"name": name, "role": role.name.lower(), "sha256": hash_token(token)}
+    if fleet:
+        entry["fleet"] = True
+    return token, entry
 
 
 def parse_token_file(text: str, where: str) -> dict[str, Principal]:
@@ -92,14 +100,22 @@ def parse_token_file(text: str, where: str) -> dict[str, Principal]:
     names: set[str] = set()
     for i, entry in enumerate(entries):
         at = f"{where}: tokens[{i}]"
-        if not isinstance(entry, dict) or set(entry) != {"name", "role", "sha256"}:
-            raise ValueError(f"{at}: needs exactly the keys name, role, sha256")
+        if not isinstance(entry, dict) or not {"name", "role", "sha256"} <= set(entry) <= {
+            "name",
+            "role",
+            "sha256",
+            "fleet",
+        }:
+            raise ValueError(f"{at}: needs the keys name, role, sha256 (and may say fleet)")
         name, role, digest = entry["name"], entry["role"], entry["sha256"]
+        fleet = entry.get("fleet", False)
+        if not isinstance(fleet, bool):
+            raise ValueError(f"{at}: fleet must be true or false")
         if not isinstance(name, str) or not _TOKEN_NAME.fullmatch(name) or name in names:
             raise ValueError(f"{at}: name {name!r} is invalid or repeated")
         if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest) or digest in table:
             raise ValueError(f"{at}: sha256 must be 64 lower-case hex digits, once per file")
-        table[digest] = Principal(name, Role.parse(str(role)), digest)
+        table[digest] = Principal(name, Role.parse(str(role)), digest, fleet)
         names.add(name)
     return table
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -33,7 +34,7 @@ class Tokens:
     path: Path
     #: role name ("read", "write", "admin") -> token
     plain: dict[str, str]
-    entries: list[dict[str, str]]
+    entries: list[dict[str, Any]]
 
     def revoke(self, role: str) -> None:
         """Removes the token of ``role`` from the file (the servers re-read it)."""
@@ -48,7 +49,8 @@ class Tokens:
 def hostile_tokens(tmp_path_factory: pytest.TempPathFactory) -> Tokens:
     plain, entries = {}, []
     for role in Role:
-        token, entry = new_token_entry(role.name.lower(), role)
+        # The read token is the executors': the fleet's.
+        token, entry = new_token_entry(role.name.lower(), role, fleet=role is Role.READ)
         plain[role.name.lower()] = token
         entries.append(entry)
     # A second read token: one tenant's, revoked in tests while the executors' stays.
