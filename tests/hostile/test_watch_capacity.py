@@ -19,7 +19,9 @@ PER_TOKEN = 16  # the registry's default --max-watch-streams-per-token
 MIB = 1024 * 1024
 
 
-def _watches(stub: registry_pb2_grpc.AdapterRegistryStub, token: str, count: int) -> list:
+def _watches(
+    stub: registry_pb2_grpc.AdapterRegistryStub, token: str, count: int
+) -> list[grpc.Call]:
     metadata = bearer_metadata(token)
     return [
         stub.WatchAdapters(registry_pb2.WatchAdaptersRequest(), metadata=metadata, timeout=120)
@@ -38,6 +40,7 @@ def test_a_tenant_cannot_take_the_fleets_watches(
     authed_stack: Stack, hostile_tokens: Tokens, request: pytest.FixtureRequest
 ) -> None:
     fleet_count = 1000 if long_run(request) else 100
+    assert authed_stack.registry is not None
     pid = authed_stack.registry.proc.pid
     before = rss_bytes(pid)
     with (
