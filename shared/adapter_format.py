@@ -24,7 +24,9 @@ Rank and alpha per parameter follow PEFT: ``rank_pattern`` / ``alpha_pattern`` k
 matched as ``re.match(rf"(.*\\.)?({pattern})$", key)`` against the module key
 (``model.layers.{l}.mlp.experts.gate_up_proj`` for 3D, ``model.layers.{l}.mlp.experts.{e}.
 gate_proj`` for 2D), the first matching pattern wins; scaling = alpha / r, or alpha / sqrt(r)
-with ``use_rslora``.
+with ``use_rslora``. The patterns come from untrusted uploads, so they are compiled by RE2
+(linear-time matching; no backreferences or lookaround, which PEFT's patterns do not use),
+not by Python's backtracking ``re``.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+import re2
 
 from shared.errors import InvalidArgument
 from shared.json_fields import JsonFields, parse_json_object
@@ -119,6 +122,17 @@ class AdapterLayout:
     dtype: str
 
 
+class Pattern(Protocol):
+    """A compiled RE2 pattern (what ``re2.compile`` returns)."""
+
+    @property
+    def pattern(self) -> str: ...
+
+    def match(self, text: str) -> object: ...
+
+    def fullmatch(self, text: str) -> object: ...
+
+
 @dataclass(frozen=True)
 class LoRASettings:
     """adapter_config.json's LoRA hyper-parameters."""
@@ -127,11 +141,11 @@ class LoRASettings:
     lora_alpha: float
     use_rslora: bool
     #: rank_pattern / alpha_pattern entries in file order, each compiled as PEFT matches it.
-    rank_pattern: tuple[tuple[re.Pattern[str], int], ...]
-    alpha_pattern: tuple[tuple[re.Pattern[str], float], ...]
+    rank_pattern: tuple[tuple[Pattern, int], ...]
+    alpha_pattern: tuple[tuple[Pattern, float], ...]
     target_parameters: tuple[str, ...]
     #: A list of names (or dot-suffixes), or one regex that must match the whole module key.
-    target_modules: re.Pattern[str] | tuple[str, ...]
+    target_modules: Pattern | tuple[str, ...]
 
     def rank_alpha(self, module_key: str) -> tuple[int, float]:
         """Rank and alpha of one module / parameter key: PEFT's ``get_pattern_key``, the first
@@ -225,33 +239,40 @@ def _all_finite(raw: memoryview, dtype: str) -> bool:
     )
 
 
-#: Limits on regexes from untrusted configs: Python's re has no timeout, and nested or many
-#: unbounded quantifiers can backtrack for hours on a 60-character module key.
+#: Limits on regexes from untrusted configs: RE2 matches in time linear in the key, and these
+#: bound the patterns' number and size (and so the program RE2 builds for each).
 MAX_PATTERNS = 1024
 MAX_PATTERN_LENGTH = 256
-_QUANTIFIED_GROUP = re.compile(r"\)(?:[*+]|\{\d*,)")
-_UNBOUNDED = re.compile(r"(?<!\\)(?:[*+]|\{\d*,\})")
 
 
-def _compile(pattern: str, where: str, template: str) -> re.Pattern[str]:
-    """``template.format(pattern)`` compiled, after refusing patterns that could backtrack
-    catastrophically (a repeated group, or more than three unbounded quantifiers)."""
+def _re2_options() -> Any:
+    options = re2.Options()
+    options.log_errors = False  # a refused pattern is the client's error, not a log line
+    return options
+
+
+_RE2_OPTIONS = _re2_options()
+
+
+def _compile(pattern: str, where: str, template: str) -> Pattern:
+    """``template.format(pattern)`` compiled by RE2; InvalidArgument when RE2 refuses it
+    (backreferences, lookaround, too large a program)."""
     if len(pattern) > MAX_PATTERN_LENGTH:
         raise InvalidArgument(f"{where} {pattern[:40]!r}… is longer than {MAX_PATTERN_LENGTH}")
-    if _QUANTIFIED_GROUP.search(pattern) or len(_UNBOUNDED.findall(pattern)) > 3:
-        raise InvalidArgument(
-            f"{where} {pattern!r} is refused: repeated groups and more than three unbounded "
-            "quantifiers can take too long to match"
-        )
     try:
-        return re.compile(template.format(pattern))
-    except re.error as err:
-        raise InvalidArgument(f"{where} {pattern!r} is not a regex: {err}") from None
+        compiled: Pattern = re2.compile(template.format(pattern), options=_RE2_OPTIONS)
+    except re2.error as err:
+        reason = err.args[0].decode(errors="replace") if err.args else str(err)
+        raise InvalidArgument(
+            f"{where} {pattern!r} is not a regex RE2 accepts (no backreferences or "
+            f"lookaround): {reason}"
+        ) from None
+    return compiled
 
 
 def _patterns(
     raw: Mapping[str, Any], where: str, value: Callable[[JsonFields, str], float]
-) -> tuple[tuple[re.Pattern[str], Any], ...]:
+) -> tuple[tuple[Pattern, Any], ...]:
     if len(raw) > MAX_PATTERNS:
         raise InvalidArgument(f"{CONFIG_FILE} {where} has more than {MAX_PATTERNS} entries")
     fields = JsonFields(raw, f"{CONFIG_FILE} {where}")
@@ -274,7 +295,7 @@ def read_lora_settings(config: Mapping[str, Any]) -> LoRASettings:
     r = get.integer("r")
     if r < 1:
         raise InvalidArgument(f"{CONFIG_FILE} r must be at least 1, got {r}")
-    target_modules: re.Pattern[str] | tuple[str, ...]
+    target_modules: Pattern | tuple[str, ...]
     if isinstance(config.get("target_modules"), str):
         # PEFT: re.fullmatch(target_modules, module_key)
         target_modules = _compile(config["target_modules"], f"{CONFIG_FILE} target_modules", "{}")
@@ -412,15 +433,15 @@ def _targets_parameter(target_parameters: tuple[str, ...], key: str) -> bool:
     return any(key == target or key.endswith(f".{target}") for target in target_parameters)
 
 
-def _targets_module(target_modules: re.Pattern[str] | tuple[str, ...], key: str) -> bool:
+def _targets_module(target_modules: Pattern | tuple[str, ...], key: str) -> bool:
     """PEFT's ``check_target_module_exists`` for a plain list or a regex string."""
-    if isinstance(target_modules, re.Pattern):
+    if not isinstance(target_modules, tuple):
         return target_modules.fullmatch(key) is not None
     return any(key == target or key.endswith(f".{target}") for target in target_modules)
 
 
-def _describe(target_modules: re.Pattern[str] | tuple[str, ...]) -> str:
-    if isinstance(target_modules, re.Pattern):
+def _describe(target_modules: Pattern | tuple[str, ...]) -> str:
+    if not isinstance(target_modules, tuple):
         return repr(target_modules.pattern)
     return str(list(target_modules))
 
