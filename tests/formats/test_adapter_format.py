@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
 import json
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
