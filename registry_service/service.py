@@ -32,7 +32,7 @@ from registry_service.domain import (
 from registry_service.download import check_range, stream_files
 from registry_service.events import EventFeed
 from registry_service.gc import GarbageCollector
-from registry_service.paging import decode_token, encode_token, page_size
+from registry_service.paging import PageTokens, page_size
 from registry_service.store import BaseModelRecord, BlobsMissing, Store
 from registry_service.upload import SpooledFile, UploadSpool, check_header, check_labels
 from registry_service.validation import HEAD_BYTES, check_stream_start, validate_adapter
@@ -99,6 +99,7 @@ class Registry:
         self.spool_dir = spool_dir
         self.limits = limits
         self._presign = presign or blobs.presign_get
+        self.pages = PageTokens(store.server_key("page_tokens"))
 
     # -- base models ---------------------------------------------------------------------------
 
@@ -125,11 +126,11 @@ class Registry:
 
     def list_base_models(self, size: int, token: str) -> Page[BaseModelRecord]:
         limit = page_size(size)
-        after = decode_token(token, "base_models")
+        after = self.pages.decode(token, "base_models", (str,))
         rows = self.store.list_base_models(str(after[0]) if after else None, limit + 1)
         more = len(rows) > limit
         rows = rows[:limit]
-        next_token = encode_token([rows[-1].name], "base_models") if more else ""
+        next_token = self.pages.encode([rows[-1].name], "base_models") if more else ""
         return Page(rows, next_token)
 
     # -- upload --------------------------------------------------------------------------------
@@ -261,16 +262,12 @@ class Registry:
             flt.include_deleted,
             flt.latest_only,
         ]
-        after = decode_token(token, filters)
-        key = None
-        if after is not None:
-            if len(after) != 2 or not isinstance(after[0], str) or not isinstance(after[1], int):
-                raise InvalidArgument("page_token: malformed; pass next_page_token unchanged")
-            key = (after[0], after[1])
+        after = self.pages.decode(token, filters, (str, int))
+        key = None if after is None else (after[0], after[1])
         rows = self.store.list_versions(flt, key, limit + 1)
         more = len(rows) > limit
         rows = rows[:limit]
-        next_token = encode_token([rows[-1].name, rows[-1].version], filters) if more else ""
+        next_token = self.pages.encode([rows[-1].name, rows[-1].version], filters) if more else ""
         return Page(rows, next_token)
 
     def download(

@@ -28,6 +28,7 @@ from registry_service.db.models import (
     EventRow,
     FileRow,
     LabelRow,
+    ServerKeyRow,
     VersionRow,
 )
 from registry_service.domain import (
@@ -464,6 +465,14 @@ class Store:
                 created_at=self.clock(),
             )
         )
+
+    def server_key(self, name: str) -> bytes:
+        """The shared secret ``name`` (see migration 0003)."""
+        with self.db.read() as s:
+            secret = s.scalar(select(ServerKeyRow.secret).where(ServerKeyRow.name == name))
+        if secret is None:
+            raise RuntimeError(f"server key {name!r} is missing: is the database migrated?")
+        return bytes(secret)
 
     def last_sequence(self) -> int:
         with self.db.read() as s:

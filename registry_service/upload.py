@@ -46,6 +46,10 @@ def check_header(header: UploadHeader, max_file_bytes: int) -> UploadHeader:
             f"{MAX_DESCRIPTION_CHARS}",
             "header.description",
         )
+    if "\0" in header.description:  # PostgreSQL's text cannot hold NUL
+        raise InvalidArgument(
+            "header.description: must not contain NUL characters", "header.description"
+        )
     check_labels(header.labels, "header.labels")
     paths = [f.path for f in header.files]
     if sorted(paths) != sorted(ADAPTER_FILES):

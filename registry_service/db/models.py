@@ -23,6 +23,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -241,3 +242,12 @@ class EventCounterRow(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     last_sequence: Mapped[int] = mapped_column(BigInteger)
+
+
+class ServerKeyRow(Base):
+    """A secret the replicas share through the database (made by the migration that adds it)."""
+
+    __tablename__ = "server_keys"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    secret: Mapped[bytes] = mapped_column(LargeBinary)

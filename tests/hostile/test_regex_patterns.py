@@ -45,12 +45,12 @@ def test_backtracking_patterns_cost_nothing(authed_stack: Stack, tmp_path: Path)
         forwards = threading.Thread(target=base_forwards, daemon=True)
         forwards.start()
         start = time.monotonic()
-        with authed_stack.registry_client() as client:
-            client.upload(adapter, "regex", BASE)
+        with authed_stack.registry_client() as registry:
+            registry.upload(adapter, "regex", BASE)
         upload_seconds = time.monotonic() - start
-        with authed_stack.executor_client() as client:
+        with authed_stack.executor_client() as executor:
             start = time.monotonic()
-            result = client.forward(layer, hidden, [(4, "regex")], timeout=60)
+            result = executor.forward(layer, hidden, [(4, "regex")], timeout=60)
             load_seconds = time.monotonic() - start
         time.sleep(0.3)
         stop.set()
