@@ -15,6 +15,7 @@ from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.adapter_format import (
     AdapterFormat,
     check_finite,
+    check_scaled,
     inspect_adapter,
     parse_adapter_config,
 )
@@ -60,6 +61,7 @@ def validate_adapter(
     ):
         try:
             check_finite(header, view)
+            check_scaled(layout, header, view)
         except InvalidArgument as err:
             # Raised only after the map is closed: the traceback holds views into it.
             problem = _in_file(WEIGHTS_FILE, err)

@@ -223,6 +223,42 @@ def check_finite(header: SafetensorsHeader, data: bytes | memoryview, data_offse
 
 #: Elements checked per step, bounding the temporary arrays.
 _FINITE_CHUNK = 1 << 22
+#: The largest |scaling · B| element accepted: float16's largest value, the narrowest dtype an
+#: executor computes in (a larger one is infinite there, and NaN after the next product).
+MAX_SCALED_WEIGHT = 65504.0
+
+
+def check_scaled(
+    layout: AdapterLayout, header: SafetensorsHeader, data: bytes | memoryview
+) -> None:
+    """Raise InvalidArgument naming the first lora_B whose elements, times the pair's scaling
+    (lora_alpha / r), would exceed ``MAX_SCALED_WEIGHT``. ``data`` holds the whole file."""
+    view = memoryview(data).cast("B")
+    for layer in layout.layers.values():
+        for pair in layer.pairs:
+            info = header.tensors[pair.b_key]
+            start = header.data_start + info.begin
+            largest = _largest_magnitude(view[start : start + info.nbytes], info.dtype)
+            if not math.isfinite(pair.scaling) or largest * abs(pair.scaling) > MAX_SCALED_WEIGHT:
+                raise InvalidArgument(
+                    f"tensor {pair.b_key}: scaled by lora_alpha / r = {pair.scaling:g} (alpha "
+                    f"{pair.alpha:g}, rank {pair.rank}) its elements reach "
+                    f"{largest * abs(pair.scaling):g}, beyond {MAX_SCALED_WEIGHT:g} (float16's "
+                    "largest): outputs would be infinite"
+                )
+
+
+def _largest_magnitude(raw: memoryview, dtype: str) -> float:
+    if dtype == "BF16":
+        bits = np.frombuffer(raw, dtype="<u2")
+        steps = (
+            (bits[i : i + _FINITE_CHUNK].astype("<u4") << 16).view("<f4")
+            for i in range(0, bits.size, _FINITE_CHUNK)
+        )
+    else:
+        values = np.frombuffer(raw, dtype={"F16": "<f2", "F32": "<f4", "F64": "<f8"}[dtype])
+        steps = (values[i : i + _FINITE_CHUNK] for i in range(0, values.size, _FINITE_CHUNK))
+    return max((float(np.abs(step).max()) for step in steps if step.size), default=0.0)
 
 
 def _all_finite(raw: memoryview, dtype: str) -> bool:

@@ -52,6 +52,12 @@ from shared.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 #: The largest config.json accepted (the BaseModel message carries it verbatim).
 MAX_CONFIG_BYTES = 1024 * 1024
+#: Bounds on what a config.json may declare, checked before anything is sized by it (a request
+#: registering a base model is not trusted to be reasonable); far above any model published.
+MAX_LAYERS = 4096
+MAX_EXPERTS = 8192
+MAX_WIDTH = 1 << 20
+MAX_SHARED_EXPERTS = 64
 FINGERPRINT_VERSION = 1
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -262,9 +268,10 @@ def spec_from_config(
         )
     kind = MODEL_TYPES[model_type]
     get = JsonFields(config, f"config.json ({model_type})")
-    num_layers = get.integer("num_hidden_layers")
+    num_layers = _bounded(get, "num_hidden_layers", MAX_LAYERS)
     num_experts = _num_experts(get, kind)
-    moe_intermediate_size = get.integer(kind.intermediate_key)
+    moe_intermediate_size = _bounded(get, kind.intermediate_key, MAX_WIDTH)
+    hidden_size = _bounded(get, "hidden_size", MAX_WIDTH)
     top_k = get.integer("num_experts_per_tok")
     if not 1 <= top_k <= num_experts:
         raise InvalidArgument(
@@ -288,12 +295,17 @@ def spec_from_config(
     shared = 0
     if kind.shared_expert is not None:
         width = get.integer(kind.shared_expert.width_key, default=0)
+        if width > (MAX_SHARED_EXPERTS if kind.shared_expert.width_is_count else MAX_WIDTH):
+            raise InvalidArgument(
+                f"config.json {kind.shared_expert.width_key}={width} is larger than any model "
+                "this server takes"
+            )
         shared = width * moe_intermediate_size if kind.shared_expert.width_is_count else width
     if not moe_layers:
         raise InvalidArgument("config.json describes no MoE layer")
     return ModelSpec(
         model_type=kind.name,
-        hidden_size=get.integer("hidden_size"),
+        hidden_size=hidden_size,
         moe_intermediate_size=moe_intermediate_size,
         num_experts=num_experts,
         top_k=top_k,
@@ -391,9 +403,19 @@ def _num_experts(get: JsonFields, kind: ModelType) -> int:
     if len(set(values.values())) > 1:
         raise InvalidArgument(f"config.json disagrees on the number of experts: {values}")
     count = next(iter(values.values()))
-    if count < 1:
-        raise InvalidArgument(f"config.json says {count} experts")
+    if not 1 <= count <= MAX_EXPERTS:
+        raise InvalidArgument(f"config.json says {count} experts; 1 to {MAX_EXPERTS} are taken")
     return count
+
+
+def _bounded(get: JsonFields, key: str, most: int) -> int:
+    """A declared size, refused before anything is sized by it when outside 1..``most``."""
+    value = get.integer(key)
+    if not 1 <= value <= most:
+        raise InvalidArgument(
+            f"config.json {key}={value} is outside 1-{most}, the sizes this server takes"
+        )
+    return value
 
 
 def _moe_layers(get: JsonFields, rule: MoELayerRule, num_layers: int) -> tuple[int, ...]:
