@@ -13,6 +13,7 @@ from registry_service.blobs.local import LocalBlobStore
 from registry_service.config import RegistrySettings
 from registry_service.db import migrate
 from registry_service.db.engine import Database, sqlite_url
+from registry_service.disk_full import SpaceReserve
 from registry_service.events import EventFeed
 from registry_service.gc import GarbageCollector, PeriodicGc
 from registry_service.service import Registry, RegistryLimits
@@ -23,6 +24,9 @@ from shared.tokens import TokenChecker, open_token_checker
 
 log = logging.getLogger(__name__)
 
+#: Space on the data volume held for deletes and gc when it fills (a few SQLite pages and its
+#: write-ahead log).
+_RESERVE_BYTES = 1024 * 1024
 #: At most this long a closing blob HTTP server waits for transfers in progress.
 _HTTP_CLOSE_SECONDS = 5.0
 
@@ -123,7 +127,10 @@ def open_registry(settings: RegistrySettings, *, background: bool = True) -> Reg
     )
     blob_http = open_blob_http(settings, blobs) if background else None
     presign = blob_http.urls.url if blob_http is not None else None
-    registry = Registry(store, blobs, feed, collector, spool_dir, limits, presign)
+    # Deletes and gc must work when the data volume is full: SQLite writes to delete anything.
+    reserve = SpaceReserve(settings.data_path / "space-reserve", _RESERVE_BYTES)
+    reserve.ensure()
+    registry = Registry(store, blobs, feed, collector, spool_dir, limits, presign, reserve)
     periodic_gc = None
     if background:
         if blob_http is not None:

@@ -11,9 +11,11 @@ from contextlib import closing
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import TypeVar
 
 from registry_service import metrics
 from registry_service.blobs import BlobStore, blob_key
+from registry_service.disk_full import SpaceReserve, is_disk_full, storage_full
 from registry_service.domain import (
     AdapterSummary,
     AliasChange,
@@ -43,6 +45,8 @@ from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef, validate_alias, validate_name
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _HEARTBEAT_SECONDS = 30.0
 _BLOB_WRITE_ATTEMPTS = 3
@@ -89,9 +93,11 @@ class Registry:
         spool_dir: Path,
         limits: RegistryLimits,
         presign: Callable[[str, int], str] | None = None,
+        reserve: SpaceReserve | None = None,
     ) -> None:
         """``presign(blob key, seconds)``: where download URLs come from when not from the
-        blob store itself (the blob HTTP server's signed URLs for the local store)."""
+        blob store itself (the blob HTTP server's signed URLs for the local store);
+        ``reserve``: space on the data volume that deletes and gc may use when it is full."""
         self.store = store
         self.blobs = blobs
         self.feed = feed
@@ -100,6 +106,7 @@ class Registry:
         self.limits = limits
         self._presign = presign or blobs.presign_get
         self.pages = PageTokens(store.server_key("page_tokens"))
+        self._reserve = reserve
 
     # -- base models ---------------------------------------------------------------------------
 
@@ -171,9 +178,12 @@ class Registry:
                 )
                 version = self._commit(pending.id, list(files.values()), summary, header.alias)
         except BaseException as exc:
+            full = is_disk_full(exc)
             code = exc.code.name if isinstance(exc, MoeLoraError) else "INTERNAL"
-            metrics.UPLOADS.labels(code).inc()
+            metrics.UPLOADS.labels("RESOURCE_EXHAUSTED" if full else code).inc()
             self._mark_failed(pending.id, header, exc)
+            if full:
+                raise storage_full() from exc
             raise
         self.feed.notify()
         seconds = time.perf_counter() - started
@@ -210,19 +220,33 @@ class Registry:
     ) -> VersionInfo:
         stored = [StoredFile(f.info, blob_key(f.info.sha256)) for f in files]
         digest = files_digest({f.info.path: f.info.sha256 for f in files})
-        for attempt in range(1, _BLOB_WRITE_ATTEMPTS + 1):
-            # Blobs first: no row ever points at an incomplete object.
-            for f in files:
-                self.blobs.put_file(blob_key(f.info.sha256), f.path)
+        new = {s.blob_key for s in stored if not self.blobs.exists(s.blob_key)}
+        try:
+            for attempt in range(1, _BLOB_WRITE_ATTEMPTS + 1):
+                # Blobs first: no row ever points at an incomplete object.
+                for f in files:
+                    self.blobs.put_file(blob_key(f.info.sha256), f.path)
+                try:
+                    return self.store.complete_upload(
+                        pending_id, summary, stored, digest, alias, self._all_present
+                    )
+                except BlobsMissing as exc:
+                    log_event(
+                        log, "upload_blob_raced_gc", logging.WARNING, attempt=attempt, keys=str(exc)
+                    )
+            raise DataLoss("blob store kept losing freshly written blobs (gc with a grace of 0?)")
+        except BaseException:
+            self._drop_unclaimed(new)
+            raise
+
+    def _drop_unclaimed(self, keys: Iterable[str]) -> None:
+        """Deletes the blobs a failed upload wrote that no version claimed meanwhile."""
+        for key in keys:
             try:
-                return self.store.complete_upload(
-                    pending_id, summary, stored, digest, alias, self._all_present
-                )
-            except BlobsMissing as exc:
-                log_event(
-                    log, "upload_blob_raced_gc", logging.WARNING, attempt=attempt, keys=str(exc)
-                )
-        raise DataLoss("blob store kept losing freshly written blobs (gc with a grace of 0?)")
+                if not self.store.blob_claimed(key):
+                    self.blobs.delete(key)
+            except Exception:  # gc finds what is left
+                log_event(log, "upload_blob_cleanup_failed", logging.WARNING, exc_info=True)
 
     def _all_present(self, keys: Iterable[str]) -> bool:
         return all(self.blobs.exists(key) for key in keys)
@@ -327,8 +351,39 @@ class Registry:
         log_event(log, "alias_deleted", name=name, alias=alias, version=previous, by=by)
         return previous
 
+    def _freeing(self, work: Callable[[], T]) -> T:
+        """Runs ``work`` (which frees space). On a full volume it makes room and tries again:
+        first the reserve is given up, then SQLite's write-ahead log is moved into the database
+        (its file's space is then reused); RESOURCE_EXHAUSTED when neither helps."""
+        reserve_given = self._reserve is None
+        while True:
+            try:
+                return work()
+            except Exception as exc:
+                if not is_disk_full(exc):
+                    raise
+                failure = exc
+            if not reserve_given:
+                reserve_given = True
+                if self._reserve is not None and self._reserve.release():
+                    continue
+            if not self._give_back_space():
+                raise storage_full() from failure
+
+    def _give_back_space(self) -> bool:
+        """Checkpoints SQLite's write-ahead log; False when the volume is too full for it."""
+        try:
+            self.store.db.give_back_space()
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            log_event(log, "wal_checkpoint_deferred", logging.WARNING, reason="disk full")
+            return False
+        return True
+
     def delete(self, ref: str, by: str) -> VersionInfo:
-        version, changed = self.store.delete_version(AdapterRef.parse(ref))
+        parsed = AdapterRef.parse(ref)
+        version, changed = self._freeing(lambda: self.store.delete_version(parsed))
         if changed:
             self.feed.notify()
             log_event(
@@ -387,7 +442,11 @@ class Registry:
         grace = self.limits.gc_grace_seconds if grace_seconds is None else grace_seconds
         if grace < 0:
             raise InvalidArgument("grace_seconds: must not be negative", "grace_seconds")
-        report = self.collector.collect(grace, dry_run)
+        report = self._freeing(lambda: self.collector.collect(grace, dry_run))
+        if not dry_run:
+            self._give_back_space()
+            if self._reserve is not None:
+                self._reserve.ensure()
         if not dry_run:
             metrics.GC_REMOVED_BLOBS.inc(len(report.removed_blobs))
             metrics.GC_REMOVED_BYTES.inc(report.removed_bytes)

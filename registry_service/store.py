@@ -466,6 +466,12 @@ class Store:
             )
         )
 
+    def blob_claimed(self, key: str) -> bool:
+        """Whether a blob row exists for ``key`` (a version, or an upload committing one, uses
+        it)."""
+        with self.db.read() as s:
+            return s.scalar(select(BlobRow.key).where(BlobRow.key == key)) is not None
+
     def server_key(self, name: str) -> bytes:
         """The shared secret ``name`` (see migration 0003)."""
         with self.db.read() as s:

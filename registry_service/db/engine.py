@@ -21,6 +21,7 @@ from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from registry_service.disk_full import is_disk_full, storage_full
 from shared.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _WRITE_OPTION = "moelora_write"
+_WAL_LIMIT_BYTES = 1024 * 1024
 _RETRIES = 8
 
 
@@ -44,6 +46,9 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA foreign_keys=ON")
+        # After a checkpoint the write-ahead log shrinks back to this, rather than keeping the
+        # largest size it ever had (space a full volume needs back).
+        cursor.execute(f"PRAGMA journal_size_limit={_WAL_LIMIT_BYTES}")
         cursor.close()
 
     @event.listens_for(engine, "begin")
@@ -76,6 +81,13 @@ class Database:
             engine.execution_options(**{_WRITE_OPTION: True}), expire_on_commit=False
         )
 
+    def give_back_space(self) -> None:
+        """SQLite: moves the write-ahead log into the database and truncates it, handing its
+        pages back to the volume (after gc freed rows); nothing for PostgreSQL."""
+        if self.dialect == "sqlite":
+            with self.engine.connect() as conn:
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
     @property
     def safe_url(self) -> str:
         """The URL without its password, for logs."""
@@ -88,9 +100,15 @@ class Database:
 
     @contextmanager
     def write(self) -> Iterator[Session]:
-        """One write transaction: committed when the block ends, rolled back on error."""
-        with self._writes() as session, session.begin():
-            yield session
+        """One write transaction: committed when the block ends, rolled back on error; a full
+        disk is RESOURCE_EXHAUSTED (registry_service.disk_full)."""
+        try:
+            with self._writes() as session, session.begin():
+                yield session
+        except OperationalError as exc:
+            if is_disk_full(exc):
+                raise storage_full() from exc
+            raise
 
     def write_retrying(self, work: Callable[[Session], T]) -> T:
         """Runs ``work`` in a write transaction, again from the start when it lost
