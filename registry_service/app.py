@@ -7,7 +7,7 @@ import logging
 import ssl
 from dataclasses import dataclass
 
-from registry_service.blob_http import BlobHttpServer
+from registry_service.blob_http import BlobHttpServer, HttpLimits
 from registry_service.blobs import BlobStore, open_blob_store
 from registry_service.blobs.local import LocalBlobStore
 from registry_service.config import RegistrySettings
@@ -84,6 +84,10 @@ def open_blob_http(settings: RegistrySettings, blobs: BlobStore) -> BlobHttpServ
         # Transfers ran on through the gRPC drain before this closes; a few more seconds, not
         # a second drain (the pod's termination grace counts one drain).
         grace_seconds=min(settings.drain_seconds, _HTTP_CLOSE_SECONDS),
+        limits=HttpLimits(
+            max_connections=settings.http_max_connections,
+            head_seconds=settings.http_timeout_seconds,
+        ),
     )
 
 

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import re
 
-_ONE_RANGE = re.compile(r"(\d*)-(\d*)")
+from shared.errors import quoted
+
+# ASCII digits only (str.isdigit and \d take "²" and "٣"), at most 19 (int64).
+_ONE_RANGE = re.compile(r"([0-9]{0,19})-([0-9]{0,19})")
+#: Longer headers are refused unread (a real one is "bytes=" and two numbers).
+_MAX_HEADER_CHARS = 200
 
 
 class RangeNotSatisfiable(Exception):
@@ -23,6 +28,10 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     None for the whole blob (no header, or another unit than bytes)."""
     if header is None:
         return None
+    if len(header) > _MAX_HEADER_CHARS:
+        raise RangeNotSatisfiable(
+            f"unsupported Range {quoted(header, 40)}: send one range, bytes=FIRST-LAST"
+        )
     unit, sep, spec = header.strip().partition("=")
     if not sep or unit.strip().lower() != "bytes":
         return None

@@ -130,6 +130,19 @@ class RegistrySettings(ServerSettings):
         "HTTP server (in Kubernetes: http://SERVICE:PORT); default: the http_listen address "
         "(a wildcard host becomes this host's name); https when TLS is on",
     )
+    http_max_connections: int = Field(
+        512,
+        ge=1,
+        description="connections the blob HTTP server keeps open at once (each costs a file "
+        "descriptor, no thread); more are answered 503 with Retry-After and closed",
+    )
+    http_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="blob HTTP: a request head must be complete this long after its first "
+        "byte (a trickle does not extend it), and a response must be taken at 256 KiB/s after "
+        "this long a start; a connection past either is closed",
+    )
     http_signing_key_file: Path | None = Field(
         None,
         description="file whose bytes (16 or more) sign the blob URLs; replicas serving one "

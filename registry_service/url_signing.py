@@ -62,7 +62,7 @@ class UrlSigner:
     def check(self, key: str, expires: str, signature: str, now: float | None = None) -> None:
         """Raises SignatureRejected unless ``signature`` grants ``key`` until ``expires`` and
         that time has not passed."""
-        if not expires.isdigit() or len(expires) > 12:
+        if not (expires.isascii() and expires.isdigit()) or len(expires) > 12:
             raise SignatureRejected("the URL has no valid 'expires' (Unix seconds)")
         expected = self._signature(key, int(expires))
         # Constant time: the comparison must not tell how much of a forged signature is right.

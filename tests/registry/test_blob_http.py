@@ -196,10 +196,10 @@ def test_the_range_reader_keeps_connections_and_receives_in_place(
         cuts = [0, 1, 65_536, len(weights) // 2, len(weights)]
         pieces = [_read(reader, url, b, e, step=100_003) for b, e in itertools.pairwise(cuts)]
         assert b"".join(pieces) == weights
-        assert len(blob_http._server._connections) == 1  # one kept-alive connection
+        assert blob_http.open_connections == 1  # one kept-alive connection
         # The server drops idle connections (its timeout, a restart): the reader reconnects.
-        blob_http._server.close_connections(0)
-        wait_for(lambda: not blob_http._server._connections)
+        blob_http.drop_connections()
+        wait_for(lambda: not blob_http.open_connections)
         assert _read(reader, url, 0, len(weights), step=STEP_BYTES) == weights
         # A receiver that stops early: the connection is not reused (its body is unread).
         stopping = Collect(len(weights), step=4096, stop_after=1)
