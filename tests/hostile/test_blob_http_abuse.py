@@ -53,8 +53,8 @@ def _address(url: str) -> tuple[str, int]:
 
 def _get(address: tuple[str, int], target: str, headers: str = "") -> tuple[int, bytes]:
     with socket.create_connection(address, timeout=10) as sock:
-        head = f"GET {target} HTTP/1.1\r\nHost: r\r\n{headers}Connection: close\r\n\r\n"
-        sock.sendall(head.encode("utf-8"))
+        request = f"GET {target} HTTP/1.1\r\nHost: r\r\n{headers}Connection: close\r\n\r\n"
+        sock.sendall(request.encode("utf-8"))
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
