@@ -35,6 +35,18 @@ def open_fds(pid: int) -> int:
     return sum(1 for _ in Path(f"/proc/{pid}/fd").iterdir())
 
 
+def open_files(pid: int) -> int:
+    """Open descriptors that are not sockets (files, pipes, eventfds): what a leak grows.
+    Sockets come and go with clients' connections (a kept-alive connection is not a leak)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            count += not os.readlink(fd).startswith("socket:")
+        except OSError:  # closed meanwhile
+            continue
+    return count
+
+
 @dataclass
 class Stack:
     """``start()`` brings both up; ``stop()`` (always, in a finally) takes both down."""
