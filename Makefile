@@ -79,8 +79,8 @@ bench-load: setup ## Adapter cold start, 1.26 GB: cold/disk/host warm (ARGS=--de
 bench-forward: setup ## Forward as a client sees it: p50/p99, transport floor, tokens/s (GPU)
 	$(PY) -m executor_service.bench_forward
 
-fuzz: setup ## Full fuzz run: property tests, >= 1,000 mutated Forward and >= 300 uploads (figures printed)
-	$(PY) -m pytest tests/fuzz --long -s -q $(PYTEST_ARGS)
+fuzz: setup ## Full fuzz run: property tests, >= 1,000 mutated Forward, >= 300 uploads, the hostile-client attacks (figures printed)
+	$(PY) -m pytest tests/fuzz tests/hostile --long -s -q $(PYTEST_ARGS)
 
 chaos: setup ## Fault suite: S3 faults behind a proxy, SIGKILLed servers, damaged and full disk caches
 	$(PY) -m pytest tests/chaos --long -q $(PYTEST_ARGS)
