@@ -137,7 +137,7 @@ class HostPool:
                 "host_memory_reserved",
                 bytes=self.reserved_bytes,
                 pinned=self.pinned,
-                ms=round((time.perf_counter() - start) * 1000, 1),
+                seconds=round(time.perf_counter() - start, 4),
             )
 
     @property

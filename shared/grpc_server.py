@@ -22,11 +22,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from shared import keepalive, rpc_metrics
 from shared.errors import RETRY_AFTER_METADATA, MoeLoraError, Overloaded
 from shared.logs import log_event
+from shared.reflection import enable_reflection
 from shared.rpc_metrics import MethodMetrics
 
 log = logging.getLogger(__name__)
@@ -248,21 +248,22 @@ class GrpcServer:
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         register(self._server)
-        reflection.enable_server_reflection(
-            [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
-        )
+        enable_reflection([*self._service_names, health.SERVICE_NAME], self._server)
         self.port = self._bind()
         self.set_serving(False)
 
     def _bind(self) -> int:
         opts = self.options
-        if opts.tls_cert_file and opts.tls_key_file:
-            creds = grpc.ssl_server_credentials(
-                [(opts.tls_key_file.read_bytes(), opts.tls_cert_file.read_bytes())]
-            )
-            port = int(self._server.add_secure_port(opts.listen, creds))
-        else:
-            port = int(self._server.add_insecure_port(opts.listen))
+        try:
+            if opts.tls_cert_file and opts.tls_key_file:
+                creds = grpc.ssl_server_credentials(
+                    [(opts.tls_key_file.read_bytes(), opts.tls_cert_file.read_bytes())]
+                )
+                port = int(self._server.add_secure_port(opts.listen, creds))
+            else:
+                port = int(self._server.add_insecure_port(opts.listen))
+        except RuntimeError:  # grpc names no cause: shared.startup.check_listen does
+            port = 0
         if port == 0:
             raise OSError(f"cannot listen on {opts.listen}")
         return port
@@ -321,8 +322,12 @@ class GrpcServer:
         """Blocks until the server stopped; True if it did."""
         return self._stopped.wait(timeout)
 
-    def serve_forever(self, on_drained: Callable[[], None] | None = None) -> None:
-        """Starts, drains on SIGTERM or SIGINT, returns once stopped."""
+    def serve_forever(
+        self,
+        on_drained: Callable[[], None] | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
+        """Starts, calls ``on_started``, drains on SIGTERM or SIGINT, returns once stopped."""
         self.start()
 
         def handle(signum: int, _frame: Any) -> None:
@@ -333,6 +338,8 @@ class GrpcServer:
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
+        if on_started is not None:
+            on_started()
         while not self.wait(0.5):
             pass
 
