@@ -48,8 +48,9 @@ BLOB_STORE_ERRORS = Counter(
     "Object-store (S3) requests that failed after their retries",
 )
 
-#: A scrape reads the inventory from the database at most this often.
-INVENTORY_MAX_AGE_SECONDS = 15.0
+#: Scrapes read the inventory from the database at most this often (several scrapers, or one
+#: scraping fast, cost the database no more).
+INVENTORY_MAX_AGE_SECONDS = 5.0
 
 
 class InventoryCollector(Collector):
@@ -80,9 +81,22 @@ class InventoryCollector(Collector):
                 self._taken = time.monotonic()
             return self._last
 
+    def describe(self) -> Iterator[Metric]:
+        """The names, without reading the database (registration calls this)."""
+        return self._families(None)
+
     def collect(self) -> Iterator[Metric]:
         inventory = self._inventory()
         if inventory is None:
+            return iter(())
+        return self._families(inventory)
+
+    def _families(self, inventory: Inventory | None) -> Iterator[Metric]:
+        if inventory is None:
+            yield GaugeMetricFamily("moelora_registry_base_models", "")
+            yield GaugeMetricFamily("moelora_registry_adapters", "")
+            yield GaugeMetricFamily("moelora_registry_versions", "", labels=["status"])
+            yield GaugeMetricFamily("moelora_registry_version_bytes", "", labels=["status"])
             return
         yield GaugeMetricFamily(
             "moelora_registry_base_models", "Registered base models", value=inventory.base_models
