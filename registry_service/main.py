@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from prometheus_client import REGISTRY
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from registry_service.app import open_database, open_registry
 from registry_service.backfill import backfill_parts
@@ -30,7 +30,7 @@ from registry_service.server import create_server
 from shared.config import parse_settings
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
-from shared.startup import check_listen, exit_on_startup_error, setting_name
+from shared.startup import StartupError, check_listen, exit_on_startup_error, setting_name
 from shared.tokens import Role, new_token_entry
 
 COMMANDS = ("serve", "migrate", "gc", "backfill-parts", "hash-token")
@@ -123,14 +123,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(RegistrySettings, args)
     configure_logging(settings.log_level, settings.log_format)
     with exit_on_startup_error(f"moelora-registry {command}", SQLAlchemyError):
-        if command == "serve":
-            serve(settings)
-        elif command == "migrate":
-            run_migrate(settings)
-        elif command == "backfill-parts":
-            run_backfill(settings)
-        else:
-            run_gc(settings, grace, dry_run)
+        try:
+            if command == "serve":
+                serve(settings)
+            elif command == "migrate":
+                run_migrate(settings)
+            elif command == "backfill-parts":
+                run_backfill(settings)
+            else:
+                run_gc(settings, grace, dry_run)
+        except OperationalError as exc:  # the database refused or could not be reached
+            raise StartupError(
+                f"cannot use the database: {exc.orig}",
+                setting_name(RegistrySettings, "database_url"),
+                "check the URL, its credentials, and that the database accepts connections",
+            ) from None
 
 
 if __name__ == "__main__":

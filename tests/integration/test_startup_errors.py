@@ -120,3 +120,18 @@ def test_auth_without_a_token_file_is_one_line(
     )  # fmt: skip
     line = _exits(server, 1)
     assert line.startswith("moelora-registry serve: auth=on needs --auth-tokens-file")
+
+
+def test_an_unreachable_database_is_one_line_naming_the_setting(
+    start_server: Any, tmp_path: Path, port: int
+) -> None:
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"postgresql+psycopg://moelora@127.0.0.1:{closed.getsockname()[1]}/registry"
+    server = start_server(
+        "moelora-registry", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "",
+        "--data-dir", str(tmp_path / "r"), "--database-url", url, "--auth", "off",
+    )  # fmt: skip
+    line = _exits(server, 1)
+    assert line.startswith("moelora-registry serve: cannot use the database: ")
+    assert "(--database-url / " in line and "accepts connections" in line
