@@ -36,6 +36,14 @@ def _exits(server: Any, code: int) -> str:
     return str(plain[0])
 
 
+def _executor(start_server: Any, port: int, model: Path) -> Any:
+    """An executor on 127.0.0.1:``port`` over the checkpoint folder ``model``, metrics off."""
+    return start_server(
+        "moelora-executor", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "",
+        "--base-model-path", str(model),
+    )  # fmt: skip
+
+
 def _events(server: Any) -> list[dict[str, Any]]:
     return [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
 
@@ -83,10 +91,7 @@ def test_a_base_model_that_is_no_checkpoint_is_refused_at_once(
         model.mkdir()
         if content:
             (model / "config.json").write_text(content)
-    server = start_server(
-        "moelora-executor", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "",
-        "--base-model-path", str(model),
-    )  # fmt: skip
+    server = _executor(start_server, port, model)
     line = _exits(server, 1)
     assert line.startswith(f"moelora-executor: base model {model}: {why}")
     assert "(--base-model-path / " in line and "checkpoint folder" in line
@@ -99,10 +104,7 @@ def test_a_checkpoint_that_fails_to_load_stops_the_server_after_it_started(
     config = json.loads((model / "config.json").read_text())
     del config["num_hidden_layers"]
     (model / "config.json").write_text(json.dumps(config))
-    server = start_server(
-        "moelora-executor", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "",
-        "--base-model-path", str(model),
-    )  # fmt: skip
+    server = _executor(start_server, port, model)
     line = _exits(server, 1)
     assert line.startswith(f"moelora-executor: base model {model} failed to load: ")
     assert "num_hidden_layers" in line
