@@ -20,8 +20,10 @@ class ExecutorSettings(ServerSettings):
     prog_name: ClassVar[str] = "moelora-executor"
 
     listen: str = Field("127.0.0.1:50052", description="host:port the gRPC server listens on")
-    base_model_path: Path = Field(
-        description="Hugging Face checkpoint folder (config.json + *.safetensors); required"
+    base_model_path: Path | None = Field(
+        None,
+        description="Hugging Face checkpoint folder (config.json + *.safetensors); required "
+        "to serve",
     )
     base_model_name: str | None = Field(
         None, description="the base model's registry name; default: the folder's name"

@@ -31,8 +31,14 @@ _FAULT_EXIT_DEADLINE_SECONDS = FAULT_GRACE_SECONDS + 10.0
 
 def check_base_model(settings: ExecutorSettings) -> None:
     """Refuses, before anything starts, a base model path that is no readable checkpoint."""
-    path = settings.base_model_path.expanduser()
     setting = setting_name(ExecutorSettings, "base_model_path")
+    if settings.base_model_path is None:
+        raise StartupError(
+            "no base model to serve",
+            setting,
+            "set it to a Hugging Face checkpoint folder (config.json + *.safetensors)",
+        )
+    path = settings.base_model_path.expanduser()
     if not path.is_dir():
         raise StartupError(f"base model {path}: no such folder", setting, _CHECKPOINT)
     try:

@@ -75,8 +75,9 @@ def test_the_metrics_port_is_checked_before_the_model_loads(
 
 
 def test_an_executor_needs_a_base_model(start_server: Any) -> None:
-    line = _exits(start_server("moelora-executor"), 2)
-    assert line.startswith("moelora-executor: invalid configuration: --base-model-path / ")
+    line = _exits(start_server("moelora-executor"), 1)
+    assert line.startswith("moelora-executor: no base model to serve (--base-model-path / ")
+    assert "set it to a Hugging Face checkpoint folder" in line
 
 
 @pytest.mark.parametrize(
