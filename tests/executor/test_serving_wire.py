@@ -85,12 +85,12 @@ def test_frames_arrive_whole_and_a_closed_end_is_eof() -> None:
     left, right = socket.socketpair()
     a, b = Connection(left), Connection(right)
     big = bytes(range(256)) * 4096  # more than the socket buffers: sent in pieces
-    sender = threading.Thread(
-        target=lambda: (
-            a.send(Kind.FORWARD, big),
-            a.send_json(Kind.CALL, {"id": 1, "method": "list"}),
-        )
-    )
+
+    def send() -> None:
+        a.send(Kind.FORWARD, big)
+        a.send_json(Kind.CALL, {"id": 1, "method": "list"})
+
+    sender = threading.Thread(target=send)
     sender.start()
     assert b.recv() == (Kind.FORWARD, big)
     kind, payload = b.recv()
