@@ -2,7 +2,10 @@
 
 Health says NOT_SERVING (and RPCs answer UNAVAILABLE) while the model loads, so that probes get
 answers during a long load; SERVING once it is ready. A model that fails to load stops the
-server, and ``main`` exits non-zero. Without ``--base-model-path`` the server stays NOT_SERVING.
+server, and ``main`` exits non-zero with the reason.
+A device fault (``device_fault.py``) turns health NOT_SERVING at once and drains the server
+within ``FAULT_GRACE_SECONDS``, new calls answered UNAVAILABLE naming the fault; ``main`` then
+exits with ``DEVICE_FAULT_EXIT_CODE``.
 """
 
 from __future__ import annotations
@@ -13,17 +16,27 @@ import threading
 from executor_service.auth import open_authorizer
 from executor_service.batch import KernelFn
 from executor_service.config import ExecutorSettings
+from executor_service.device_fault import DeviceFault
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runtime import ExecutorRuntime, build_runtime
 from executor_service.server import ExecutorServicer
 from executor_service.sources import AdapterSource
 from moelora.v1 import executor_pb2, executor_pb2_grpc
+from shared.errors import MoeLoraError
 from shared.grpc_server import GrpcServer
 from shared.logs import log_event
 
 log = logging.getLogger(__name__)
 
+#: What a bad checkpoint or setting raises while the model loads (no traceback logged).
+EXPECTED_LOAD_ERRORS = (ValueError, OSError, MoeLoraError)
+
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+
+#: After a device fault, how long the server keeps answering (UNAVAILABLE, naming the fault)
+#: before it stops: requests in flight fail fast, and new ones learn why rather than meet a
+#: closed port.
+FAULT_GRACE_SECONDS = 2.0
 
 
 class ExecutorApp:
@@ -55,6 +68,9 @@ class ExecutorApp:
         #: Set once loading ended, successfully or not.
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
+        #: Set once the device faulted (``device_fault`` says how).
+        self.faulted = threading.Event()
+        self.device_fault: DeviceFault | None = None
 
     @property
     def address(self) -> str:
@@ -67,20 +83,39 @@ class ExecutorApp:
 
     def serve_forever(self) -> None:
         """Starts, drains on SIGTERM or SIGINT, returns once stopped (the process)."""
-        self._start_loading()
-        self.server.serve_forever(on_drained=self._close)
+        self.server.serve_forever(on_drained=self._close, on_started=self._start_loading)
 
     def drain(self) -> None:
         self.server.drain(on_drained=self._close)
 
     def _close(self) -> None:
-        if self.runtime is not None:
+        if self.runtime is None:
+            return
+        try:
             self.runtime.close()
+        except Exception:
+            if self.device_fault is None:
+                raise
+            # A lost device may fail its own clean-up; the process ends regardless.
+            log_event(log, "close_after_device_fault_failed", logging.WARNING, exc_info=True)
+
+    def _on_device_fault(self, fault: DeviceFault) -> None:
+        self.device_fault = fault
+        self.server.set_serving(False)
+        self.faulted.set()
+        threading.Thread(
+            target=self.server.drain,
+            kwargs={
+                "on_drained": self._close,
+                "grace": FAULT_GRACE_SECONDS,
+                "linger": FAULT_GRACE_SECONDS,
+                "reason": fault.describe(),
+            },
+            name="drain-after-device-fault",
+            daemon=True,
+        ).start()
 
     def _start_loading(self) -> None:
-        if self.settings.base_model_path is None:
-            log_event(log, "no_base_model", hint="set --base-model-path; staying NOT_SERVING")
-            return
         threading.Thread(target=self._load, name="load-base-model", daemon=True).start()
 
     def _load(self) -> None:
@@ -92,7 +127,8 @@ class ExecutorApp:
                 log,
                 "base_model_load_failed",
                 logging.ERROR,
-                exc_info=True,
+                # A checkpoint that is not what it should be says so; anything else is a bug.
+                exc_info=not isinstance(exc, EXPECTED_LOAD_ERRORS),
                 path=str(self.settings.base_model_path),
                 error=str(exc),
             )
@@ -100,6 +136,7 @@ class ExecutorApp:
             self.server.drain()
             return
         self.runtime = runtime
+        runtime.device.on_fault(self._on_device_fault)
         self.servicer.attach(runtime)
         if not self.server.draining:
             self.server.set_serving(True)

@@ -41,7 +41,7 @@ def open_files(pid: int) -> int:
     count = 0
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
-            count += not os.readlink(fd).startswith("socket:")
+            count += not str(fd.readlink()).startswith("socket:")
         except OSError:  # closed meanwhile
             continue
     return count

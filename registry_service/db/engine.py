@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, make_url
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
+from registry_service import metrics
 from registry_service.disk_full import is_disk_full, storage_full
 from shared.logs import log_event
 
@@ -95,7 +97,7 @@ class Database:
 
     @contextmanager
     def read(self) -> Iterator[Session]:
-        with self._reads() as session, session.begin():
+        with _counting_failures(), self._reads() as session, session.begin():
             yield session
 
     @contextmanager
@@ -103,7 +105,7 @@ class Database:
         """One write transaction: committed when the block ends, rolled back on error; a full
         disk is RESOURCE_EXHAUSTED (registry_service.disk_full)."""
         try:
-            with self._writes() as session, session.begin():
+            with _counting_failures(), self._writes() as session, session.begin():
                 yield session
         except OperationalError as exc:
             if is_disk_full(exc):
@@ -128,7 +130,22 @@ class Database:
         self.engine.dispose()
 
 
-def _is_race(exc: IntegrityError | OperationalError) -> bool:
+@contextmanager
+def _counting_failures() -> Iterator[None]:
+    """Counts the database's failures (moelora_registry_database_errors_total): not a
+    constraint that refused a row, nor a race that the transaction is retried after."""
+    try:
+        yield
+    except PoolTimeout:
+        metrics.DATABASE_ERRORS.inc()
+        raise
+    except DBAPIError as exc:
+        if not isinstance(exc, IntegrityError) and not _is_race(exc):
+            metrics.DATABASE_ERRORS.inc()
+        raise
+
+
+def _is_race(exc: DBAPIError) -> bool:
     text = str(exc.orig)
     if isinstance(exc, IntegrityError):
         # Only a unique key taken by a concurrent transaction; other integrity
