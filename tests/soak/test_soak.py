@@ -151,8 +151,11 @@ def test_soak(stack: Stack, size: Size) -> None:
         f"slots, {seconds:.0f} s\n  statuses {dict(statuses)}; wrong outputs {wrong}; "
         f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"
     )
+    series = sampler.samples
     for key in first:
-        print(f"  {key}: {first[key]} -> {last[key]} (max {max(s[key] for s in sampler.samples)})")
+        quartiles = [series[min(len(series) - 1, len(series) * q // 4)][key] for q in (1, 2, 3)]
+        print(f"  {key}: {first[key]} -> {quartiles} -> {last[key]} "
+              f"(max {max(s[key] for s in series)})")  # fmt: skip
 
     assert calls == size.processes * size.calls_per_process
     assert wrong == 0
@@ -162,8 +165,13 @@ def test_soak(stack: Stack, size: Size) -> None:
     assert statuses["OK"] >= 0.99 * calls
     # Pinned adapters never left their slots.
     assert all(slots == pinned for slots in sampler.pinned_slots), sampler.pinned_slots[-1]
+    # What grows with calls is a leak; what fills while the run warms up (caches, the
+    # database's connection pool, threads) levels off: the run's last third may not outgrow
+    # its middle third. Sockets are not counted: they are the clients' connections, open or
+    # kept alive, as many as there are clients, not calls.
+    middle, end = series[len(series) // 3 : 2 * len(series) // 3], series[2 * len(series) // 3 :]
     for server in ("executor", "registry"):
-        assert last[f"{server}_rss"] < first[f"{server}_rss"] * 1.10
-        # Descriptors other than sockets do not grow with calls (the sockets are the clients'
-        # connections, open or kept alive: as many as there are clients, not calls).
-        assert last[f"{server}_files"] <= first[f"{server}_files"] + 2
+        for key, slack in ((f"{server}_rss", 1.05), (f"{server}_files", 1.0)):
+            grown = max(s[key] for s in end)
+            bound = max(s[key] for s in middle) * slack + (2 if key.endswith("files") else 0)
+            assert grown <= bound, f"{key} grew from {bound} to {grown} late in the run"
