@@ -3,6 +3,8 @@ full disk caches. Short in ``make test``; ``make chaos`` runs every scenario mor
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,3 +32,20 @@ def repeats(request: pytest.FixtureRequest) -> int:
 @pytest.fixture(scope="session")
 def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_base_model(tmp_path_factory.mktemp("base") / BASE)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, size_kib: int) -> Iterator[Path]:
+    """A tmpfs of ``size_kib`` at ``mount`` (created), unmounted afterwards. Skips where
+    mounting is not allowed."""
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

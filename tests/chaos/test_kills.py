@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import pytest
 
 from moelora.v1 import registry_pb2, registry_pb2_grpc
 from shared.errors import MoeLoraError
+from tests.chaos.conftest import mounted_tmpfs
 from tests.chaos.fault_proxy import FaultProxy
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import Recipe, World, build_world
@@ -175,18 +175,8 @@ def test_damaged_disk_cache_entries_are_fetched_again(stack: Stack) -> None:
 def tiny_volume(tmp_path: Path, world: World) -> Iterator[Path]:
     """A tmpfs with room for one adapter and a half. Skips where mounting is not allowed."""
     size = sum((world.adapter_dir / "alpha" / n).stat().st_size for n in FILES)
-    mount = tmp_path / "volume"
-    mount.mkdir()
-    options = f"size={(size * 3 // 2) // 1024 + 8}k"
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "volume", (size * 3 // 2) // 1024 + 8) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_full_disk_cache_volume(stack: Stack, tiny_volume: Path) -> None:

@@ -5,7 +5,6 @@ versions and collecting garbage still work, after which uploads fit again."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ import grpc
 import pytest
 
 from shared.errors import MoeLoraError
+from tests.chaos.conftest import mounted_tmpfs
 from tests.executor.worlds import Recipe, World, build_world
 from tests.live_stack import BASE, Stack
 
@@ -27,19 +27,8 @@ def small_world(tmp_path_factory: pytest.TempPathFactory) -> World:
 
 @pytest.fixture
 def volume(tmp_path: Path) -> Iterator[Path]:
-    """A tmpfs of VOLUME_KIB. Skips where mounting is not allowed."""
-    mount = tmp_path / "volume"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={VOLUME_KIB}k", "tmpfs", str(mount)],
-        capture_output=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "volume", VOLUME_KIB) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def _variant(source: Path, target: Path, n: int) -> Path:
