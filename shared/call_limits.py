@@ -48,6 +48,7 @@ from prometheus_client import Counter
 
 from shared.errors import RETRY_AFTER_METADATA, InvalidArgument, MoeLoraError
 from shared.logs import internal_error_message, log_event
+from shared.rpc_metrics import split_method
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,12 @@ REFUSED = Counter(
     "Calls refused or ended by the server's limits outside their handler, by method and "
     "reason (unauthenticated, permission_denied, overloaded, peer_limit, message_timeout, "
     "revoked, malformed, internal)",
-    ["grpc_method", "reason"],
+    ["grpc_service", "grpc_method", "reason"],
 )
+
+
+def _refused(full_method: str, reason: str) -> None:
+    REFUSED.labels(*split_method(full_method), reason).inc()
 
 #: Methods every caller may use without a token; they run on the health lane.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -263,7 +268,7 @@ class Admission:
         reason = _reason(code)
 
         def refuse(_requests: Iterator[bytes], context: grpc.ServicerContext) -> None:
-            REFUSED.labels(method, reason).inc()
+            _refused(method, reason)
             if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
                 context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(RETRY_AFTER_MS)),))
             context.abort(code, message)
@@ -340,7 +345,7 @@ class Admission:
                     continue
             for pending in late:
                 if not pending.arrived:
-                    REFUSED.labels(pending.method, "message_timeout").inc()
+                    _refused(pending.method, "message_timeout")
                     end_call(
                         pending.context,
                         grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -361,7 +366,7 @@ class Admission:
                 log_event(log, "stream_recheck_failed", logging.ERROR, exc_info=True)
                 return
             if error is not None:
-                REFUSED.labels(stream.method, "revoked").inc()
+                _refused(stream.method, "revoked")
                 log_event(log, "stream_revoked", method=stream.method, reason=error.message)
                 end_call(stream.context, error.code, error.message)
 
@@ -426,7 +431,7 @@ class _AdmittedCall:
             peer = peer_address(context.peer())
             refused = self.admission.enter_peer(peer, self.open_method)
             if refused:
-                REFUSED.labels(self.method, "peer_limit").inc()
+                _refused(self.method, "peer_limit")
                 context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(RETRY_AFTER_MS)),))
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
             self.peer = peer
@@ -495,7 +500,7 @@ class _Behavior:
         try:
             return self._deserialize(raw)
         except (DecodeError, ValueError, RecursionError) as exc:
-            REFUSED.labels(self._call.method, "malformed").inc()
+            _refused(self._call.method, "malformed")
             raise InvalidArgument(
                 f"a request message of {self._call.method} is not valid protobuf: {exc}"
             ) from None
