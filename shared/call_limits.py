@@ -64,6 +64,7 @@ REFUSED = Counter(
 def _refused(full_method: str, reason: str) -> None:
     REFUSED.labels(*split_method(full_method), reason).inc()
 
+
 #: Methods every caller may use without a token; they run on the health lane.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 #: Threads that serve health and reflection, apart from every other call.
@@ -143,12 +144,13 @@ class _LaneState:
 
 @dataclass
 class _Pending:
-    """A call whose (first) request message has not arrived yet."""
+    """A call whose (first) request message has not arrived yet. Its context is let go once
+    the message came: the watchdog's heap keeps entries until their deadline, and a busy
+    server must not keep thousands of finished calls alive that long."""
 
-    context: grpc.ServicerContext
+    context: grpc.ServicerContext | None
     method: str
     seconds: float
-    arrived: bool = False
 
 
 @dataclass(eq=False)
@@ -344,10 +346,11 @@ class Admission:
                     self._lock.wait(until - now)
                     continue
             for pending in late:
-                if not pending.arrived:
+                context = pending.context  # once: the call's thread may let it go meanwhile
+                if context is not None:
                     _refused(pending.method, "message_timeout")
                     end_call(
-                        pending.context,
+                        context,
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"the request message did not arrive within {pending.seconds:g} s of "
                         "the call's start (--message-timeout-seconds)",
@@ -453,7 +456,7 @@ class _AdmittedCall:
         try:
             return next(requests, None)
         finally:
-            pending.arrived = True
+            pending.context = None
 
 
 class _Behavior:
