@@ -14,7 +14,7 @@ from registry_service.config import RegistrySettings
 from registry_service.db import migrate
 from registry_service.db.engine import Database, sqlite_url
 from registry_service.disk_full import SpaceReserve
-from registry_service.events import EventFeed
+from registry_service.events import KEEP, EventFeed
 from registry_service.gc import GarbageCollector, PeriodicGc
 from registry_service.service import Registry, RegistryLimits
 from registry_service.store import Store
@@ -120,7 +120,11 @@ def open_registry(settings: RegistrySettings, *, background: bool = True) -> Reg
         migrate.require_current(db)
     blobs = open_blobs(settings)
     store = Store(db)
-    feed = EventFeed(store.last_sequence, settings.watch_poll_seconds)
+    feed = EventFeed(
+        store.last_sequence,
+        settings.watch_poll_seconds,
+        lambda after, upto: store.events(after, upto, "", "", KEEP),
+    )
     spool_dir = settings.data_path / "spool"
     collector = GarbageCollector(db, blobs, spool_dir, settings.event_retention_seconds)
     limits = RegistryLimits(

@@ -150,6 +150,11 @@ class Event:
     alias: str
     previous_version: int
     time: datetime
+    base_model: str = ""
+
+    def matches(self, name: str, base_model: str) -> bool:
+        """Whether a watch filtered by ``name`` and ``base_model`` (empty: any) sees it."""
+        return (not name or self.name == name) and (not base_model or self.base_model == base_model)
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,45 @@
-"""Where watch streams learn that new events exist.
+"""Where watch streams learn that new events exist, and read them.
 
 One thread per process polls the newest event sequence (a one-row read) every
 ``poll_seconds``, which catches events committed by other replicas; commits
-made in this process call ``notify`` and wake the streams at once. Streams then
-read their events from the database, which stays the source of truth.
+made in this process call ``notify`` and wake the streams at once. The same thread reads the
+new events once (``fetch``) and keeps the last ``KEEP`` of them, which every stream filters in
+memory: a fleet of watches costs one query per change, not one per watch. A stream further
+behind reads from the database, which stays the source of truth.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 
+from registry_service.domain import Event
 from shared.logs import log_event
 
 log = logging.getLogger(__name__)
 
 
+#: Events kept in memory for the streams to read.
+KEEP = 1000
+
+#: Events with ``after < sequence <= upto``, oldest first, at most ``KEEP`` (unfiltered).
+Fetch = Callable[[int, int], list[Event]]
+
+
 class EventFeed:
-    def __init__(self, latest_sequence: Callable[[], int], poll_seconds: float) -> None:
+    def __init__(
+        self, latest_sequence: Callable[[], int], poll_seconds: float, fetch: Fetch | None = None
+    ) -> None:
         self._read_latest = latest_sequence
         self._poll_seconds = poll_seconds
+        self._fetch = fetch
         self._changed = threading.Condition()
         self._latest = latest_sequence()
+        # The kept events are all those with _kept_from < sequence <= _kept_upto.
+        self._recent: deque[Event] = deque(maxlen=KEEP)
+        self._kept_from = self._kept_upto = self._latest
         self._poke = threading.Event()
         self._wakes = 0
         self._stop = threading.Event()
@@ -76,7 +93,33 @@ class EventFeed:
             except Exception as exc:  # the database may be briefly unreachable
                 log_event(log, "event_feed_poll_failed", logging.WARNING, error=str(exc))
                 continue
+            if latest == self._latest:
+                continue
+            try:
+                events = self._fetch(self._kept_upto, latest) if self._fetch is not None else None
+            except Exception as exc:
+                log_event(log, "event_feed_read_failed", logging.WARNING, error=str(exc))
+                events = None
             with self._changed:
-                if latest != self._latest:
-                    self._latest = latest
-                    self._changed.notify_all()
+                self._keep(events, latest)
+                self._latest = latest
+                self._changed.notify_all()
+
+    def _keep(self, events: list[Event] | None, latest: int) -> None:
+        if events is None or len(events) >= KEEP or latest < self._kept_upto:
+            # Not read, too many, or another database: the streams read the database.
+            self._recent.clear()
+            self._kept_from = self._kept_upto = latest
+            return
+        for event in events:
+            if len(self._recent) == KEEP:
+                self._kept_from = self._recent.popleft().sequence
+            self._recent.append(event)
+        self._kept_upto = latest
+
+    def recent(self, after: int, upto: int) -> list[Event] | None:
+        """The events with ``after < sequence <= upto`` when they are all kept, else None."""
+        with self._changed:
+            if not self._kept_from <= after or upto > self._kept_upto:
+                return None
+            return [e for e in self._recent if after < e.sequence <= upto]

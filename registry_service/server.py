@@ -155,8 +155,6 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     ) -> Iterator[registry_pb2.WatchAdaptersResponse]:
         release = self._watches.acquire(self._caller(context))
         metrics.WATCH_STREAMS.inc()
-        # A client gone (or a stream ended by revocation) wakes the waiting watches at once.
-        context.add_callback(self._registry.feed.wake)
         try:
             start = self._registry.watch_start(
                 request.after_sequence, request.name, request.base_model

@@ -51,8 +51,8 @@ T = TypeVar("T")
 _HEARTBEAT_SECONDS = 30.0
 _BLOB_WRITE_ATTEMPTS = 3
 _WATCH_BATCH = 500
-#: How often a waiting watch stream checks whether it should stop, besides being woken when
-#: its client goes and when the server drains (thousands may wait: few wake-ups each).
+#: How often a waiting watch stream checks whether its client is still there (thousands may
+#: wait: few wake-ups each; a drain wakes them all at once).
 _WATCH_WAKE_SECONDS = 5.0
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 MIN_CHUNK_BYTES = 64 * 1024
@@ -405,9 +405,9 @@ class Registry:
             validate_name(name, "name")
         if base_model:
             validate_name(base_model, "base_model")
-        latest = self.store.last_sequence()
         if after_sequence == 0:
-            return latest
+            return self.feed.latest  # what the feed has seen: no query per watch opened
+        latest = self.store.last_sequence()
         if after_sequence > latest:
             raise OutOfRange(
                 f"after_sequence {after_sequence} is beyond the newest event {latest} (was the "
@@ -431,6 +431,11 @@ class Registry:
         while not stop():
             newest = self.feed.wait_beyond(cursor, _WATCH_WAKE_SECONDS)
             if newest <= cursor:
+                continue
+            kept = self.feed.recent(cursor, newest)
+            if kept is not None:  # read once for every stream
+                yield from (e for e in kept if e.matches(name, base_model))
+                cursor = newest
                 continue
             batch = self.store.events(cursor, newest, name, base_model, _WATCH_BATCH)
             yield from batch

@@ -548,6 +548,7 @@ class Store:
                     e.alias,
                     e.previous_version,
                     e.created_at,
+                    e.base_model,
                 )
                 for e in s.scalars(query)
             ]

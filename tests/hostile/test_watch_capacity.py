@@ -50,7 +50,11 @@ def test_a_tenant_cannot_take_the_fleets_watches(
         stub = registry_pb2_grpc.AdapterRegistryStub(channel)
         tenant = _watches(stub, hostile_tokens.plain["tenant"], PER_TOKEN + 4)
         tenant_codes = [_opened(call) for call in tenant]
-        fleet = _watches(stub, hostile_tokens.plain["read"], fleet_count)
+        fleet: list[grpc.Call] = []
+        for _ in range(0, fleet_count, 100):  # a fleet reconnects over a moment, not at once
+            fleet += _watches(stub, hostile_tokens.plain["read"], min(100, fleet_count))
+            time.sleep(0.2)
+        fleet = fleet[:fleet_count]
         fleet_codes = [_opened(call) for call in fleet]
         # An event reaches every fleet watch.
         with authed_stack.registry_client() as client:
@@ -66,7 +70,8 @@ def test_a_tenant_cannot_take_the_fleets_watches(
           f"of {fleet_count} open, event seen by {seen} in {delivered:.2f} s; registry RSS "
           f"{before / MIB:.0f} -> {during / MIB:.0f} MiB; health worst "
           f"{health.worst * 1000:.0f} ms")  # fmt: skip
-    assert tenant_codes == ["OPEN"] * PER_TOKEN + ["RESOURCE_EXHAUSTED"] * 4
+    # Which of the tenant's watches the server took first is its choice; how many is not.
+    assert sorted(tenant_codes) == ["OPEN"] * PER_TOKEN + ["RESOURCE_EXHAUSTED"] * 4
     assert fleet_codes == ["OPEN"] * fleet_count
     assert seen == fleet_count
     assert (during - before) / fleet_count < 256 * 1024  # well under a MiB per idle watch
