@@ -93,6 +93,8 @@ class ForwardDescriptor:
     layer: int
     #: Seconds the request may wait for GPU slots (its deadline's share).
     slot_wait: float
+    #: What the front end spent on the request before sending it (the decode stage).
+    decode_seconds: float
     hidden: TensorRef
     output: TensorRef
     #: (num_tokens, adapter reference or "" for the base model).
@@ -102,7 +104,9 @@ class ForwardDescriptor:
 
     def encode(self) -> bytes:
         parts = [
-            struct.pack("<QidB", self.request_id, self.layer, self.slot_wait, self._flags()),
+            _HEAD.pack(
+                self.request_id, self.layer, self.slot_wait, self.decode_seconds, self._flags()
+            ),
             _pack_ref(self.hidden),
             _pack_ref(self.output),
         ]
@@ -119,7 +123,7 @@ class ForwardDescriptor:
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ForwardDescriptor:
         reader = _Reader(data)
-        request_id, layer, slot_wait, flags = reader.take(_HEAD)
+        request_id, layer, slot_wait, decode_seconds, flags = reader.take(_HEAD)
         hidden, output = reader.ref(), reader.ref()
         ids = weights = None
         if flags & 1:
@@ -129,10 +133,13 @@ class ForwardDescriptor:
         for _ in range(count):
             (tokens,) = reader.take(_U32)
             segments.append((tokens, reader.string()))
-        return cls(request_id, layer, slot_wait, hidden, output, tuple(segments), ids, weights)
+        return cls(
+            request_id, layer, slot_wait, decode_seconds, hidden, output, tuple(segments), ids,
+            weights,
+        )  # fmt: skip
 
 
-_HEAD = struct.Struct("<QidB")
+_HEAD = struct.Struct("<QIddB")
 _U32 = struct.Struct("<I")
 _RESULT = struct.Struct("<QBIIHI")  # id, code, retry_after_ms, server_time_us, loaded, n
 
