@@ -22,6 +22,7 @@ from executor_service.process import configure_process
 from executor_service.runtime import ExecutorRuntime, build_runtime
 from executor_service.serving.engine_host import EngineHost
 from executor_service.serving.frontends import FrontEnds, frontend_count, metrics_registry
+from executor_service.serving.shm import SHM_ROOT
 from shared.config import parse_settings
 from shared.logs import configure_logging, log_event
 from shared.metrics import start_metrics_server
@@ -67,6 +68,20 @@ def check_base_model(settings: ExecutorSettings) -> None:
         ) from None
 
 
+def check_shared_memory(settings: ExecutorSettings, front_ends: int) -> None:
+    """Refuses to start when /dev/shm cannot hold the front ends' arenas: a write past a
+    full tmpfs kills the process with SIGBUS, not an error."""
+    need = front_ends * settings.frontend_arena_bytes
+    free = shutil.disk_usage(SHM_ROOT).free
+    if need > free:
+        raise StartupError(
+            f"{SHM_ROOT} has {free / 2**20:.0f} MiB free; {front_ends} front end(s) need "
+            f"{need / 2**20:.0f} MiB of shared memory",
+            setting_name(ExecutorSettings, "frontend_arena_bytes"),
+            "lower it or --frontends, or mount a larger /dev/shm (the chart's executor.shmSize)",
+        )
+
+
 def serve(settings: ExecutorSettings, kernel: KernelFn | None = None) -> None:
     """Runs the executor until it is drained; raises StartupError when it cannot start or
     its base model fails to load, and ends the process after a device fault."""
@@ -75,6 +90,7 @@ def serve(settings: ExecutorSettings, kernel: KernelFn | None = None) -> None:
     check_base_model(settings)
     configure_process(settings)
     count = frontend_count(settings.frontends)
+    check_shared_memory(settings, max(count, 1))
     if count == 0:
         _serve_in_process(settings, kernel)
     else:
