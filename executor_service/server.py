@@ -11,7 +11,9 @@ per-request ``RequestError`` answers so that one bad request does not end the st
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +29,13 @@ from executor_service.serving.engine_link import EngineLink, raise_for
 from executor_service.serving.wire import ForwardDescriptor, TensorRef
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 from shared import codec
-from shared.errors import MoeLoraError, Overloaded, ResourceExhausted
+from shared.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    MoeLoraError,
+    Overloaded,
+    ResourceExhausted,
+)
 from shared.grpc_server import internal_error_message
 from shared.model_spec import ModelSpec
 
@@ -81,10 +89,28 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     ) -> executor_pb2.ForwardResponse:
         start = time.perf_counter()
         regions: list[Region] = []
+        shared_output = request.HasField("shared_output")
         try:
-            hidden = self._put(request.hidden_states, "hidden_states", regions)
-            output = self._reserve(hidden, regions)
-            output_region = regions[-1]
+            if request.HasField("shared_hidden_states"):
+                if request.hidden_states.data or request.hidden_states.shape:
+                    raise InvalidArgument(
+                        "hidden_states: leave it unset when shared_hidden_states names the input",
+                        "hidden_states",
+                    )
+                hidden = _shared(request.shared_hidden_states, "shared_hidden_states")
+            else:
+                hidden = self._put(request.hidden_states, "hidden_states", regions)
+            if shared_output:
+                output = _shared(request.shared_output, "shared_output")
+                if (output.dtype, output.shape) != (hidden.dtype, hidden.shape):
+                    raise InvalidArgument(
+                        "shared_output: must have the input's dtype and shape "
+                        f"{list(hidden.shape)}",
+                        "shared_output",
+                    )
+            else:
+                output = self._reserve(hidden, regions)
+                output_region = regions[-1]
             ids = weights = None
             if request.HasField("routing"):
                 routing = request.routing
@@ -95,6 +121,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 layer=request.layer,
                 slot_wait=_slot_wait(self._settings, context),
                 decode_seconds=time.perf_counter() - start,
+                scope=_scope(context),
                 hidden=hidden,
                 output=output,
                 segments=tuple((s.num_tokens, s.adapter) for s in request.segments),
@@ -103,18 +130,22 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             )
             result = self._link.forward(descriptor)
             raise_for(result.code, result.message, result.retry_after_ms)
-            data = bytes(self._arena.view(output_region)[: output.nbytes])
+            if not shared_output:
+                data = bytes(self._arena.view(output_region)[: output.nbytes])
         finally:
             for region in regions:
                 self._arena.free(region)
         response = executor_pb2.ForwardResponse(
-            output=tensor_pb2.Tensor(
-                dtype=request.hidden_states.dtype, shape=list(output.shape), data=data
-            ),
             resolved_adapters=list(result.resolved_adapters),
             adapters_resident=result.adapters_loaded == 0,
             adapters_loaded=result.adapters_loaded,
         )
+        if not shared_output:
+            response.output.CopyFrom(
+                tensor_pb2.Tensor(
+                    dtype=request.hidden_states.dtype, shape=list(output.shape), data=data
+                )
+            )
         response.server_time_us = int((time.perf_counter() - start) * 1e6)
         return response
 
@@ -270,6 +301,73 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 for c in info["kernel_configs"]
             ],
         )  # fmt: skip
+
+    @override
+    def RegisterSharedMemory(
+        self, request: executor_pb2.RegisterSharedMemoryRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.RegisterSharedMemoryResponse:
+        if not _on_this_host(context.peer()):
+            raise FailedPrecondition(
+                f"shared memory is for clients on the executor's host; this call came from "
+                f"{context.peer()}: send the tensors' bytes instead",
+                "shm_name",
+            )
+        region = self._link.call(
+            "register_shm",
+            {
+                "scope": _scope(context),
+                "region": request.region,
+                "shm_name": request.shm_name,
+                "size": request.size,
+            },
+        )
+        return executor_pb2.RegisterSharedMemoryResponse(
+            region=executor_pb2.SharedMemoryRegion(**region)
+        )
+
+    @override
+    def UnregisterSharedMemory(
+        self, request: executor_pb2.UnregisterSharedMemoryRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.UnregisterSharedMemoryResponse:
+        self._link.call("unregister_shm", {"scope": _scope(context), "region": request.region})
+        return executor_pb2.UnregisterSharedMemoryResponse()
+
+    @override
+    def ListSharedMemory(
+        self, request: executor_pb2.ListSharedMemoryRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.ListSharedMemoryResponse:
+        regions = self._link.call("list_shm", {"scope": _scope(context)})
+        return executor_pb2.ListSharedMemoryResponse(
+            regions=[executor_pb2.SharedMemoryRegion(**r) for r in regions]
+        )
+
+
+def _shared(tensor: executor_pb2.SharedTensor, field: str) -> TensorRef:
+    """A tensor in a registered region, as the engine takes it (bounds: the engine's)."""
+    wire = codec.WIRE_TYPES.get(tensor.dtype)
+    if wire is None:
+        raise InvalidArgument(f"{field}.dtype: unsupported dtype {tensor.dtype}", f"{field}.dtype")
+    if not tensor.region:
+        raise InvalidArgument(f"{field}.region: name a registered region", f"{field}.region")
+    shape = tuple(int(d) for d in tensor.shape)
+    if len(shape) > codec.MAX_DIMS or math.prod(shape) > codec.MAX_ELEMENTS:
+        raise InvalidArgument(f"{field}.shape: {list(shape)} is too large", f"{field}.shape")
+    nbytes = math.prod(shape) * wire.itemsize
+    return TensorRef(tensor.region, tensor.offset, nbytes, tensor.dtype, shape)
+
+
+def _scope(context: grpc.ServicerContext) -> str:
+    """Whose shared-memory regions a call may name: its bearer token's (hashed), or the
+    token-less callers' when auth is off."""
+    for key, value in context.invocation_metadata():
+        if key == "authorization":
+            raw = value.encode() if isinstance(value, str) else value
+            return hashlib.sha256(raw).hexdigest()[:32]
+    return ""
+
+
+def _on_this_host(peer: str) -> bool:
+    return peer.startswith(("unix:", "ipv4:127.", "ipv6:[::1]"))
 
 
 def _slot_wait(settings: ExecutorSettings, context: grpc.ServicerContext) -> float:

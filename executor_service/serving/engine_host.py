@@ -36,6 +36,7 @@ from executor_service.adapters import AdapterStatus
 from executor_service.batch import Segment
 from executor_service.engine import ForwardInput
 from executor_service.runtime import ExecutorRuntime, replica_name
+from executor_service.serving.regions import HeldRegion, SharedRegions
 from executor_service.serving.shm import Segment as ShmSegment
 from executor_service.serving.wire import (
     Connection,
@@ -69,6 +70,8 @@ class EngineHost:
         self._reason = "the executor is still loading its base model"
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
+        #: Clients' registered shared memory (same-host requests without their bytes).
+        self.regions = SharedRegions()
 
     @property
     def runtime(self) -> ExecutorRuntime | None:
@@ -175,21 +178,36 @@ class EngineHost:
         self, link: _Link, descriptor: ForwardDescriptor, start: float
     ) -> ForwardResult:
         runtime = self._ready()
-        with runtime.device.guard():
-            ids, weights = descriptor.topk_ids, descriptor.topk_weights
-            request = ForwardInput(
-                layer=descriptor.layer,
-                hidden=link.tensor(descriptor.hidden, "hidden_states"),
-                segments=[Segment(n, adapter) for n, adapter in descriptor.segments],
-                topk_ids=None if ids is None else link.tensor(ids, "routing.topk_ids"),
-                topk_weights=None
-                if weights is None
-                else link.tensor(weights, "routing.topk_weights"),
-                output=link.tensor(descriptor.output, "output"),
-            )
-            runtime.metrics.stage["decode"].observe(descriptor.decode_seconds)
-            prepared = runtime.engine.prepare(request, descriptor.slot_wait)
-            answer = runtime.scheduler.submit(prepared)
+        held: list[HeldRegion] = []
+
+        def tensor(ref: TensorRef, field: str) -> torch.Tensor:
+            if not ref.segment:
+                return link.tensor(ref, field)
+            region = self.regions.acquire(descriptor.scope, ref.segment)
+            held.append(region)
+            dtype = _torch_dtype(ref, field)
+            flat = self.regions.view(region, ref.offset, math.prod(ref.shape), dtype, field)
+            return flat.view(ref.shape)
+
+        try:
+            with runtime.device.guard():
+                ids, weights = descriptor.topk_ids, descriptor.topk_weights
+                request = ForwardInput(
+                    layer=descriptor.layer,
+                    hidden=tensor(descriptor.hidden, "shared_hidden_states"),
+                    segments=[Segment(n, adapter) for n, adapter in descriptor.segments],
+                    topk_ids=None if ids is None else tensor(ids, "routing.topk_ids"),
+                    topk_weights=None
+                    if weights is None
+                    else tensor(weights, "routing.topk_weights"),
+                    output=tensor(descriptor.output, "shared_output"),
+                )
+                runtime.metrics.stage["decode"].observe(descriptor.decode_seconds)
+                prepared = runtime.engine.prepare(request, descriptor.slot_wait)
+                answer = runtime.scheduler.submit(prepared)
+        finally:
+            for region in held:
+                self.regions.release(region)
         return ForwardResult(
             descriptor.request_id,
             _OK,
@@ -202,6 +220,11 @@ class EngineHost:
         call = json.loads(payload)
         reply: dict[str, Any] = {"id": call["id"], "code": _OK, "message": "", "value": None}
         try:
+            region_call = _REGION_CALLS.get(call["method"])
+            if region_call is not None:
+                reply["value"] = region_call(self.regions, call["args"])
+                link.connection.send_json(Kind.REPLY, reply)
+                return
             runtime = self._ready()
             method = _CALLS.get(call["method"])
             if method is None:
@@ -218,6 +241,14 @@ class EngineHost:
                 message=internal_error_message("engine_call_failed", method=call["method"]),
             )
         link.connection.send_json(Kind.REPLY, reply)
+
+
+def _torch_dtype(ref: TensorRef, field: str) -> torch.dtype:
+    wire = WIRE_TYPES.get(ref.dtype)  # type: ignore[call-overload]
+    if wire is None:
+        raise InvalidArgument(f"{field}.dtype: unsupported dtype {ref.dtype}", f"{field}.dtype")
+    dtype: torch.dtype = getattr(torch, wire.torch)
+    return dtype
 
 
 def _failure(request_id: int, exc: MoeLoraError) -> ForwardResult:
@@ -246,16 +277,13 @@ class _Link:
     def tensor(self, ref: TensorRef, field: str) -> torch.Tensor:
         """A view of ``ref`` in the front end's arena (bounds and sizes checked)."""
         arena = self._arena
-        if ref.segment or arena is None:
-            raise InvalidArgument(f"{field}: no shared memory named {ref.segment!r}", field)
-        wire = WIRE_TYPES.get(ref.dtype)  # type: ignore[call-overload]
-        if wire is None:
-            raise InvalidArgument(f"{field}: unsupported dtype {ref.dtype}", field)
+        if arena is None:
+            raise InvalidArgument(f"{field}: the front end has no arena", field)
+        dtype = _torch_dtype(ref, field)
         count = math.prod(ref.shape)
         end = ref.offset + ref.nbytes
-        if count * wire.itemsize != ref.nbytes or ref.offset < 0 or end > arena.size:
+        if count * dtype.itemsize != ref.nbytes or ref.offset < 0 or end > arena.size:
             raise InvalidArgument(f"{field}: {ref} lies outside its shared memory", field)
-        dtype = getattr(torch, wire.torch)
         if count == 0:
             return torch.empty(ref.shape, dtype=dtype)
         flat = torch.frombuffer(arena.buffer, dtype=dtype, count=count, offset=ref.offset)
@@ -365,6 +393,25 @@ def _info(runtime: ExecutorRuntime, _args: dict[str, Any]) -> dict[str, Any]:
         "kernel_configs": [dataclasses.asdict(c) for c in runtime.kernel_configs],
     }
 
+
+def _register(regions: SharedRegions, args: dict[str, Any]) -> dict[str, Any]:
+    info = regions.register(args["scope"], args["region"], args["shm_name"], int(args["size"]))
+    return dataclasses.asdict(info)
+
+
+def _unregister(regions: SharedRegions, args: dict[str, Any]) -> None:
+    regions.unregister(args["scope"], args["region"])
+
+
+def _list_regions(regions: SharedRegions, args: dict[str, Any]) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(r) for r in regions.list(args["scope"])]
+
+
+_REGION_CALLS: dict[str, Callable[[SharedRegions, dict[str, Any]], Any]] = {
+    "register_shm": _register,
+    "unregister_shm": _unregister,
+    "list_shm": _list_regions,
+}
 
 _CALLS: dict[str, Callable[[ExecutorRuntime, dict[str, Any]], dict[str, Any]]] = {
     "load": _load,

@@ -32,7 +32,8 @@ class Kind(IntEnum):
 
 @dataclass(frozen=True)
 class TensorRef:
-    """A tensor in shared memory: ``segment`` ("" = the front end's arena) at ``offset``."""
+    """A tensor in shared memory: ``segment`` at ``offset`` ("" = the front end's arena,
+    else the name of a region the caller registered)."""
 
     segment: str
     offset: int
@@ -95,6 +96,8 @@ class ForwardDescriptor:
     slot_wait: float
     #: What the front end spent on the request before sending it (the decode stage).
     decode_seconds: float
+    #: Whose shared-memory regions ``TensorRef.segment`` names (the caller's token scope).
+    scope: str
     hidden: TensorRef
     output: TensorRef
     #: (num_tokens, adapter reference or "" for the base model).
@@ -107,6 +110,7 @@ class ForwardDescriptor:
             _HEAD.pack(
                 self.request_id, self.layer, self.slot_wait, self.decode_seconds, self._flags()
             ),
+            _pack_str(self.scope),
             _pack_ref(self.hidden),
             _pack_ref(self.output),
         ]
@@ -124,6 +128,7 @@ class ForwardDescriptor:
     def decode(cls, data: bytes | memoryview) -> ForwardDescriptor:
         reader = _Reader(data)
         request_id, layer, slot_wait, decode_seconds, flags = reader.take(_HEAD)
+        scope = reader.string()
         hidden, output = reader.ref(), reader.ref()
         ids = weights = None
         if flags & 1:
@@ -134,8 +139,8 @@ class ForwardDescriptor:
             (tokens,) = reader.take(_U32)
             segments.append((tokens, reader.string()))
         return cls(
-            request_id, layer, slot_wait, decode_seconds, hidden, output, tuple(segments), ids,
-            weights,
+            request_id, layer, slot_wait, decode_seconds, scope, hidden, output, tuple(segments),
+            ids, weights,
         )  # fmt: skip
 
 
