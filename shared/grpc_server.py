@@ -45,6 +45,9 @@ class ServerOptions:
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     limits: CallLimits = field(default_factory=CallLimits)
+    #: Share the port with other processes' servers (SO_REUSEPORT: the kernel spreads new
+    #: connections over them).
+    reuse_port: bool = False
 
 
 class _State:
@@ -225,7 +228,7 @@ class GrpcServer:
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(options.reuse_port)),
                 *keepalive.server_options(),
             ],
         )
