@@ -164,7 +164,7 @@ def end_call(context: grpc.ServicerContext, code: grpc.StatusCode, message: str)
     """Ends a call from any thread with ``code`` and ``message``: ``context.abort`` works only in
     the call's own thread and ``context.cancel`` says only CANCELLED. A handler thread blocked
     on the call wakes with an RpcError. (grpc-python's server context keeps its core call in
-    ``_rpc_event``; tests/integration/test_call_limits.py pins that this still works.)"""
+    ``_rpc_event``; tests/hostile/test_revocation.py pins that this still works.)"""
     call = getattr(getattr(context, "_rpc_event", None), "call", None)
     if call is None:
         context.cancel()
