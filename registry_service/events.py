@@ -41,7 +41,7 @@ class EventFeed:
         self._recent: deque[Event] = deque(maxlen=KEEP)
         self._kept_from = self._kept_upto = self._latest
         self._poke = threading.Event()
-        self._wakes = 0
+        self._released = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="event-feed", daemon=True)
 
@@ -56,10 +56,11 @@ class EventFeed:
         with self._changed:
             self._changed.notify_all()
 
-    def wake(self) -> None:
-        """Wakes every waiting watch stream, to look whether it should stop."""
+    def release(self) -> None:
+        """Wakes every watch stream, now and from now on, to look whether it should stop (the
+        server drains: none waits again)."""
         with self._changed:
-            self._wakes += 1
+            self._released = True
             self._changed.notify_all()
 
     def notify(self) -> None:
@@ -72,12 +73,11 @@ class EventFeed:
             return self._latest
 
     def wait_beyond(self, sequence: int, timeout: float) -> int:
-        """Blocks until an event after ``sequence`` exists, ``wake`` is called or ``timeout``
-        passed; returns the newest sequence known."""
+        """Blocks until an event after ``sequence`` exists, ``release`` was called or
+        ``timeout`` passed; returns the newest sequence known."""
         with self._changed:
-            wakes = self._wakes
             self._changed.wait_for(
-                lambda: self._latest > sequence or self._stop.is_set() or self._wakes != wakes,
+                lambda: self._latest > sequence or self._stop.is_set() or self._released,
                 timeout=timeout,
             )
             return self._latest

@@ -233,5 +233,5 @@ def create_server(app: RegistryApp, settings: RegistrySettings) -> GrpcServer:
         else None,
         lanes=[watch_lane],
     )
-    server.on_drain(app.feed.wake)  # waiting watches end with "reconnect" at once
+    server.on_drain(app.feed.release)  # waiting watches end with "reconnect" at once
     return server
