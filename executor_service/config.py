@@ -64,6 +64,21 @@ class ExecutorSettings(ServerSettings):
     registry_timeout_seconds: float = Field(
         30.0, gt=0, description="deadline of each registry call (downloads excepted)"
     )
+    registry_staleness_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="how long what a reference (an alias, a bare name, name:VERSION) resolved "
+        "to is trusted without the registry's change stream vouching for it; older answers "
+        "are asked again before use while the registry answers, and served as they are while "
+        "it does not",
+    )
+    registry_resolve_timeout_seconds: float = Field(
+        2.0,
+        gt=0,
+        description="deadline of a reference resolution a Forward waits on: a registry that "
+        "stopped answering costs one request at most this long, then the outage is known and "
+        "nothing waits on it",
+    )
     registry_keepalive_seconds: float = Field(
         keepalive.DEFAULT_KEEPALIVE_SECONDS,
         ge=keepalive.MIN_CLIENT_PING_SECONDS,

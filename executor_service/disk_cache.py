@@ -15,6 +15,11 @@ With the entry, ``files.json`` keeps what the registry listed of its files (sha2
 digests) when the version had pieces: a restarted executor then checks the files piece by
 piece on ``check_threads`` threads, bound to the digest through the listed sha256s, instead of
 hashing each file whole on one core (1.26 GB: about a second at 1.3 GB/s).
+
+``references.json`` beside the entries keeps what moving references (a bare name, an alias)
+last resolved to, so that an executor restarted while the registry is down still serves
+``name@prod`` from the entry it pointed at; ``name:VERSION`` and ``name@sha256:...`` resolve
+from the entries themselves.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ log = logging.getLogger(__name__)
 _PARTIAL_PREFIX = ".partial-"
 _VERSION_FILE = "version.json"
 _LISTING_FILE = "files.json"
+_REFERENCES_FILE = "references.json"
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,12 @@ class DiskCache:
         self._verified: dict[str, tuple[tuple[int, int], ...]] = {}
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
+        # References to versions no longer held are dropped at the next write.
+        self._references = {
+            ref: digest
+            for ref, digest in _read_references(self.root / _REFERENCES_FILE).items()
+            if digest in self._entries
+        }
 
     @property
     def used_bytes(self) -> int:
@@ -78,6 +90,39 @@ class DiskCache:
         """Cached versions, least recently used first."""
         with self._lock:
             return list(self._entries.values())
+
+    def references(self) -> dict[str, ResolvedAdapter]:
+        """What each remembered moving reference resolved to, for the entries still held."""
+        with self._lock:
+            return {
+                ref: self._entries[digest].adapter
+                for ref, digest in self._references.items()
+                if digest in self._entries
+            }
+
+    def remember(self, changes: Mapping[str, str | None]) -> None:
+        """Records moving references -> digest (None: forget the reference) in
+        ``references.json``, rewritten whole and renamed into place when anything changed
+        (the digest need not be held yet: ``references`` lists only those that are). Best
+        effort: a failed write loses only what a restart during an outage would serve."""
+        with self._lock:
+            before = dict(self._references)
+            for ref, digest in changes.items():
+                if digest is None:
+                    self._references.pop(ref, None)
+                else:
+                    self._references[ref] = digest
+            if self._references == before:
+                return
+            text = json.dumps(self._references, sort_keys=True)
+        path = self.root / _REFERENCES_FILE
+        temporary = path.with_name(f"{_PARTIAL_PREFIX}{uuid.uuid4().hex}.json")
+        try:
+            temporary.write_text(text)
+            temporary.replace(path)
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            log_event(log, "disk_cache_references_not_kept", logging.WARNING, error=str(exc))
 
     def get(self, digest: str) -> Path | None:
         """The folder holding the files of ``digest``, or None when not cached (or the entry
@@ -199,9 +244,14 @@ class DiskCache:
         leftovers of interrupted writes and entries it cannot read."""
         found: list[tuple[float, DiskEntry]] = []
         for child in self.root.iterdir():
+            if child.name == _REFERENCES_FILE:
+                continue
             entry = None if child.name.startswith(_PARTIAL_PREFIX) else _read_entry(child)
             if entry is None:
-                shutil.rmtree(child, ignore_errors=True)
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
                 continue
             accessed = max((child / name).stat().st_atime for name in ADAPTER_FILES)
             found.append((accessed, entry))
@@ -230,6 +280,17 @@ def _read_entry(folder: Path) -> DiskEntry | None:
     if folder.name != adapter.digest.removeprefix("sha256:"):
         return None
     return DiskEntry(adapter, nbytes)
+
+
+def _read_references(path: Path) -> dict[str, str]:
+    """The kept reference -> digest map; empty when there is none or it does not parse."""
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(loaded, dict):
+        return {}
+    return {str(ref): str(digest) for ref, digest in loaded.items()}
 
 
 def _listed(f: RemoteFile) -> dict[str, object]:

@@ -25,6 +25,7 @@ from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.pack_warmup import warm_up_packing
 from executor_service.prefetch import Prefetcher
+from executor_service.registry_outage import RegistryOutage
 from executor_service.registry_source import RegistrySource, RegistryWatcher
 from executor_service.runner import Runner
 from executor_service.scheduler import Scheduler, SchedulerSettings
@@ -132,9 +133,12 @@ def download_streams(settings: ExecutorSettings) -> int:
     return settings.download_streams or auto
 
 
-def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
+def adapter_source(
+    settings: ExecutorSettings, metrics: ExecutorMetrics | None = None
+) -> AdapterSource | None:
     """The local adapter folder when ``--adapter-dir`` is set, else the registry when
-    ``--registry-address`` is, else none (base model only)."""
+    ``--registry-address`` is (reporting outages to ``metrics``), else none (base model
+    only)."""
     if settings.adapter_dir is not None:
         return LocalFolderSource(settings.adapter_dir.expanduser())
     if settings.registry_address:
@@ -157,8 +161,20 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
         urls = UrlRangeReader(
             timeout=settings.registry_timeout_seconds, ssl_context=tls_context(root_certificates)
         )
+        outage = RegistryOutage(
+            settings.registry_address,
+            on_change=metrics.set_registry_outage if metrics is not None else None,
+        )
         return RegistrySource(
-            client, settings.registry_address, disk, streams, settings.load_nice, urls
+            client,
+            settings.registry_address,
+            disk,
+            streams,
+            settings.load_nice,
+            urls,
+            staleness_seconds=settings.registry_staleness_seconds,
+            resolve_timeout=settings.registry_resolve_timeout_seconds,
+            outage=outage,
         )
     return None
 
@@ -239,7 +255,7 @@ def build_runtime(
         seconds = warm_up_packing(pack, host.memory)
         log_event(log, "packing_warmed_up", ms=round(seconds * 1000, 1))
     manager = AdapterManager(
-        source=source if source is not None else adapter_source(settings),
+        source=source if source is not None else adapter_source(settings, metrics),
         pack=pack,
         host=host,
         slots=SlotManager(buffers, LRUPolicy()),

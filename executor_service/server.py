@@ -20,6 +20,7 @@ from typing_extensions import override
 from executor_service.adapters import AdapterStatus, Location
 from executor_service.batch import Segment
 from executor_service.engine import ForwardInput
+from executor_service.registry_source import registry_status
 from executor_service.runtime import ExecutorRuntime, replica_name
 from moelora.v1 import executor_pb2, executor_pb2_grpc
 from shared import codec, torch_codec
@@ -237,6 +238,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             server_version=package_version(),
             served_layers=sorted(runtime.model.layers),
             replica_name=replica_name(settings),
+            registry=registry_status(runtime.adapters.source),
             kernel_configs=[
                 executor_pb2.KernelConfigInfo(
                     rank=c.rank, source=c.source, shape=c.shape,

@@ -237,11 +237,13 @@ class RegistryClient:
         )
         return response.version
 
-    def get(self, ref: str) -> registry_pb2.AdapterVersion:
+    def get(self, ref: str, *, timeout: float | None = None) -> registry_pb2.AdapterVersion:
+        """``timeout``: this call's deadline (default: the client's)."""
         return self._call(
             self._stub.GetAdapter,
             registry_pb2.GetAdapterRequest(ref=ref),
             registry_pb2.GetAdapterResponse,
+            timeout=timeout or self.timeout,
         ).version
 
     def list_versions(
