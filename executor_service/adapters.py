@@ -123,16 +123,9 @@ class AdapterManager:
     # -- references ----------------------------------------------------------------------
 
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
-        """The version ``ref`` names now. A version number or digest that the executor holds
-        resolves locally; a bare name or alias always asks the source (it may have moved)."""
-        if ref.is_pinned_version:
-            for adapter in self._held():
-                if (
-                    adapter.name == ref.name
-                    and ref.version in (None, adapter.version)
-                    and (ref.digest in (None, adapter.digest))
-                ):
-                    return adapter
+        """The version ``ref`` names now, as the source says: even a version the executor
+        holds may have been deleted since, and only the source knows how fresh its answer is
+        (the registry source answers from memory while that is fresh enough)."""
         if self.source is None:
             raise NotFound(
                 f"adapter {ref} not found: the executor has no adapter source (set --adapter-dir)"

@@ -145,7 +145,7 @@ class RegistrySource:
                 return known.adapter
             raise self._never_resolved(key, exc.message) from None
 
-    def _ask(self, key: str, generation: int) -> ResolvedAdapter:
+    def _ask(self, key: str, generation: tuple[int, int]) -> ResolvedAdapter:
         """The registry's answer for ``key``, remembered; reports to ``outage``."""
         try:
             version = self.client.get(key, timeout=self._resolve_timeout)
@@ -306,9 +306,7 @@ class RegistrySource:
     def apply(self, event: registry_pb2.WatchAdaptersResponse) -> None:
         """Drops the resolutions an event makes stale; a deleted version also leaves the
         disk cache."""
-        self.resolutions.drop_where(
-            lambda ref, adapter: ref.name == event.name and _made_stale(ref, adapter, event)
-        )
+        self.resolutions.changed(event.name, lambda ref, cached: _made_stale(ref, cached, event))
         if event.type == EventType.ADAPTER_EVENT_TYPE_DELETED:
             self._disk.remove(event.digest)
 

@@ -45,7 +45,7 @@ class Lookup:
 
     resolution: Resolution | None
     fresh: bool
-    generation: int
+    generation: tuple[int, int]
 
 
 class Resolutions:
@@ -62,9 +62,11 @@ class Resolutions:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[str, Resolution] = {}
-        #: Bumped whenever answers may have gone stale (an event, a fresh stream), so that an
-        #: answer fetched before cannot overwrite what the event said.
-        self._generation = 0
+        #: Bumped whenever answers may have gone stale (a fresh stream: all of them; an event
+        #: or NOT_FOUND: one adapter name's), so that an answer fetched before cannot
+        #: overwrite what the event said.
+        self._epoch = 0
+        self._name_generations: dict[str, int] = {}
         self._watching = False
         #: The change stream covers answers given since this time (inf: no stream yet) ...
         self._covered_from = math.inf
@@ -86,7 +88,14 @@ class Resolutions:
     def lookup(self, key: str) -> Lookup:
         with self._lock:
             found = self._entries.get(key)
-            return Lookup(found, found is not None and self._fresh(found), self._generation)
+            fresh = found is not None and self._fresh(found)
+            return Lookup(found, fresh, self._generation(AdapterRef.parse(key).name))
+
+    def _generation(self, name: str) -> tuple[int, int]:
+        return self._epoch, self._name_generations.get(name, 0)
+
+    def _bump(self, name: str) -> None:
+        self._name_generations[name] = self._name_generations.get(name, 0) + 1
 
     def _fresh(self, resolution: Resolution) -> bool:
         now = self._clock()
@@ -96,13 +105,13 @@ class Resolutions:
             return False
         return self._watching or now - self._covered_until < self.staleness_seconds
 
-    def store(self, key: str, adapter: ResolvedAdapter, generation: int) -> None:
-        """Keeps the registry's answer for ``key``, unless something made answers stale since
-        ``generation`` was looked up (the next use asks again)."""
+    def store(self, key: str, adapter: ResolvedAdapter, generation: tuple[int, int]) -> None:
+        """Keeps the registry's answer for ``key``; as already stale when something changed
+        its adapter since ``generation`` was looked up (the next use asks again, but an outage
+        meanwhile still has it to serve)."""
         with self._lock:
-            if generation != self._generation:
-                return
-            self._entries[key] = Resolution(adapter, self._clock())
+            current = generation == self._generation(AdapterRef.parse(key).name)
+            self._entries[key] = Resolution(adapter, self._clock() if current else -math.inf)
         if not AdapterRef.parse(key).is_pinned_version:
             self._disk.remember({key: adapter.digest})
 
@@ -110,17 +119,23 @@ class Resolutions:
         """The registry says ``key`` resolves to nothing (NOT_FOUND)."""
         with self._lock:
             self._entries.pop(key, None)
-            self._generation += 1
+            self._bump(AdapterRef.parse(key).name)
         self._disk.remember({key: None})
 
-    def drop_where(self, stale: Callable[[AdapterRef, ResolvedAdapter], bool]) -> None:
-        """Drops every answer for which ``stale(ref, adapter)`` says an event changed it."""
+    def changed(self, name: str, stale: Callable[[AdapterRef, ResolvedAdapter], bool]) -> None:
+        """An event about adapter ``name``: drops each of its answers for which
+        ``stale(ref, adapter)`` says the event changed it."""
         with self._lock:
-            gone = [k for k, r in self._entries.items() if stale(AdapterRef.parse(k), r.adapter)]
+            gone = []
+            for key, resolution in self._entries.items():
+                ref = AdapterRef.parse(key)
+                if ref.name == name and stale(ref, resolution.adapter):
+                    gone.append(key)
             for key in gone:
                 del self._entries[key]
-            self._generation += 1
-        self._disk.remember(dict.fromkeys(gone))
+            self._bump(name)
+        if gone:
+            self._disk.remember(dict.fromkeys(gone))
 
     def watching(self, connected: bool, *, resumed: bool = True) -> None:
         """The change stream connected (``resumed``: after the last event seen, so nothing
@@ -129,7 +144,7 @@ class Resolutions:
             now = self._clock()
             if connected and not resumed:
                 self._covered_from = now  # moves before it may have been missed
-                self._generation += 1
+                self._epoch += 1
             elif not connected and self._watching:
                 self._covered_until = now
             self._watching = connected
