@@ -1,4 +1,4 @@
-"""Executor settings: each field is a flag and a MOELORA_* environment variable."""
+"""Executor settings: each field is a flag and a MOELORA_EXECUTOR_* environment variable."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
+from pydantic_settings import SettingsConfigDict
 
 from shared import keepalive
 from shared.config import ServerSettings
@@ -17,6 +18,7 @@ class ExecutorSettings(ServerSettings):
     """Embedded defaults: 127.0.0.1, the GPU if there is one (else the CPU with the
     torch reference), adapters from the registry on 127.0.0.1:50051."""
 
+    model_config = SettingsConfigDict(env_prefix="MOELORA_EXECUTOR_")
     prog_name: ClassVar[str] = "moelora-executor"
 
     listen: str = Field("127.0.0.1:50052", description="host:port the gRPC server listens on")

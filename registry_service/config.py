@@ -1,4 +1,4 @@
-"""Registry settings: each field is a flag and a MOELORA_* environment variable."""
+"""Registry settings: each field is a flag and a MOELORA_REGISTRY_* environment variable."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from shared.config import ServerSettings
 from shared.part_digests import MIB
@@ -17,6 +18,7 @@ class RegistrySettings(ServerSettings):
     """The embedded defaults run a complete registry on one machine: SQLite and a
     local blob directory under ``data_dir``, on 127.0.0.1, without auth."""
 
+    model_config = SettingsConfigDict(env_prefix="MOELORA_REGISTRY_")
     prog_name: ClassVar[str] = "moelora-registry"
 
     listen: str = Field("127.0.0.1:50051", description="host:port the gRPC server listens on")

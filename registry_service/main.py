@@ -1,14 +1,6 @@
-"""``moelora-registry [serve|migrate|gc|backfill-parts|hash-token]``: the registry server
-and its operator commands. Settings are flags with MOELORA_* twins (``--help``).
-
-serve (default)   run the gRPC server
-migrate           bring the database schema up to date; idempotent, exits 0
-gc                remove unreferenced blobs and dead versions, without a server
-                  (--grace-seconds N, --dry-run)
-backfill-parts    record per-piece sha256s (--part-size-bytes) for versions uploaded
-                  before the registry did; exits 1 if a blob failed its sha256
-hash-token N R    make a random token for name N with role R (read, write, admin)
-                  and print it with its token-file entry
+"""``moelora-registry [COMMAND] [OPTIONS]``: the registry server and its operator commands.
+Settings are flags with MOELORA_REGISTRY_* twins; ``moelora-registry COMMAND --help`` lists
+them.
 """
 
 from __future__ import annotations
@@ -31,7 +23,38 @@ from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.tokens import Role, new_token_entry
 
-COMMANDS = ("serve", "migrate", "gc", "backfill-parts", "hash-token")
+#: Each command and what it does (its --help says it too).
+COMMANDS = {
+    "serve": "run the gRPC server (the default command)",
+    "migrate": "bring the database schema up to date; idempotent, exits 0",
+    "gc": "remove unreferenced blobs and dead versions without a server (--grace-seconds N, "
+    "--dry-run)",
+    "backfill-parts": "record per-piece sha256s (--part-size-bytes) for versions uploaded "
+    "before the registry did; exits 1 if a blob failed its sha256",
+    "hash-token": "make a random token for a name and role (read, write, admin) and print it "
+    "with its token-file entry",
+}
+_GC_OPTIONS = """gc's own options:
+  --grace-seconds N   spare unreferenced blobs younger than N seconds (default: the
+                      gc_grace_seconds setting)
+  --dry-run           say what would go, remove nothing"""
+
+
+def usage() -> str:
+    """``moelora-registry --help``: the commands, each with its own --help."""
+    width = max(map(len, COMMANDS))
+    lines = [
+        "usage: moelora-registry [COMMAND] [OPTIONS]",
+        "",
+        "The moe-lora-serve adapter registry.",
+        "",
+        "commands:",
+        *(f"  {name:{width}}  {text}" for name, text in COMMANDS.items()),
+        "",
+        "Without a command, serve. Options are the registry's settings (flags with "
+        "MOELORA_REGISTRY_* environment twins): moelora-registry COMMAND --help lists them.",
+    ]
+    return "\n".join(lines)
 
 
 def serve(settings: RegistrySettings) -> None:
@@ -103,6 +126,9 @@ def hash_token(args: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(usage())
+        return
     command = args.pop(0) if args and args[0] in COMMANDS else "serve"
     if command == "hash-token":
         hash_token(args)
@@ -115,7 +141,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         gc_parser.add_argument("--dry-run", action="store_true")
         gc_args, args = gc_parser.parse_known_args(args)
         grace, dry_run = gc_args.grace_seconds, gc_args.dry_run
-    settings = parse_settings(RegistrySettings, args)
+    description = COMMANDS[command] + (f"\n\n{_GC_OPTIONS}" if command == "gc" else "")
+    settings = parse_settings(
+        RegistrySettings, args, prog=f"moelora-registry {command}", description=description
+    )
     configure_logging(settings.log_level, settings.log_format)
     try:
         if command == "serve":
