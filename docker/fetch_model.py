@@ -9,7 +9,8 @@ that looks whole. DEST/.fetch-manifest.json records each file's size and ETag: a
 restarted pod whose DEST is a persistent volume downloads only what changed.
 Connection settings are the registry's: MOELORA_REGISTRY_S3_ENDPOINT_URL,
 MOELORA_REGISTRY_S3_REGION, MOELORA_REGISTRY_S3_PATH_STYLE; credentials come from boto3's
-chain (AWS_* variables, web identity, instance profile). Ships in the registry image, which has boto3.
+chain (AWS_* variables, web identity, instance profile). Ships in the registry image,
+which has boto3.
 
 Exit codes: 0 copied, 1 S3 or file error, 2 bad usage or nothing under PREFIX.
 """

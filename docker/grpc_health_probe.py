@@ -3,8 +3,8 @@
 
 Used by the images' HEALTHCHECK (no address: the server this container runs, from
 MOELORA_REGISTRY_LISTEN or MOELORA_EXECUTOR_LISTEN with a wildcard host replaced by
-loopback) and by the chart's `helm test` pod (the registry and every executor by DNS name). It ships in the
-images as /opt/moelora/grpc_health_probe.py, so no probe binary is downloaded.
+loopback) and by the chart's `helm test` pod (the registry and every executor by DNS name).
+It ships in the images as /opt/moelora/grpc_health_probe.py, so no probe binary is downloaded.
 
 Exit codes: 0 all SERVING, 1 any other status or no answer, 2 bad usage.
 """

@@ -53,7 +53,7 @@ from registry_service.cli.output import (
 from shared.adapter_files import ADAPTER_FILES, files_digest
 from shared.errors import FailedPrecondition, InvalidArgument, MoeLoraError
 from shared.model_spec import read_model_spec
-from shared.refs import validate_name
+from shared.refs import AdapterRef, validate_name
 from shared.registry_client import RegistryClient, describe_folder
 from shared.version import package_version
 
@@ -316,6 +316,10 @@ def cmd_alias_rm(client: RegistryClient, args: argparse.Namespace, out: Output) 
 
 
 def cmd_delete(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
+    if not AdapterRef.parse(args.ref, "REF").is_pinned_version:
+        raise InvalidArgument(
+            f"REF {args.ref!r} names no one version: delete NAME:VERSION or NAME@sha256:HEX"
+        )
     target = client.get(args.ref)
     aliases = [f"{target.name}@{alias}" for alias in target.aliases]
     if aliases and not args.force:
