@@ -3,6 +3,9 @@
 Health says NOT_SERVING (and RPCs answer UNAVAILABLE) while the model loads, so that probes get
 answers during a long load; SERVING once it is ready. A model that fails to load stops the
 server, and ``main`` exits non-zero. Without ``--base-model-path`` the server stays NOT_SERVING.
+A device fault (``device_fault.py``) turns health NOT_SERVING at once and drains the server
+within ``FAULT_GRACE_SECONDS``, new calls answered UNAVAILABLE naming the fault; ``main`` then
+exits with ``DEVICE_FAULT_EXIT_CODE``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import threading
 from executor_service.auth import open_authorizer
 from executor_service.batch import KernelFn
 from executor_service.config import ExecutorSettings
+from executor_service.device_fault import DeviceFault
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runtime import ExecutorRuntime, build_runtime
 from executor_service.server import ExecutorServicer
@@ -24,6 +28,11 @@ from shared.logs import log_event
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+
+#: After a device fault, how long the server keeps answering (UNAVAILABLE, naming the fault)
+#: before it stops: requests in flight fail fast, and new ones learn why rather than meet a
+#: closed port.
+FAULT_GRACE_SECONDS = 2.0
 
 
 class ExecutorApp:
@@ -55,6 +64,9 @@ class ExecutorApp:
         #: Set once loading ended, successfully or not.
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
+        #: Set once the device faulted (``device_fault`` says how).
+        self.faulted = threading.Event()
+        self.device_fault: DeviceFault | None = None
 
     @property
     def address(self) -> str:
@@ -74,8 +86,31 @@ class ExecutorApp:
         self.server.drain(on_drained=self._close)
 
     def _close(self) -> None:
-        if self.runtime is not None:
+        if self.runtime is None:
+            return
+        try:
             self.runtime.close()
+        except Exception:
+            if self.device_fault is None:
+                raise
+            # A lost device may fail its own clean-up; the process ends regardless.
+            log_event(log, "close_after_device_fault_failed", logging.WARNING, exc_info=True)
+
+    def _on_device_fault(self, fault: DeviceFault) -> None:
+        self.device_fault = fault
+        self.server.set_serving(False)
+        self.faulted.set()
+        threading.Thread(
+            target=self.server.drain,
+            kwargs={
+                "on_drained": self._close,
+                "grace": FAULT_GRACE_SECONDS,
+                "linger": FAULT_GRACE_SECONDS,
+                "reason": fault.describe(),
+            },
+            name="drain-after-device-fault",
+            daemon=True,
+        ).start()
 
     def _start_loading(self) -> None:
         if self.settings.base_model_path is None:
@@ -100,6 +135,7 @@ class ExecutorApp:
             self.server.drain()
             return
         self.runtime = runtime
+        runtime.device.on_fault(self._on_device_fault)
         self.servicer.attach(runtime)
         if not self.server.draining:
             self.server.set_serving(True)

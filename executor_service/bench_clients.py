@@ -4,8 +4,10 @@ Builds one Forward request as a backend would (bf16 hidden states on the wire, t
 evenly over its adapters), sends it ``--warmup`` times, prints ``ready``, waits for ``go`` on
 stdin (so that every client of a row starts together), then times ``--iters`` round trips (0:
 until ``stop`` on stdin, as ``bench_load`` does while a load runs) and prints one JSON line:
-latencies, the executor's ``server_time_us``, each call's wall-clock start, and the run's start
-and end.
+latencies, the executor's ``server_time_us``, each call's wall-clock start, the run's start
+and end, and the answers checked. With ``--expected`` (the request's answer computed alone,
+float32 .npy) every warm-up answer and every ``CHECK_EVERY``-th timed one is compared with it
+row by row after the timed loop (``bench.answers``), so that checking costs the timing nothing.
 ``--target echo`` sends the same bytes to the echo server instead (the transport floor).
 Plain generated stubs, numpy only: a client process starts fast and shares nothing with the
 executor.
@@ -15,17 +17,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
 
+from executor_service.bench.answers import tensor_to_float32, worst_row_error
 from executor_service.echo_server import STREAM, UNARY
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
+
+#: Timed answers kept for the check: one in this many.
+CHECK_EVERY = 10
 
 _OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -57,8 +65,8 @@ def forward_request(
     )
 
 
-#: One round trip: returns the executor's server_time_us (0 for the echo).
-Call = Callable[[], int]
+#: One round trip: the executor's server_time_us and output (0 and None for the echo).
+Call = Callable[[], tuple[int, tensor_pb2.Tensor | None]]
 
 
 def _unary_call(channel: grpc.Channel, target: str, request: executor_pb2.ForwardRequest) -> Call:
@@ -66,13 +74,18 @@ def _unary_call(channel: grpc.Channel, target: str, request: executor_pb2.Forwar
         echo = channel.unary_unary(UNARY)
         payload = request.SerializeToString()
 
-        def call_echo() -> int:
+        def call_echo() -> tuple[int, tensor_pb2.Tensor | None]:
             echo(payload, timeout=60)
-            return 0
+            return 0, None
 
         return call_echo
     stub = executor_pb2_grpc.ExecutorStub(channel)
-    return lambda: int(stub.Forward(request, timeout=60).server_time_us)
+
+    def call() -> tuple[int, tensor_pb2.Tensor | None]:
+        response = stub.Forward(request, timeout=60)
+        return int(response.server_time_us), response.output
+
+    return call
 
 
 class _StreamCall:
@@ -98,18 +111,29 @@ class _StreamCall:
                 return
             yield item
 
-    def __call__(self) -> int:
+    def __call__(self) -> tuple[int, tensor_pb2.Tensor | None]:
         self._outbox.put(self._message)
         answer = next(self._answers)
         if self._echo:
-            return 0
+            return 0, None
         assert isinstance(answer, executor_pb2.ForwardStreamResponse)
         if answer.HasField("error"):
             raise RuntimeError(f"{answer.error.code}: {answer.error.message}")
-        return int(answer.forward.server_time_us)
+        return int(answer.forward.server_time_us), answer.forward.output
 
     def close(self) -> None:
         self._outbox.put(None)
+
+
+def _row_errors(kept: list[tensor_pb2.Tensor | None], expected: Path | None) -> list[float]:
+    """The worst row error of each kept answer against ``expected`` (none without it)."""
+    if expected is None:
+        return []
+    reference = np.load(expected)
+    return [
+        math.inf if output is None else worst_row_error(tensor_to_float32(output), reference)
+        for output in kept
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,14 +148,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=100, help="0: until 'stop' on stdin")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expected", type=Path, help="the answer to check against (.npy)")
+    parser.add_argument("--tolerance", type=float, default=0.0)
     args = parser.parse_args(argv)
     adapters = [a for a in args.adapters.split(",") if a]
     request = forward_request(args.layer, args.tokens, args.hidden, adapters, args.seed)
     with grpc.insecure_channel(args.address, options=_OPTIONS) as channel:
         stream = _StreamCall(channel, args.target, request) if args.mode == "stream" else None
         call: Call = stream if stream is not None else _unary_call(channel, args.target, request)
-        for _ in range(args.warmup):
-            call()
+        kept: list[tensor_pb2.Tensor | None] = [call()[1] for _ in range(args.warmup)]
         print("ready", flush=True)
         if sys.stdin.readline().strip() != "go":
             return
@@ -150,12 +175,15 @@ def main(argv: list[str] | None = None) -> None:
         while (len(latency) < args.iters) if args.iters else not stop.is_set():
             started.append(time.time())
             begin = time.perf_counter()
-            server_us = call()
+            server_us, output = call()
             latency.append(time.perf_counter() - begin)
             server.append(server_us)
+            if len(latency) % CHECK_EVERY == 1:
+                kept.append(output)
         end = time.time()
         if stream is not None:
             stream.close()
+    errors = _row_errors(kept, args.expected)
     print(
         json.dumps(
             {
@@ -164,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
                 "started": started,
                 "start": start,
                 "end": end,
+                "checked": len(errors),
+                "worst_row_error": max(errors, default=0.0),
+                "mismatched": sum(1 for e in errors if not e <= args.tolerance),
             }
         )
     )

@@ -37,31 +37,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from executor_service.bench import stress
+from executor_service.bench.answers import row_tolerance
+from executor_service.bench.reference import EagerReference
+from executor_service.bench.shapes import SHAPES
+from executor_service.bench_clients import forward_request
 from executor_service.client import ExecutorClient
 from executor_service.graphs import GraphCache
 from executor_service.model_loader import load_base_model
-from executor_service.synthetic import (
-    SyntheticAdapter,
-    SyntheticBase,
-    write_adapter,
-    write_base_checkpoint,
-)
+from executor_service.synthetic import SyntheticAdapter, write_adapter, write_base_checkpoint
 from kernels import LoRAContext, LoRASlots, moe_forward
 from kernels.forward import Backend
 
-SHAPES = {
-    "qwen3-30b-a3b": SyntheticBase(
-        "qwen3_moe",
-        hidden_size=2048,
-        moe_intermediate_size=768,
-        num_experts=128,
-        top_k=8,
-        num_layers=1,
-    ),
-    "tiny": SyntheticBase("qwen3_moe", hidden_size=64, moe_intermediate_size=32, num_layers=1),
-}
 #: Adapters per request; the pinned pool every row but the churn row draws from.
 PER_REQUEST = 4
 STAGES = ("decode", "queue", "stage", "h2d", "kernel", "d2h", "encode")
@@ -81,6 +71,10 @@ class Row:
     batch: float
     stages_ms: dict[str, float]
     churn: bool
+    #: Answers compared with the reference, those beyond the tolerance, the worst row error.
+    checked: int
+    mismatched: int
+    worst_row_error: float
 
 
 def _progress(message: str) -> None:
@@ -149,10 +143,13 @@ def _run_clients(
     adapter_sets: list[list[str]],
     iters: int,
     warmup: int,
-) -> tuple[list[float], list[int], float]:
-    """Latencies and server times of all clients, and tokens/s over the row."""
+    answers: Answers | None = None,
+) -> ClientsRun:
+    """Runs one row's clients (client i sends the request of seed i); with ``answers`` each
+    checks a sample of its answers against its request's expected answer."""
     procs = []
     for i, adapters in enumerate(adapter_sets):
+        check = [] if answers is None else answers.arguments(tokens, i, adapters)
         command = [
             sys.executable,
             "-m",
@@ -167,6 +164,7 @@ def _run_clients(
             f"--iters={iters}",
             f"--warmup={warmup}",
             f"--seed={i}",
+            *check,
         ]
         procs.append(
             subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -196,9 +194,55 @@ def _run_clients(
                 proc.kill()
                 proc.wait()
     latency = [x for r in results for x in r["latency_s"]]
-    server = [x for r in results for x in r["server_us"]]
     span = max(r["end"] for r in results) - min(r["start"] for r in results)
-    return latency, server, len(latency) * tokens / span
+    return ClientsRun(
+        latency=latency,
+        server_us=[x for r in results for x in r["server_us"]],
+        tokens_per_s=len(latency) * tokens / span,
+        checked=sum(r["checked"] for r in results),
+        mismatched=sum(r["mismatched"] for r in results),
+        worst_row_error=max(r["worst_row_error"] for r in results),
+    )
+
+
+@dataclass(frozen=True)
+class ClientsRun:
+    """What one row's clients measured and checked."""
+
+    latency: list[float]
+    server_us: list[int]
+    tokens_per_s: float
+    checked: int
+    mismatched: int
+    worst_row_error: float
+
+
+class Answers:
+    """The expected answer of every request the rows send, computed alone and eagerly
+    (``bench.reference``) before the executor starts, one .npy file each."""
+
+    def __init__(self, reference: EagerReference, folder: Path, layer: int, hidden: int) -> None:
+        self._reference = reference
+        self._folder = folder
+        self._layer = layer
+        self._hidden = hidden
+        self.tolerance = 0.0
+
+    def prepare(self, tokens: int, client: int, adapters: list[str]) -> None:
+        path = self._path(tokens, client, adapters)
+        if path.exists():
+            return
+        request = forward_request(self._layer, tokens, self._hidden, adapters, client)
+        bits = np.frombuffer(request.hidden_states.data, dtype="<u2").reshape(tokens, -1)
+        segments = [(s.num_tokens, s.adapter) for s in request.segments]
+        np.save(path, self._reference.forward(self._layer, bits, segments))
+
+    def arguments(self, tokens: int, client: int, adapters: list[str]) -> list[str]:
+        path = self._path(tokens, client, adapters)
+        return [f"--expected={path}", f"--tolerance={self.tolerance}"]
+
+    def _path(self, tokens: int, client: int, adapters: list[str]) -> Path:
+        return self._folder / f"T{tokens}-seed{client}-{'+'.join(adapters)}.npy"
 
 
 def _kernel_timer(
@@ -227,11 +271,10 @@ def _kernel_timer(
     def kernel(x: torch.Tensor, w: object, ctx: LoRAContext | None, r: object) -> torch.Tensor:
         return moe_forward(x, layer, ctx, None, backend=backend)
 
-    graphs = (
-        GraphCache(kernel, model.layers, lambda _: lora, device, dtype)
-        if device.type == "cuda"
-        else None
-    )
+    graphs = None
+    if device.type == "cuda":
+        graphs = GraphCache(kernel, model.layers, lambda _: lora, device, dtype)
+        graphs.capture_all()
 
     def time_ms(tokens: int) -> float:
         token_slots = (torch.arange(tokens, dtype=torch.int32) * PER_REQUEST // tokens).to(device)
@@ -275,9 +318,9 @@ def _print(rows: list[Row], title: str) -> None:
     print(f"\n{title}\n")
     print(
         "| mode | T | clients | p50 ms | p99 ms | server p50 ms | kernel ms | floor ms | "
-        "overhead ms | tokens/s | mean batch |"
+        "overhead ms | tokens/s | mean batch | answers checked (worst row error) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         kernel = "—" if r.kernel_ms is None else f"{r.kernel_ms:.3f}"
         overhead = "—" if r.kernel_ms is None else f"{r.p50_ms - r.kernel_ms - r.floor_ms:.3f}"
@@ -285,7 +328,7 @@ def _print(rows: list[Row], title: str) -> None:
         print(
             f"| {r.mode} | {r.tokens} | {clients} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | "
             f"{r.server_ms:.3f} | {kernel} | {r.floor_ms:.3f} | {overhead} | "
-            f"{r.tokens_per_s:,.0f} | {r.batch:.2f} |"
+            f"{r.tokens_per_s:,.0f} | {r.batch:.2f} | {r.checked} ({r.worst_row_error:.1e}) |"
         )
     print("\nExecutor time per stage, mean ms per request (queue) or per launch (the others)\n")
     print("| mode | T | clients | " + " | ".join(STAGES) + " |")
@@ -308,8 +351,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--batch-window-us", type=int, default=0)
+    parser.add_argument(
+        "--stress",
+        type=float,
+        metavar="SECONDS",
+        help="instead of the table: the stress run (bench/stress.py) for this long",
+    )
+    parser.add_argument("--stress-clients", type=int, default=32)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
+    if args.stress is not None:
+        report = stress.run(
+            stress.StressSettings(
+                seconds=args.stress,
+                device=args.device,
+                shape=args.shape,
+                clients=args.stress_clients,
+                slots=args.slots,
+                max_rank=args.rank,
+                cuda_graphs=args.cuda_graphs,
+            )
+        )
+        print(report.table())
+        raise SystemExit(1 if report.failures() else 0)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     client_counts = [int(c) for c in args.clients.split(",") if c]
@@ -329,6 +393,22 @@ def main(argv: list[str] | None = None) -> None:
                 SyntheticAdapter(rank=args.rank),
                 seed=seed,
             )
+        layer = spec.moe_layers[0]
+        plan = [(int(t), 1, False) for t in args.tokens.split(",") if t]
+        plan += [(64, n, i == len(client_counts) - 1) for i, n in enumerate(client_counts)]
+        _progress("computing the expected answers alone, eagerly")
+        reference = EagerReference(
+            root / "base", root / "adapters", args.device, args.rank, root / "ref-cache"
+        )
+        answers = Answers(reference, root, layer, spec.hidden_size)
+        answers.tolerance = row_tolerance(args.device)
+        try:
+            for tokens, clients, churn in plan:
+                for i, adapters in enumerate(_adapter_sets(names if churn else pinned, clients)):
+                    answers.prepare(tokens, i, adapters)
+        finally:
+            reference.close()
+            del reference
         kernel_ms = _kernel_timer(root / "base", device, args.rank, args.slots)
         _progress("starting the executor and the echo server")
         port, metrics_port = _free_port(), _free_port()
@@ -365,15 +445,12 @@ def main(argv: list[str] | None = None) -> None:
                 for name in pinned:
                     client.pin_adapter(name)
                 info = client.get_executor_info()
-            layer = spec.moe_layers[0]
-            plan = [(int(t), 1, False) for t in args.tokens.split(",") if t]
-            plan += [(64, n, i == len(client_counts) - 1) for i, n in enumerate(client_counts)]
             metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
             for mode in args.modes.split(","):
                 for tokens, clients, churn in plan:
                     sets = _adapter_sets(names if churn else pinned, clients)
                     before = _metrics(metrics_url)
-                    latency, server, rate = _run_clients(
+                    served = _run_clients(
                         address,
                         layer,
                         "executor",
@@ -383,9 +460,11 @@ def main(argv: list[str] | None = None) -> None:
                         sets,
                         args.iters,
                         args.warmup,
+                        answers,
                     )
+                    latency = served.latency
                     after = _metrics(metrics_url)
-                    floor, _, _ = _run_clients(
+                    floor = _run_clients(
                         echo_address,
                         layer,
                         "echo",
@@ -410,16 +489,29 @@ def main(argv: list[str] | None = None) -> None:
                             clients=clients,
                             p50_ms=1e3 * statistics.median(latency),
                             p99_ms=1e3 * _percentile(latency, 0.99),
-                            server_ms=statistics.median(server) / 1e3,
+                            server_ms=statistics.median(served.server_us) / 1e3,
                             kernel_ms=kernel_ms(tokens) if clients == 1 else None,
-                            floor_ms=1e3 * statistics.median(floor),
-                            tokens_per_s=rate,
+                            floor_ms=1e3 * statistics.median(floor.latency),
+                            tokens_per_s=served.tokens_per_s,
                             batch=_delta_mean(after, before, "moelora_executor_batch_requests"),
                             stages_ms=stages,
                             churn=churn,
+                            checked=served.checked,
+                            mismatched=served.mismatched,
+                            worst_row_error=served.worst_row_error,
                         )
                     )
                     _progress(f"row done: {rows[-1]}")
+    wrong = [r for r in rows if r.mismatched or not r.checked]
+    if wrong:
+        for r in wrong:
+            print(
+                f"WRONG ANSWERS: {r.mode} T={r.tokens} clients={r.clients}: {r.mismatched} of "
+                f"{r.checked} checked answers differ from the reference (worst row error "
+                f"{r.worst_row_error:.3g}, tolerance {answers.tolerance:g})",
+                file=sys.stderr,
+            )
+        raise SystemExit("bench_forward: answers differ from the reference; no table printed")
     _print(
         rows,
         f"Forward, {args.shape} layer on {info.device} ({info.backend}), compute "

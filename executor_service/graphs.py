@@ -1,22 +1,33 @@
-"""CUDA graphs of the whole layer forward, one per (layer, token bucket).
+"""CUDA graphs of the whole layer forward, one per (layer, token bucket), all captured at
+start-up.
 
 A graph replays its input's way in, routing, alignment, both grouped GEMMs with LoRA, the sum
 and its output's way out without any Python launch cost. Its input (bucket, H), per-token slot
 ids (bucket,) and output live in the cache's page-locked ``Staging``, fixed at start-up: the
-graph's first kernel reads them across the bus and its last writes the output back there
-(``kernels/host_copy.py``), so a launch fills the staging, replays and synchronises once.
-Adapters change only device tensors that the kernels read (slot ids and the slot buffers,
-allocated once at start-up and never reallocated), so one graph serves every adapter mix; rows
-past a launch's tokens carry slot -1 and are ignored.
+graph's first kernel reads them across the bus into device buffers and its last writes the
+output back there (``kernels/host_copy.py``), so a launch fills the staging, replays and
+synchronises once. Adapters change only device tensors that the kernels read (slot ids and the
+slot buffers, allocated once at start-up and never reallocated), so one graph serves every
+adapter mix; rows past a launch's tokens carry slot -1 and are ignored.
 
-Graphs are captured lazily, on a bucket's first use, after an eager warm-up run (which also
-compiles and tunes the Triton kernels outside the capture); all share one memory pool, and
-the memory each takes is logged. A capture that fails is logged and the bucket runs eagerly.
+Everything a graph reads or writes outside its own memory pool must outlive it: the staging,
+the slot buffers, the weights, and the device input and slot-id buffers, which the cache owns
+(one pair of ``max(buckets)`` rows that every graph views a prefix of — replays never overlap,
+as one thread launches them all). A graph does not keep tensors alive: a buffer made for the
+capture and dropped after it goes back to the caching allocator, and the next
+``empty_cache()`` unmaps it while the graph still writes there (an illegal memory access, or
+another tensor's bytes overwritten).
+
+``capture_all`` captures every graph before the executor reports SERVING, on a quiet device:
+a capture empties the allocator's cache and must not race loads or replays. All graphs share
+one memory pool (their intermediates; replays run one at a time). A capture that fails is
+logged and its bucket runs eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -45,8 +56,19 @@ class LayerGraph:
         self.graph.replay()
 
 
+@dataclass(frozen=True)
+class CaptureReport:
+    """What ``capture_all`` took."""
+
+    graphs: int
+    failed: int
+    seconds: float
+    #: Device memory reserved by the graphs' pool.
+    bytes: int
+
+
 class GraphCache:
-    """Graphs of the layers of one device, captured on first use."""
+    """The graphs of the layers of one device."""
 
     def __init__(
         self,
@@ -64,11 +86,14 @@ class GraphCache:
         self._dtype = dtype
         self.buckets = buckets
         hidden_size = next(iter(layers.values())).hidden_size if layers else 0
+        rows = max(buckets)
         #: What every graph reads its input from and writes its output to.
-        self.staging = Staging(hidden_size, dtype, max(buckets), growable=False)
+        self.staging = Staging(hidden_size, dtype, rows, growable=False)
+        # The device side of the staging, read by every graph's kernels (see the module doc).
+        self._hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        self._slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
         self._graphs: dict[tuple[int, int], LayerGraph | None] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        self.captured_bytes = 0
 
     def bucket(self, tokens: int) -> int | None:
         """The smallest bucket that holds ``tokens``; None past the largest."""
@@ -78,17 +103,41 @@ class GraphCache:
         return None
 
     def get(self, layer: int, bucket: int) -> LayerGraph | None:
-        """The graph of (layer, bucket), captured now if it is the first use; None if its
-        capture failed (the launch runs eagerly)."""
-        key = (layer, bucket)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(layer, bucket)
-        return self._graphs[key]
+        """The graph of (layer, bucket); None if its capture failed (the launch runs
+        eagerly). KeyError before ``capture_all``."""
+        return self._graphs[(layer, bucket)]
+
+    def capture_all(self) -> CaptureReport:
+        """Captures the graph of every (layer, bucket); call once, before serving."""
+        start = time.perf_counter()
+        torch.cuda.synchronize(self._device)
+        torch.cuda.empty_cache()  # so that the difference below is the graphs' own memory
+        before = torch.cuda.memory_reserved(self._device)
+        for layer in sorted(self._layers):
+            for bucket in self.buckets:
+                self._graphs[(layer, bucket)] = self._capture(layer, bucket)
+        torch.cuda.synchronize(self._device)
+        report = CaptureReport(
+            graphs=sum(g is not None for g in self._graphs.values()),
+            failed=sum(g is None for g in self._graphs.values()),
+            seconds=time.perf_counter() - start,
+            bytes=torch.cuda.memory_reserved(self._device) - before,
+        )
+        log_event(
+            log,
+            "cuda_graphs_captured",
+            graphs=report.graphs,
+            failed=report.failed,
+            layers=len(self._layers),
+            buckets=list(self.buckets),
+            seconds=round(report.seconds, 3),
+            bytes=report.bytes,
+        )
+        return report
 
     def _capture(self, layer: int, bucket: int) -> LayerGraph | None:
         weights = self._layers[layer]
-        hidden = torch.empty(bucket, weights.hidden_size, dtype=self._dtype, device=self._device)
-        slots = torch.empty(bucket, dtype=torch.int32, device=self._device)
+        hidden, slots = self._hidden[:bucket], self._slots[:bucket]
         lora = LoRAContext(self._lora_slots(layer), slots)
         io = self.staging
 
@@ -105,11 +154,6 @@ class GraphCache:
                 for _ in range(2):  # compile, tune and allocate outside the capture
                     forward()
             torch.cuda.current_stream(self._device).wait_stream(side)
-            # The capture starts by handing cached blocks back to the driver: do it first, so
-            # that the difference is the graph's own memory.
-            torch.cuda.synchronize(self._device)
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_reserved(self._device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 forward()
@@ -123,14 +167,4 @@ class GraphCache:
                 error=str(exc),
             )
             return None
-        taken = torch.cuda.memory_reserved(self._device) - before
-        self.captured_bytes += taken
-        log_event(
-            log,
-            "cuda_graph_captured",
-            layer=layer,
-            bucket=bucket,
-            bytes=taken,
-            total_bytes=self.captured_bytes,
-        )
         return LayerGraph(graph=graph, bucket=bucket)

@@ -180,6 +180,29 @@ class ExecutorMetrics:
             ["mode"],
             registry=registry,
         )
+        self.graph_replays = Counter(
+            "moelora_executor_graph_replays_total",
+            "CUDA-graph replays by token bucket (a launch of T tokens replays the smallest "
+            "bucket >= T)",
+            ["bucket"],
+            registry=registry,
+        )
+        self.cuda_graphs = Gauge(
+            "moelora_executor_cuda_graphs",
+            "CUDA graphs captured at start-up (one per served layer and token bucket)",
+            registry=registry,
+        )
+        self.cuda_graph_bytes = Gauge(
+            "moelora_executor_cuda_graph_bytes",
+            "Device memory the CUDA graphs' shared pool reserved at capture",
+            registry=registry,
+        )
+        self.device_faults = Counter(
+            "moelora_executor_device_faults_total",
+            "Sticky device errors (illegal address, launch failure, ECC, device lost); the "
+            "first one stops the executor",
+            registry=registry,
+        )
         self.stage_seconds = Histogram(
             "moelora_executor_stage_seconds",
             "Time per stage: decode, queue, stage (into the pinned input), h2d, kernel, d2h "

@@ -21,6 +21,7 @@ import threading
 import time
 
 from executor_service.adapters import AdapterManager
+from executor_service.device_fault import DeviceWatch
 from executor_service.metrics import ExecutorMetrics
 from moelora.v1 import registry_pb2
 from shared.errors import MoeLoraError
@@ -37,9 +38,14 @@ class Prefetcher:
     """Loads newly aliased versions into the host cache in the background (see the module doc)."""
 
     def __init__(
-        self, manager: AdapterManager, metrics: ExecutorMetrics, max_inflight: int
+        self,
+        manager: AdapterManager,
+        metrics: ExecutorMetrics,
+        max_inflight: int,
+        watch: DeviceWatch,
     ) -> None:
         self._manager = manager
+        self._watch = watch
         self._metrics = metrics
         self._queue: collections.deque[AdapterRef] = collections.deque()
         self._capacity = QUEUE_PER_WORKER * max_inflight
@@ -103,6 +109,10 @@ class Prefetcher:
         except MoeLoraError as exc:
             self._metrics.prefetches.labels("failed").inc()
             log_event(log, "prefetch_failed", logging.WARNING, adapter=str(ref), error=exc.message)
+            return
+        except Exception as exc:  # a pack on the GPU may be the first to meet a lost device
+            if self._watch.observe(exc) is None:
+                raise
             return
         result = "loaded" if loaded else "held"
         self._metrics.prefetches.labels(result).inc()

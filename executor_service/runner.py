@@ -110,6 +110,7 @@ class Runner:
         end.record()
         end.synchronize()
         self._metrics.graph_runs.inc()
+        self._metrics.graph_replays.labels(str(graph.bucket)).inc()
         self._metrics.stage["stage"].observe(staged - start)
         self._metrics.stage["kernel"].observe(begin.elapsed_time(end) / 1000)
         return io.output[:rows]

@@ -14,6 +14,7 @@ import kernels
 from executor_service.adapters import AdapterManager, PackSettings
 from executor_service.batch import KernelFn
 from executor_service.config import ExecutorSettings
+from executor_service.device_fault import DeviceWatch
 from executor_service.disk_cache import DiskCache
 from executor_service.engine import EngineSettings, ForwardEngine
 from executor_service.graphs import GraphCache
@@ -105,6 +106,8 @@ class ExecutorRuntime:
     #: Where Forward requests wait to be merged into launches.
     scheduler: Scheduler
     metrics: ExecutorMetrics
+    #: The record of a lost device context (see device_fault.py).
+    device: DeviceWatch
     #: Where the kernels' launch configurations come from (GetExecutorInfo).
     kernel_configs: tuple[KernelConfigReport, ...] = ()
     #: Follows the registry's changes when adapters come from the registry.
@@ -219,6 +222,10 @@ def _runner(
             graphs = GraphCache(
                 kernel, model.layers, adapters.lora_slots, where.device, where.dtype
             )
+            # Before SERVING, before any load or watch thread starts: see graphs.py.
+            report = graphs.capture_all()
+            metrics.cuda_graphs.set(report.graphs)
+            metrics.cuda_graph_bytes.set(report.bytes)
     return Runner(kernel, sync, where.dtype, metrics, graphs, staging)
 
 
@@ -269,13 +276,15 @@ def build_runtime(
         configs=configs.selector,
         check_layer=False,
     )
+    runner = _runner(settings, where, model, manager, kernel, sync, metrics)
     engine = ForwardEngine(
         model=model,
         adapters=manager,
         settings=EngineSettings(max_tokens_per_request=settings.max_tokens_per_request),
-        runner=_runner(settings, where, model, manager, kernel, sync, metrics),
+        runner=runner,
         metrics=metrics,
     )
+    watch = DeviceWatch(f"{where.device_name} ({where.device})", metrics)
     scheduler = Scheduler(
         engine.run,
         manager.can_lease,
@@ -285,12 +294,13 @@ def build_runtime(
             max_queued_requests=settings.max_queued_requests,
         ),
         metrics,
+        watch,
     )
     watcher = None
     prefetcher = None
     if isinstance(manager.source, RegistrySource):
         if settings.prefetch_on_watch:
-            prefetcher = Prefetcher(manager, metrics, settings.prefetch_max_inflight)
+            prefetcher = Prefetcher(manager, metrics, settings.prefetch_max_inflight, watch)
             prefetcher.start()
         watcher = RegistryWatcher(
             manager.source.client,
@@ -309,6 +319,7 @@ def build_runtime(
         engine=engine,
         scheduler=scheduler,
         metrics=metrics,
+        device=watch,
         kernel_configs=configs.reports,
         watcher=watcher,
         prefetcher=prefetcher,

@@ -14,7 +14,9 @@ before launching (unless the batch is full already). Beyond ``max_queued_request
 requests, ``submit`` refuses with ``Overloaded`` and a retry hint.
 
 Errors stay per request: if a merged batch fails (say its slots stay busy past a request's
-limit), each of its requests runs again alone, so only those that fail alone fail.
+limit), each of its requests runs again alone, so only those that fail alone fail. A sticky
+device error is no request's own: the ``DeviceWatch`` records it, and that batch, every request
+still waiting and every later ``submit`` fail with ``DeviceFaultError`` (UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from executor_service.batch import Prepared, batch_key
+from executor_service.device_fault import DeviceFaultError, DeviceWatch
 from executor_service.engine import ForwardOutput
 from executor_service.metrics import ExecutorMetrics
 from shared.errors import Overloaded
@@ -56,10 +59,16 @@ class Scheduler:
     """Batches and launches the Forward requests of one device."""
 
     def __init__(
-        self, run: RunBatch, fits: Fits, settings: SchedulerSettings, metrics: ExecutorMetrics
+        self,
+        run: RunBatch,
+        fits: Fits,
+        settings: SchedulerSettings,
+        metrics: ExecutorMetrics,
+        watch: DeviceWatch,
     ) -> None:
         self._run = run
         self._fits = fits
+        self._watch = watch
         self.settings = settings
         self._metrics = metrics
         self._cond = threading.Condition(threading.Lock())
@@ -70,6 +79,7 @@ class Scheduler:
 
     def submit(self, request: Prepared) -> ForwardOutput:
         """Runs ``request`` in some batch and returns its answer (or raises its error)."""
+        self._watch.check()
         pending = _Pending(request)
         with self._cond:
             if len(self._queue) >= self.settings.max_queued_requests:
@@ -158,8 +168,14 @@ class Scheduler:
         while groups:
             group = groups.pop()
             try:
+                self._watch.check()
                 results = self._run([p.request for p in group])
             except BaseException as exc:
+                fault = self._watch.observe(exc)
+                if fault is not None:  # nobody's own error: no rerun on a lost context
+                    for pending in group:
+                        pending.error = DeviceFaultError(fault)
+                    continue
                 if len(group) > 1:  # retried alone: only who fails alone fails
                     groups.extend([p] for p in group)
                     continue

@@ -8,6 +8,7 @@ them into per-request ``RequestError`` answers so that one bad request does not 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -91,21 +92,24 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def attach(self, runtime: ExecutorRuntime) -> None:
         self._runtime = runtime
 
-    def _ready(self) -> ExecutorRuntime:
+    @contextlib.contextmanager
+    def _ready(self) -> Iterator[ExecutorRuntime]:
+        """The loaded runtime; a device fault met inside becomes UNAVAILABLE naming it."""
         runtime = self._runtime
         if runtime is None:
             raise Unavailable("the executor is still loading its base model; retry shortly")
-        return runtime
+        with runtime.device.guard():
+            yield runtime
 
     def _forward(
         self, request: executor_pb2.ForwardRequest, context: grpc.ServicerContext
     ) -> executor_pb2.ForwardResponse:
-        runtime = self._ready()
-        start = time.perf_counter()
-        decoded = decode_forward(request)
-        runtime.metrics.stage["decode"].observe(time.perf_counter() - start)
-        prepared = runtime.engine.prepare(decoded, _slot_wait(runtime, context))
-        result = runtime.scheduler.submit(prepared)
+        with self._ready() as runtime:
+            start = time.perf_counter()
+            decoded = decode_forward(request)
+            runtime.metrics.stage["decode"].observe(time.perf_counter() - start)
+            prepared = runtime.engine.prepare(decoded, _slot_wait(runtime, context))
+            result = runtime.scheduler.submit(prepared)
         response = executor_pb2.ForwardResponse(
             output=result.output,
             resolved_adapters=result.resolved_adapters,
@@ -172,81 +176,82 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def LoadAdapter(
         self, request: executor_pb2.LoadAdapterRequest, context: grpc.ServicerContext
     ) -> executor_pb2.LoadAdapterResponse:
-        runtime = self._ready()
-        ref = AdapterRef.parse(request.adapter, "adapter")
-        status = runtime.adapters.load(ref, request.to_gpu, _slot_wait(runtime, context))
-        return executor_pb2.LoadAdapterResponse(adapter=loaded_adapter(status))
+        with self._ready() as runtime:
+            ref = AdapterRef.parse(request.adapter, "adapter")
+            status = runtime.adapters.load(ref, request.to_gpu, _slot_wait(runtime, context))
+            return executor_pb2.LoadAdapterResponse(adapter=loaded_adapter(status))
 
     @override
     def UnloadAdapter(
         self, request: executor_pb2.UnloadAdapterRequest, context: grpc.ServicerContext
     ) -> executor_pb2.UnloadAdapterResponse:
-        runtime = self._ready()
-        ref = AdapterRef.parse(request.adapter, "adapter")
-        # Requests in flight finish first, however long the caller's deadline allows.
-        status = runtime.adapters.unload(ref, float(context.time_remaining()))
-        return executor_pb2.UnloadAdapterResponse(adapter=loaded_adapter(status))
+        with self._ready() as runtime:
+            ref = AdapterRef.parse(request.adapter, "adapter")
+            # Requests in flight finish first, however long the caller's deadline allows.
+            status = runtime.adapters.unload(ref, float(context.time_remaining()))
+            return executor_pb2.UnloadAdapterResponse(adapter=loaded_adapter(status))
 
     @override
     def PinAdapter(
         self, request: executor_pb2.PinAdapterRequest, context: grpc.ServicerContext
     ) -> executor_pb2.PinAdapterResponse:
-        runtime = self._ready()
-        ref = AdapterRef.parse(request.adapter, "adapter")
-        status = runtime.adapters.pin(ref, _slot_wait(runtime, context))
-        return executor_pb2.PinAdapterResponse(adapter=loaded_adapter(status))
+        with self._ready() as runtime:
+            ref = AdapterRef.parse(request.adapter, "adapter")
+            status = runtime.adapters.pin(ref, _slot_wait(runtime, context))
+            return executor_pb2.PinAdapterResponse(adapter=loaded_adapter(status))
 
     @override
     def UnpinAdapter(
         self, request: executor_pb2.UnpinAdapterRequest, context: grpc.ServicerContext
     ) -> executor_pb2.UnpinAdapterResponse:
-        runtime = self._ready()
-        ref = AdapterRef.parse(request.adapter, "adapter")
-        status = runtime.adapters.unpin(ref)
-        return executor_pb2.UnpinAdapterResponse(adapter=loaded_adapter(status))
+        with self._ready() as runtime:
+            ref = AdapterRef.parse(request.adapter, "adapter")
+            status = runtime.adapters.unpin(ref)
+            return executor_pb2.UnpinAdapterResponse(adapter=loaded_adapter(status))
 
     @override
     def ListLoadedAdapters(
         self, request: executor_pb2.ListLoadedAdaptersRequest, context: grpc.ServicerContext
     ) -> executor_pb2.ListLoadedAdaptersResponse:
-        adapters = self._ready().adapters
-        stats = adapters.stats()
-        return executor_pb2.ListLoadedAdaptersResponse(
-            adapters=[loaded_adapter(s) for s in adapters.list_loaded()],
-            num_slots=stats.num_slots,
-            free_slots=stats.free_slots,
-            host_cache_used_bytes=stats.host_cache_used_bytes,
-        )
+        with self._ready() as runtime:
+            adapters = runtime.adapters
+            stats = adapters.stats()
+            return executor_pb2.ListLoadedAdaptersResponse(
+                adapters=[loaded_adapter(s) for s in adapters.list_loaded()],
+                num_slots=stats.num_slots,
+                free_slots=stats.free_slots,
+                host_cache_used_bytes=stats.host_cache_used_bytes,
+            )
 
     @override
     def GetExecutorInfo(
         self, request: executor_pb2.GetExecutorInfoRequest, context: grpc.ServicerContext
     ) -> executor_pb2.GetExecutorInfoResponse:
-        runtime = self._ready()
-        settings, where = runtime.settings, runtime.placement
-        return executor_pb2.GetExecutorInfoResponse(
-            base_model=runtime.model.spec.to_proto(runtime.model.name),
-            compute_dtype=codec.dtype_from_name(str(where.dtype)),
-            num_slots=settings.num_slots,
-            max_rank=settings.max_rank,
-            device=where.device_name,
-            backend=where.backend_name,
-            slot_memory_bytes=runtime.adapters.stats().slot_memory_bytes,
-            host_cache_bytes=settings.host_cache_bytes,
-            max_tokens_per_request=settings.max_tokens_per_request,
-            max_message_bytes=settings.max_message_bytes,
-            server_version=package_version(),
-            served_layers=sorted(runtime.model.layers),
-            replica_name=replica_name(settings),
-            registry=registry_status(runtime.adapters.source),
-            kernel_configs=[
-                executor_pb2.KernelConfigInfo(
-                    rank=c.rank, source=c.source, shape=c.shape,
-                    autotune_seconds=c.autotune_seconds,
-                )
-                for c in runtime.kernel_configs
-            ],
-        )  # fmt: skip
+        with self._ready() as runtime:
+            settings, where = runtime.settings, runtime.placement
+            return executor_pb2.GetExecutorInfoResponse(
+                base_model=runtime.model.spec.to_proto(runtime.model.name),
+                compute_dtype=codec.dtype_from_name(str(where.dtype)),
+                num_slots=settings.num_slots,
+                max_rank=settings.max_rank,
+                device=where.device_name,
+                backend=where.backend_name,
+                slot_memory_bytes=runtime.adapters.stats().slot_memory_bytes,
+                host_cache_bytes=settings.host_cache_bytes,
+                max_tokens_per_request=settings.max_tokens_per_request,
+                max_message_bytes=settings.max_message_bytes,
+                server_version=package_version(),
+                served_layers=sorted(runtime.model.layers),
+                replica_name=replica_name(settings),
+                registry=registry_status(runtime.adapters.source),
+                kernel_configs=[
+                    executor_pb2.KernelConfigInfo(
+                        rank=c.rank, source=c.source, shape=c.shape,
+                        autotune_seconds=c.autotune_seconds,
+                    )
+                    for c in runtime.kernel_configs
+                ],
+            )  # fmt: skip
 
 
 def _slot_wait(runtime: ExecutorRuntime, context: grpc.ServicerContext) -> float:

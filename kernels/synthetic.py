@@ -158,3 +158,11 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """‖actual − expected‖ / ‖expected‖ in float64; NaN anywhere gives NaN (never passes)."""
     a, e = actual.double(), expected.double()
     return float((a - e).norm() / e.norm().clamp(min=1e-30))
+
+
+def worst_row_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max over rows of ‖actual_row − expected_row‖ / ‖expected_row‖ in float64 (NaN anywhere
+    gives NaN): a lost or shifted row shows, where one norm over a long output hides it."""
+    a, e = actual.double().flatten(1), expected.double().flatten(1)
+    rows = (a - e).norm(dim=1) / e.norm(dim=1).clamp(min=1e-30)
+    return float(rows.max()) if rows.numel() else 0.0

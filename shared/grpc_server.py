@@ -68,6 +68,8 @@ class _State:
 
     def __init__(self) -> None:
         self.draining = threading.Event()
+        #: Why the server drains, for the UNAVAILABLE that new calls get.
+        self.drain_reason = "server is draining"
         self._idle = threading.Condition()
         self._in_flight = 0
 
@@ -111,7 +113,8 @@ class _Call:
     def handled(self, context: grpc.ServicerContext) -> Iterator[None]:
         if self._counted and self._state.draining.is_set():
             context.abort(
-                grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self._state.drain_reason}; retry on another replica",
             )
         start = time.perf_counter()
         if self._counted:
@@ -272,20 +275,31 @@ class GrpcServer:
         """Set once the drain starts: long-lived streams watch it to end themselves."""
         return self._state.draining
 
-    def drain(self, on_drained: Callable[[], None] | None = None) -> None:
-        """Stops taking new RPCs (they get UNAVAILABLE, which clients retry elsewhere),
-        reports NOT_SERVING, lets RPCs in flight finish for up to ``drain_seconds``,
-        then stops, cancelling what is still running. Idempotent."""
+    def drain(
+        self,
+        on_drained: Callable[[], None] | None = None,
+        *,
+        grace: float | None = None,
+        reason: str | None = None,
+        linger: float = 0.0,
+    ) -> None:
+        """Stops taking new RPCs (they get UNAVAILABLE, which clients retry elsewhere,
+        with ``reason`` in its message), reports NOT_SERVING, lets RPCs in flight finish for
+        up to ``grace`` (default ``drain_seconds``) and keeps answering new ones so for at
+        least ``linger`` seconds, then stops, cancelling what is still running. Idempotent."""
         if self._state.draining.is_set():
             return
+        if reason is not None:
+            self._state.drain_reason = reason
         self._state.draining.set()
         self.set_serving(False)
-        log_event(log, "server_draining", grace_seconds=self.options.drain_seconds)
-        idle = self._state.wait_idle(self.options.drain_seconds)
+        grace = self.options.drain_seconds if grace is None else grace
+        log_event(log, "server_draining", grace_seconds=grace)
+        started = time.monotonic()
+        idle = self._state.wait_idle(grace)
         if not idle:
-            log_event(
-                log, "drain_timeout", logging.WARNING, grace_seconds=self.options.drain_seconds
-            )
+            log_event(log, "drain_timeout", logging.WARNING, grace_seconds=grace)
+        time.sleep(max(0.0, linger - (time.monotonic() - started)))
         self._server.stop(0).wait()
         if on_drained is not None:
             on_drained()

@@ -69,9 +69,10 @@ def log_event(
     logger: logging.Logger,
     event: str,
     level: int = logging.INFO,
-    exc_info: bool = False,
+    exc_info: bool | BaseException = False,
     **fields: Any,
 ) -> None:
-    """Logs one event with structured fields (and the current exception if asked)."""
+    """Logs one event with structured fields (and the current exception, or the one given,
+    if asked)."""
     if logger.isEnabledFor(level):
         logger.log(level, event, exc_info=exc_info, extra={_FIELDS_ATTR: fields})

@@ -72,7 +72,8 @@ def routing_world(tmp_path_factory: pytest.TempPathFactory) -> RoutingWorld:
 def start_replicas(tmp_path: Path) -> Iterator[StartReplicas]:
     """``start_replicas(checkpoint, adapter_dir, specs)`` with ``specs`` a list of
     (host, layers or None): one executor process each, all started at once, returned once all
-    serve. ``port`` shares one port among hosts (for DNS-style endpoints)."""
+    serve. ``port`` shares one port among hosts (for DNS-style endpoints); ``module`` runs
+    ``python -m module`` instead of the console script (an executor with an injected kernel)."""
     started: list[tuple[Replica, IO[bytes]]] = []
 
     def start(
@@ -81,17 +82,22 @@ def start_replicas(tmp_path: Path) -> Iterator[StartReplicas]:
         specs: list[tuple[str, str | None]],
         num_slots: int = 4,
         port: int | None = None,
+        module: str | None = None,
+        device: str = "cpu",
     ) -> list[Replica]:
         replicas = []
-        exe = str(Path(sys.executable).parent / "moelora-executor")
+        exe = [str(Path(sys.executable).parent / "moelora-executor")]
+        if module is not None:
+            exe = [sys.executable, "-m", module]
         for host, layers in specs:
             address = f"{host}:{port or free_port()}"
             args = [
-                exe,
+                *exe,
                 "--listen", address,
                 "--base-model-path", str(checkpoint),
                 "--adapter-dir", str(adapter_dir),
-                "--device", "cpu",
+                "--device", device,
+                "--kernel-autotune-seconds", "0",
                 "--num-slots", str(num_slots),
                 "--max-rank", "8",
                 "--metrics-listen", "",

@@ -1,5 +1,6 @@
 """The Forward benchmark runs end to end on the CPU with the tiny shape (no speed asserted):
-executor, echo server and clients as their own processes, every row and column filled."""
+executor, echo server and clients as their own processes, every row and column filled, and
+every row's sampled answers checked against the same requests computed alone."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import pytest
 
 from executor_service import bench_forward
+from executor_service.bench.answers import CPU_ROW_TOLERANCE
 
 
 def test_tiny_cpu_bench_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,6 +34,9 @@ def test_tiny_cpu_bench_prints_every_row(capsys: pytest.CaptureFixture[str]) -> 
         assert 0 < p50 <= p99 and server > 0, line
         assert float(cells[7]) > 0  # the transport floor
         assert float(cells[9].replace(",", "")) > 0  # tokens/s
-        assert float(cells[10]) >= 1.0  # mean batch
+        assert float(cells[10]) > 0  # mean batch
+        checks = re.fullmatch(r"(\d+) \((\S+)\)", cells[11])  # answers checked (worst error)
+        assert checks is not None, line
+        assert int(checks[1]) > 0 and float(checks[2]) <= CPU_ROW_TOLERANCE, line
         assert (cells[6] == "—") == (clients != "1"), line  # kernel time for one client
     assert "(churn)" in table[3] and "(churn)" in table[7]

@@ -160,7 +160,9 @@ def test_a_full_queue_drops_the_oldest_and_close_lets_the_load_in_progress_finis
         manager = runtime.adapters
         alpha = manager.resolve(AdapterRef.parse("alpha"))
         metrics = CollectorRegistry()
-        prefetcher = Prefetcher(manager, ExecutorMetrics(metrics), max_inflight=1)
+        prefetcher = Prefetcher(
+            manager, ExecutorMetrics(metrics), max_inflight=1, watch=runtime.device
+        )
         prefetcher.start()
         try:
 

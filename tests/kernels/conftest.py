@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from kernels.synthetic import relative_error, worst_row_error
+
 #: Where the Triton path runs: the GPU if any, else the CPU interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -19,6 +21,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # activation (and the LoRA shrink result) to the operand dtype, as every fused MoE does:
 # 2^-11 resp. 2^-8 relative per rounding, a few roundings deep.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+#: The same, for the worst single row (a row sums fewer roundings: its error varies more).
+ROW_TOLERANCE = {torch.float32: 1e-4, torch.float16: 6e-3, torch.bfloat16: 4e-2}
+
+
+def assert_rows_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Within TOLERANCE over the whole output and ROW_TOLERANCE in every row, for actual's
+    dtype."""
+    whole, worst = relative_error(actual, expected), worst_row_error(actual, expected)
+    bound, row_bound = TOLERANCE[actual.dtype], ROW_TOLERANCE[actual.dtype]
+    assert whole < bound and worst < row_bound, (
+        f"{what}: rel err {whole:.2e} (< {bound:.0e}), worst row {worst:.2e} (< {row_bound:.0e})"
+    )
 
 
 @pytest.fixture

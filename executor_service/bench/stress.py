@@ -1,0 +1,357 @@
+"""The stress run: many concurrent clients, every answer checked
+(``python -m executor_service.bench_forward --stress SECONDS``).
+
+Concurrency bugs hide from sequential tests, so this drives the executor the way a busy
+attention tier does and checks every single answer:
+
+* the executor runs as its own process, CUDA graphs as configured (on by default on a GPU);
+  its base model has two MoE layers;
+* a pool of requests, each with a random T (half of them at a graph bucket's edge: b - 1, b,
+  b + 1), one to four segments, each segment the base model or an adapter: a pinned "hot" one,
+  or one of the "cold" ones, more than the free slots hold, so that batches churn slots while
+  graphs replay;
+* each pool request's answer is computed first, alone and eagerly, by the executor's own
+  engine in this process (``reference.EagerReference``);
+* ``clients`` processes (half unary ``Forward``, half ``ForwardStream``), each on its own
+  channel, send random pool requests for ``seconds`` and compare every answer row by row
+  (``answers.worst_row_error`` against ``answers.row_tolerance``).
+
+It fails on any status other than OK (RESOURCE_EXHAUSTED, a busy executor's answer, is allowed
+up to ``MAX_EXHAUSTED_SHARE`` of the calls), on any mismatch, on a broken stream, and if the
+executor died, stopped reporting SERVING, or did not exit cleanly on SIGTERM. The report counts
+requests, merged batch sizes, graph buckets hit and slot loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from executor_service.bench.answers import bf16_bytes, row_tolerance
+from executor_service.bench.reference import EagerReference
+from executor_service.bench.shapes import SHAPES
+from executor_service.bench.stress_client import PoolRequest, write_pool
+from executor_service.client import ExecutorClient
+from executor_service.graphs import BUCKETS
+from executor_service.synthetic import SyntheticAdapter, write_adapter, write_base_checkpoint
+from shared.grpc_server import health_check
+
+#: RESOURCE_EXHAUSTED answers allowed, as a share of all calls.
+MAX_EXHAUSTED_SHARE = 0.05
+#: Ranks of the adapters, in turn (every adapter at most the executor's max rank).
+RANKS = (16, 8, 4)
+
+
+@dataclass(frozen=True)
+class StressSettings:
+    seconds: float
+    device: str = "cuda"
+    shape: str = "qwen3-30b-a3b"
+    layers: int = 2
+    clients: int = 32
+    #: Distinct requests the clients draw from.
+    pool: int = 64
+    #: Adapters in all; the first ``pinned`` are pinned, the rest churn through the other slots.
+    adapters: int = 16
+    pinned: int = 4
+    slots: int = 8
+    max_rank: int = 16
+    max_tokens: int = 512
+    cuda_graphs: str = "auto"
+    seed: int = 0
+
+
+@dataclass
+class StressReport:
+    settings: StressSettings
+    device_name: str = ""
+    tolerance: float = 0.0
+    codes: Counter[str] = field(default_factory=Counter)
+    by_mode: Counter[str] = field(default_factory=Counter)
+    mismatched: int = 0
+    mismatches: list[dict[str, object]] = field(default_factory=list)
+    worst_row_error: float = 0.0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    #: Launches by the number of requests merged into them (histogram's upper bound -> count).
+    batch_sizes: dict[str, int] = field(default_factory=dict)
+    mean_batch: float = 0.0
+    graph_replays: dict[int, int] = field(default_factory=dict)
+    eager_launches: int = 0
+    slot_loads: int = 0
+    slot_evictions: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def requests(self) -> int:
+        return sum(self.codes.values())
+
+    def failures(self) -> list[str]:
+        found = list(self.problems)
+        if self.requests == 0:
+            found.append("no request was answered")
+        bad = {c: n for c, n in self.codes.items() if c not in ("OK", "RESOURCE_EXHAUSTED")}
+        if bad:
+            found.append(f"error answers: {bad}")
+        exhausted = self.codes.get("RESOURCE_EXHAUSTED", 0)
+        if exhausted > MAX_EXHAUSTED_SHARE * max(self.requests, 1):
+            found.append(f"{exhausted} RESOURCE_EXHAUSTED of {self.requests} calls")
+        if self.mismatched:
+            found.append(f"{self.mismatched} answers differ from the reference: {self.mismatches}")
+        return found
+
+    def table(self) -> str:
+        s = self.settings
+        ok = self.codes.get("OK", 0)
+        exhausted = self.codes.get("RESOURCE_EXHAUSTED", 0)
+        other = self.requests - ok - exhausted
+        lines = [
+            f"Stress, {s.seconds:.0f} s: {s.clients} client processes "
+            f"({self.by_mode.get('unary', 0)} unary, {self.by_mode.get('stream', 0)} stream), "
+            f"{s.shape} x {s.layers} layers on {self.device_name}, graphs {s.cuda_graphs}, "
+            f"{s.adapters} adapters ({s.pinned} pinned) over {s.slots} slots, pool of {s.pool} "
+            f"requests (T 1-{s.max_tokens}, 1-4 segments, base rows too)",
+            "",
+            "| requests | OK | RESOURCE_EXHAUSTED | other errors | mismatches | worst row error "
+            "(tolerance) | p50 ms | p99 ms | mean batch | eager launches | slot loads | "
+            "slot evictions |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"| {self.requests:,} | {ok:,} | {exhausted:,} | {other:,} | {self.mismatched:,} | "
+            f"{self.worst_row_error:.2e} ({self.tolerance:.0e}) | {self.p50_ms:.2f} | "
+            f"{self.p99_ms:.2f} | {self.mean_batch:.2f} | {self.eager_launches:,} | "
+            f"{self.slot_loads:,} | {self.slot_evictions:,} |",
+            "",
+            "Launches by requests merged: "
+            + ", ".join(f"<={k}: {v:,}" for k, v in self.batch_sizes.items() if v),
+            "Graph replays by bucket: "
+            + ", ".join(f"{k}: {v:,}" for k, v in sorted(self.graph_replays.items())),
+        ]
+        failures = self.failures()
+        lines.append("FAILED: " + "; ".join(failures) if failures else "PASSED")
+        return "\n".join(lines)
+
+
+def _token_counts(rng: random.Random, count: int, limit: int) -> list[int]:
+    """Half at a bucket's edge (b - 1, b, b + 1), half uniform in 1..limit."""
+    edges = sorted({t for b in BUCKETS for t in (b - 1, b, b + 1) if 1 <= t <= limit})
+    return [rng.choice(edges) if i % 2 else rng.randint(1, limit) for i in range(count)]
+
+
+def _segments(
+    rng: random.Random, tokens: int, hot: list[str], cold: list[str]
+) -> list[tuple[int, str]]:
+    parts = rng.randint(1, min(4, tokens))
+    cuts = sorted(rng.sample(range(1, tokens), parts - 1)) if parts > 1 else []
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True)]
+    segments = []
+    for size in sizes:
+        draw = rng.random()
+        adapter = "" if draw < 0.2 else rng.choice(hot) if draw < 0.7 else rng.choice(cold)
+        segments.append((size, adapter))
+    return segments
+
+
+def _pool(
+    settings: StressSettings,
+    reference: EagerReference,
+    layers: list[int],
+    hidden_size: int,
+    hot: list[str],
+    cold: list[str],
+) -> list[PoolRequest]:
+    rng = random.Random(settings.seed)
+    values = np.random.default_rng(settings.seed)
+    pool = []
+    for index, tokens in enumerate(_token_counts(rng, settings.pool, settings.max_tokens)):
+        layer = rng.choice(layers)
+        segments = _segments(rng, tokens, hot, cold)
+        floats = values.standard_normal((tokens, hidden_size), dtype=np.float32)
+        hidden = np.frombuffer(bf16_bytes(floats), dtype="<u2").reshape(tokens, hidden_size)
+        expected = reference.forward(layer, hidden, segments)
+        pool.append(PoolRequest(index, layer, segments, hidden, expected))
+    return pool
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def _summarise_metrics(report: StressReport, url: str) -> None:
+    samples = _scrape(url)
+    cumulative = {
+        dict(labels)["le"]: int(value)
+        for (name, labels), value in samples.items()
+        if name == "moelora_executor_batch_requests_bucket"
+    }
+    previous = 0
+    for bound in sorted(cumulative, key=lambda b: float(b)):
+        if bound != "+Inf":
+            report.batch_sizes[bound.removesuffix(".0")] = cumulative[bound] - previous
+            previous = cumulative[bound]
+    count = samples.get(("moelora_executor_batch_requests_count", ()), 0.0)
+    total = samples.get(("moelora_executor_batch_requests_sum", ()), 0.0)
+    report.mean_batch = total / count if count else 0.0
+    report.graph_replays = {
+        int(dict(labels)["bucket"]): int(value)
+        for (name, labels), value in samples.items()
+        if name == "moelora_executor_graph_replays_total"
+    }
+    report.eager_launches = int(
+        samples.get(("moelora_executor_forward_runs_total", (("mode", "eager"),)), 0)
+    )
+    report.slot_loads = int(
+        samples.get(("moelora_executor_adapter_misses_total", (("tier", "gpu"),)), 0)
+    )
+    report.slot_evictions = int(
+        samples.get(("moelora_executor_adapter_evictions_total", (("tier", "gpu"),)), 0)
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _progress(message: str) -> None:
+    print(f"[stress {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run(settings: StressSettings, workdir: Path | None = None) -> StressReport:
+    """Runs the stress and returns its report (``report.failures()`` empty when it passed)."""
+    report = StressReport(settings, tolerance=row_tolerance(settings.device))
+    with tempfile.TemporaryDirectory(prefix="stress-", dir=workdir) as tmp:
+        root = Path(tmp)
+        base = dataclasses.replace(SHAPES[settings.shape], num_layers=settings.layers)
+        dtype = torch.float32 if settings.device == "cpu" else torch.bfloat16
+        spec = write_base_checkpoint(root / "base", base, dtype=dtype)
+        names = [f"stress-{i}" for i in range(settings.adapters)]
+        for i, name in enumerate(names):
+            rank = RANKS[i % len(RANKS)]
+            write_adapter(root / "adapters" / name, spec, SyntheticAdapter(rank=rank), seed=i)
+        hot, cold = names[: settings.pinned], names[settings.pinned :]
+        _progress(f"computing {settings.pool} reference answers alone, eagerly")
+        reference = EagerReference(
+            root / "base", root / "adapters", settings.device, settings.max_rank, root / "ref-cache"
+        )
+        try:
+            pool = _pool(settings, reference, list(spec.moe_layers), spec.hidden_size, hot, cold)
+        finally:
+            reference.close()
+            del reference
+        write_pool(root / "pool", pool)
+        del pool
+        if settings.device != "cpu":
+            torch.cuda.empty_cache()
+        port, metrics_port = _free_port(), _free_port()
+        address = f"127.0.0.1:{port}"
+        log_path = root / "executor.log"
+        command = [
+            sys.executable, "-m", "executor_service.main",
+            f"--listen={address}", f"--metrics-listen=127.0.0.1:{metrics_port}",
+            f"--base-model-path={root / 'base'}", f"--adapter-dir={root / 'adapters'}",
+            "--registry-address=", f"--disk-cache-dir={root / 'cache'}",
+            f"--device={settings.device}", f"--num-slots={settings.slots}",
+            f"--max-rank={settings.max_rank}", f"--cuda-graphs={settings.cuda_graphs}",
+            "--kernel-autotune-seconds=0", "--log-format=json",
+        ]  # fmt: skip
+        with log_path.open("w") as log_file:
+            executor = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            _drive(settings, report, executor, address, root / "pool", metrics_port)
+        finally:
+            if executor.poll() is None:
+                executor.send_signal(signal.SIGTERM)
+                try:
+                    status = executor.wait(60)
+                except subprocess.TimeoutExpired:
+                    executor.kill()
+                    status = executor.wait()
+                    report.problems.append("the executor did not stop within 60 s of SIGTERM")
+                if status != 0:
+                    report.problems.append(f"the executor exited with status {status}")
+            if report.failures():
+                tail = log_path.read_text(errors="replace").splitlines()[-40:]
+                report.problems.append("executor log tail:\n" + "\n".join(tail))
+    return report
+
+
+def _drive(
+    settings: StressSettings,
+    report: StressReport,
+    executor: subprocess.Popen[bytes],
+    address: str,
+    pool_dir: Path,
+    metrics_port: int,
+) -> None:
+    with ExecutorClient(address, timeout=900) as client:
+        client.wait_until_serving(timeout=900)
+        info = client.get_executor_info()
+        report.device_name = f"{info.device} ({info.backend})"
+        for i in range(settings.pinned):
+            client.pin_adapter(f"stress-{i}")
+    _progress(f"executor serving on {report.device_name}; {settings.clients} clients start")
+    clients = []
+    for i in range(settings.clients):
+        mode = "stream" if i % 2 else "unary"
+        report.by_mode[mode] += 1
+        command = [
+            sys.executable, "-m", "executor_service.bench.stress_client",
+            f"--address={address}", f"--pool={pool_dir}", f"--mode={mode}",
+            f"--seconds={settings.seconds}", f"--seed={settings.seed * 1000 + i}",
+            f"--tolerance={report.tolerance}",
+        ]  # fmt: skip
+        clients.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+    latencies: list[float] = []
+    try:
+        for proc in clients:
+            out, _ = proc.communicate(timeout=settings.seconds + 600)
+            if proc.returncode != 0 or not out.strip():
+                report.problems.append(f"a client process failed (status {proc.returncode})")
+                continue
+            result = json.loads(out.strip().splitlines()[-1])
+            report.codes.update(result["codes"])
+            report.mismatched += result["mismatched"]
+            report.mismatches.extend(result["mismatches"][: max(0, 5 - len(report.mismatches))])
+            report.worst_row_error = max(report.worst_row_error, result["worst_row_error"])
+            report.problems.extend(result["errors"])
+            latencies.extend(result["latency_s"])
+    finally:
+        for proc in clients:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if latencies:
+        ordered = sorted(latencies)
+        report.p50_ms = 1e3 * statistics.median(ordered)
+        report.p99_ms = 1e3 * ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    if executor.poll() is not None:
+        report.problems.append(f"the executor died during the run (status {executor.returncode})")
+        return
+    with grpc.insecure_channel(address) as channel:
+        status = health_check(channel, timeout=10)
+    if status != "SERVING":
+        report.problems.append(f"health says {status} after the run")
+    _summarise_metrics(report, f"http://127.0.0.1:{metrics_port}/metrics")
