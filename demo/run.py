@@ -285,7 +285,7 @@ def run_forward_calls(client: ExecutorClient, checkpoint: Path, work: Path, requ
         for segments in mixes:
             tokens = sum(n for n, _ in segments)
             hidden = torch.randn(tokens, model.spec.hidden_size, generator=generator).to(dtype)
-            result: ForwardResult = client.forward(layer, hidden, segments)
+            result: ForwardResult[torch.Tensor] = client.forward(layer, hidden, segments)
             names = [
                 None if ref is None else ref.split("@")[0].split(":")[0] for _, ref in segments
             ]

@@ -89,9 +89,9 @@ class AsyncClusterClient:
         layer: int,
         hidden: torch.Tensor,
         segments: Segments | None = None,
-        routing: RoutingTensors | None = None,
+        routing: RoutingTensors[torch.Tensor] | None = None,
         timeout: float | None = None,
-    ) -> ForwardResult:
+    ) -> ForwardResult[torch.Tensor]:
         """As ``ClusterClient.forward``."""
         deadline = time.monotonic() + (timeout or self.settings.timeout)
         try:

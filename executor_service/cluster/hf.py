@@ -36,7 +36,7 @@ class ForwardClient(Protocol):
 
     def forward(
         self, layer: int, hidden: torch.Tensor, segments: SegmentList | None = None
-    ) -> ForwardResult: ...
+    ) -> ForwardResult[torch.Tensor]: ...
 
 
 class RowAdapters:

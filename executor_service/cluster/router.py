@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -26,6 +27,9 @@ from moelora.v1 import executor_pb2
 from shared.errors import MoeLoraError, Unavailable
 from shared.layer_set import format_layers
 from shared.logs import log_event
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +240,9 @@ class Router:
                 return True
             return False
 
-    def answered(self, address: str, segments: Segments | None, result: ForwardResult) -> None:
+    def answered(
+        self, address: str, segments: Segments | None, result: ForwardResult[torch.Tensor]
+    ) -> None:
         with self._lock:
             replica = self._replicas.get(address)
             if replica is not None:

@@ -111,9 +111,9 @@ class ClusterClient:
         layer: int,
         hidden: torch.Tensor,
         segments: Segments | None = None,
-        routing: RoutingTensors | None = None,
+        routing: RoutingTensors[torch.Tensor] | None = None,
         timeout: float | None = None,
-    ) -> ForwardResult:
+    ) -> ForwardResult[torch.Tensor]:
         """As ``ExecutorClient.forward``, on a replica that serves ``layer``; fails over to
         the next replica on UNAVAILABLE and on busy slots, within one deadline."""
         deadline = time.monotonic() + (timeout or self.settings.timeout)

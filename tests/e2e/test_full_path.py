@@ -118,7 +118,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         assert code == 0, executor.log()
 
 
-def forward(cluster: Cluster, segments: list[tuple[int, str | None]]) -> ForwardResult:
+def forward(
+    cluster: Cluster, segments: list[tuple[int, str | None]]
+) -> ForwardResult[torch.Tensor]:
     layer = cluster.world.moe_layers[0]
     hidden = cluster.world.inputs[layer][: sum(n for n, _ in segments)]
     return cluster.executor.forward(layer, hidden, segments)

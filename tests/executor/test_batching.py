@@ -67,14 +67,14 @@ def test_merged_requests_equal_each_alone_bit_for_bit(
     hidden = qwen_world.inputs[layer]
     running = start_executor(qwen_world, num_slots=5, batch_window_us=WINDOW_US)
 
-    def call(client: ExecutorClient, index: int) -> ForwardResult:
+    def call(client: ExecutorClient, index: int) -> ForwardResult[torch.Tensor]:
         segments = _segments(index)
         tokens = sum(n for n, _ in segments)
         return client.forward(layer, hidden[:tokens] * (1 + index / 10), segments)
 
     alone = [call(running.client, i) for i in range(6)]
     assert _merged(running) == 1.0
-    results: dict[int, ForwardResult] = {}
+    results: dict[int, ForwardResult[torch.Tensor]] = {}
 
     def work(index: int) -> None:
         with ExecutorClient(running.app.address, timeout=60) as client:
@@ -95,7 +95,7 @@ def test_a_request_whose_adapter_fails_to_load_fails_alone(
 ) -> None:
     layer = qwen_world.moe_layers[0]
     running = start_executor(qwen_world, batch_window_us=WINDOW_US)
-    outcomes: dict[int, ForwardResult | MoeLoraError] = {}
+    outcomes: dict[int, ForwardResult[torch.Tensor] | MoeLoraError] = {}
 
     def work(index: int) -> None:
         adapter = FOREIGN if index == 0 else ["alpha", "beta", None][index % 3]

@@ -172,7 +172,7 @@ def test_merged_requests_match_each_alone_on_the_gpu(world: World, running: Runn
         [(TOKENS, None)],
     ]
     alone = [running.client.forward(layer, hidden, m) for m in mixes]
-    merged: dict[int, ForwardResult] = {}
+    merged: dict[int, ForwardResult[torch.Tensor]] = {}
     barrier = threading.Barrier(len(mixes))
 
     def work(index: int) -> None:
