@@ -49,7 +49,7 @@ from kernels import MoELayerWeights, moe_forward_reference
 from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.adapter_format import AdapterFormat
 from shared.codec import dtype_name
-from shared.grpc_server import wait_until_serving
+from shared.health import wait_until_serving
 
 BIN = Path(sys.executable).parent
 BASE_NAME = "demo-qwen3-moe"

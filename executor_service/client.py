@@ -32,7 +32,7 @@ from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 from shared import codec, keepalive
 from shared.auth import open_channel
 from shared.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
-from shared.grpc_server import wait_until_serving
+from shared.health import wait_until_serving
 
 if TYPE_CHECKING:
     import torch

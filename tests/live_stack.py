@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from executor_service.client import ExecutorClient, RetryPolicy
-from shared.grpc_server import wait_until_serving
+from shared.health import wait_until_serving
 from shared.model_spec import read_model_spec
 from shared.registry_client import RegistryClient
 from tests.conftest import ServerProcess, free_port

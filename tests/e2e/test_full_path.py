@@ -23,7 +23,7 @@ import torch
 from executor_service.client import ExecutorClient, ForwardResult, RetryPolicy
 from moelora.v1 import executor_pb2
 from shared.errors import NotFound, Unavailable
-from shared.grpc_server import wait_until_serving
+from shared.health import wait_until_serving
 from tests.conftest import ServerProcess, free_port, wait_for
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import Recipe, World, build_world

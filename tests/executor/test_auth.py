@@ -20,7 +20,7 @@ from executor_service.config import ExecutorSettings
 from executor_service.metrics import ExecutorMetrics
 from moelora.v1 import executor_pb2
 from shared.errors import MoeLoraError
-from shared.grpc_server import health_check
+from shared.health import health_check
 from shared.tokens import Role
 from tests.conftest import wait_for
 from tests.executor.conftest import StartExecutor, assert_close

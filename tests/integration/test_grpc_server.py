@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from shared.errors import FailedPrecondition, InvalidArgument, NotFound
-from shared.grpc_server import GrpcServer, ServerOptions, health_check
+from shared.grpc_server import GrpcServer, ServerOptions
+from shared.health import health_check
 
 SERVICE = "test.v1.Probe"
 

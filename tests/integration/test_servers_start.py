@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from shared.grpc_server import health_check, wait_until_serving
+from shared.health import health_check, wait_until_serving
 from tests.conftest import free_port, wait_for
 
 REGISTRY = "moelora.v1.AdapterRegistry"

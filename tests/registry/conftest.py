@@ -20,7 +20,8 @@ import pytest
 from registry_service.app import RegistryApp, open_registry
 from registry_service.config import RegistrySettings
 from registry_service.server import SERVICE_NAME, create_server
-from shared.grpc_server import GrpcServer, wait_until_serving
+from shared.grpc_server import GrpcServer
+from shared.health import wait_until_serving
 from shared.model_spec import read_model_spec
 from shared.registry_client import RegistryClient
 from tests.conftest import free_port
