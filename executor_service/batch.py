@@ -49,6 +49,9 @@ class Prepared:
     routing: Routing | None
     #: time.monotonic() after which waiting for GPU slots fails the request.
     slot_deadline: float
+    #: (T, H) on the CPU in the wire dtype: where the launch writes this request's answer
+    #: (a fresh tensor, or a view of shared memory that a front end reads).
+    output: torch.Tensor
 
     @property
     def tokens(self) -> int:

@@ -4,7 +4,8 @@
 its adapters and brings their data to the host, raising the domain errors that the servicer
 maps to status codes: a bad request, or one whose adapter fails to load, fails alone, before
 it meets other requests or the device. ``ForwardEngine.run`` computes a batch of prepared
-requests for one layer as one launch (the scheduler decides which) and encodes each answer.
+requests for one layer as one launch (the scheduler decides which) and writes each answer
+where its request said (``Prepared.output``), before the next launch reuses the staging.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel
 from executor_service.runner import Launch, Runner
 from kernels import MoELayerWeights, Routing
-from moelora.v1 import tensor_pb2
-from shared import torch_codec
 from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from shared.layer_set import format_layers
 from shared.refs import AdapterRef
@@ -48,14 +47,15 @@ class ForwardInput:
     segments: Sequence[Segment]
     topk_ids: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
+    #: (T, H) in hidden's dtype, where the answer goes; None: a new tensor.
+    output: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    """(T, H) in the input's dtype, encoded for the wire, and ``name:VERSION`` per segment
-    ("" = base)."""
+    """What a request learns besides its answer (written to ``Prepared.output``):
+    ``name:VERSION`` per segment ("" = base)."""
 
-    output: tensor_pb2.Tensor
     resolved_adapters: list[str]
     #: Adapters of this request that its batch loaded into GPU slots (0: all were resident).
     adapters_loaded: int = 0
@@ -109,7 +109,21 @@ class ForwardEngine:
             wanted=tuple(wanted),
             routing=routing,
             slot_deadline=time.monotonic() + slot_wait,
+            output=self._output(request, tokens),
         )
+
+    def _output(self, request: ForwardInput, tokens: int) -> torch.Tensor:
+        shape = (tokens, self.model.spec.hidden_size)
+        given = request.output
+        if given is None:
+            return torch.empty(shape, dtype=request.hidden.dtype)
+        if tuple(given.shape) != shape or given.dtype != request.hidden.dtype:
+            raise InvalidArgument(
+                f"output: {list(given.shape)} {_name(given.dtype)} is not {list(shape)} "
+                f"{_name(request.hidden.dtype)} (the input's shape and dtype)",
+                "output",
+            )
+        return given
 
     def run(self, requests: Sequence[Prepared]) -> list[ForwardOutput]:
         """Computes ``requests`` (same layer, see ``batch.batch_key``) as one launch."""
@@ -131,14 +145,15 @@ class ForwardEngine:
             )
             out = self._runner.run(launch)
         encoding = time.perf_counter()
+        for request, (a, b) in zip(requests, row_ranges(requests), strict=True):
+            request.output.copy_(out[a:b])  # casts to the wire dtype on the way
         loaded = {adapter.digest for adapter in lease.loaded}
         outputs = [
             ForwardOutput(
-                output=torch_codec.from_torch(out[a:b].to(r.hidden.dtype)),
                 resolved_adapters=r.labels,
                 adapters_loaded=len({x.digest for x in r.adapters if x is not None} & loaded),
             )
-            for r, (a, b) in zip(requests, row_ranges(requests), strict=True)
+            for r in requests
         ]
         end = time.perf_counter()
         metrics = self._metrics

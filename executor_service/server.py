@@ -111,7 +111,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             prepared = runtime.engine.prepare(decoded, _slot_wait(runtime, context))
             result = runtime.scheduler.submit(prepared)
         response = executor_pb2.ForwardResponse(
-            output=result.output,
+            output=torch_codec.from_torch(prepared.output),
             resolved_adapters=result.resolved_adapters,
             adapters_resident=result.adapters_loaded == 0,
             adapters_loaded=result.adapters_loaded,

@@ -103,6 +103,9 @@ def running_executor(
         "listen": "127.0.0.1:0",
         "base_model_path": world.checkpoint,
         "adapter_dir": world.adapter_dir,
+        # The float32 tolerances below hold for the CPU's torch reference; GPU serving has its
+        # own tests (test_gpu_serving.py, test_stress.py) at bf16 tolerances.
+        "device": "cpu",
         "num_slots": 4,
         "max_rank": 8,
         "host_cache_bytes": 64 * 1024**2,

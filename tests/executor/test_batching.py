@@ -29,6 +29,8 @@ def _merged(running: Running) -> float:
 
 
 def _concurrently(count: int, work: Callable[[int], None]) -> list[BaseException]:
+    """Runs ``work(i)`` on ``count`` threads started together; their failures, and one for
+    each thread that did not finish within two minutes."""
     failures: list[BaseException] = []
     start = threading.Barrier(count)
 
@@ -44,6 +46,7 @@ def _concurrently(count: int, work: Callable[[int], None]) -> list[BaseException
         thread.start()
     for thread in threads:
         thread.join(120)
+    failures += [TimeoutError(f"{t.name} did not finish") for t in threads if t.is_alive()]
     return failures
 
 

@@ -1,0 +1,93 @@
+"""Where a front end puts requests' tensors for the engine: one shared-memory segment and a
+first-fit allocator over it.
+
+A front end owns its arena: its handler threads take a region for a request's input and one
+for its output, write the input there straight from the message's bytes, and hand the engine
+only (offset, size) pairs; the engine maps the same segment and reads and writes in place. The
+engine never allocates in it, so the lock is the front end's alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+
+from executor_service.serving.shm import Segment
+
+#: Regions start on this boundary (a cache line is 64 bytes; 256 suits vector copies too).
+ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Region:
+    """``nbytes`` bytes at ``offset`` of an arena."""
+
+    offset: int
+    nbytes: int
+
+
+class ArenaFull(Exception):
+    """No free range of the asked size right now."""
+
+
+class Arena:
+    """A shared-memory segment of ``size`` bytes with an allocator (see the module doc)."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self.size = segment.size
+        self._lock = threading.Lock()
+        # Free ranges as sorted starts and their ends (coalesced on free).
+        self._starts: list[int] = [0]
+        self._ends: dict[int, int] = {0: self.size}
+        self.used = 0
+
+    @classmethod
+    def create(cls, prefix: str, size: int) -> Arena:
+        return cls(Segment.create_unique(prefix, size))
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def allocate(self, nbytes: int) -> Region:
+        """A region of at least ``nbytes`` (ArenaFull when none is free)."""
+        want = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        with self._lock:
+            for start in self._starts:
+                end = self._ends[start]
+                if end - start >= want:
+                    self._take(start, end, want)
+                    self.used += want
+                    return Region(start, want)
+        raise ArenaFull(f"{want} bytes do not fit the {self.size}-byte arena ({self.used} used)")
+
+    def _take(self, start: int, end: int, want: int) -> None:
+        index = bisect.bisect_left(self._starts, start)
+        del self._starts[index]
+        del self._ends[start]
+        if end - start > want:
+            rest = start + want
+            self._starts.insert(index, rest)
+            self._ends[rest] = end
+
+    def free(self, region: Region) -> None:
+        start, end = region.offset, region.offset + region.nbytes
+        with self._lock:
+            self.used -= region.nbytes
+            index = bisect.bisect_left(self._starts, start)
+            if index < len(self._starts) and self._starts[index] == end:  # join the next
+                end = self._ends.pop(end)
+                del self._starts[index]
+            if index > 0 and self._ends[self._starts[index - 1]] == start:  # join the previous
+                self._ends[self._starts[index - 1]] = end
+                return
+            self._starts.insert(index, start)
+            self._ends[start] = end
+
+    def view(self, region: Region) -> memoryview:
+        return self.segment.buffer[region.offset : region.offset + region.nbytes]
+
+    def close(self) -> None:
+        self.segment.close()

@@ -1,0 +1,207 @@
+"""What front ends and the engine say to each other over their local socket.
+
+Frames are a 4-byte length, a 1-byte kind and a payload. Forward requests and their results
+(the hot path) are packed structs that point at tensors in shared memory; the rest (a front end
+introducing itself, admin calls, the engine's state) is JSON. No protobuf and no pickling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+_FRAME = struct.Struct("<IB")
+#: A frame's payload is at most this long (descriptors and admin answers are small).
+MAX_FRAME = 64 * 1024 * 1024
+
+
+class Kind(IntEnum):
+    HELLO = 1  # front end -> engine, JSON: {"arena": name, "pid": n}
+    FORWARD = 2  # front end -> engine: ForwardDescriptor
+    RESULT = 3  # engine -> front end: ForwardResult
+    CALL = 4  # front end -> engine, JSON: {"id": n, "method": str, "args": {...}}
+    REPLY = 5  # engine -> front end, JSON: {"id": n, "code": int, "message": str, "value": ...}
+    STATE = 6  # engine -> front end, JSON: {"serving": bool, "reason": str}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor in shared memory: ``segment`` ("" = the front end's arena) at ``offset``."""
+
+    segment: str
+    offset: int
+    nbytes: int
+    #: A ``tensor_pb2.DataType`` value.
+    dtype: int
+    shape: tuple[int, ...]
+
+
+_REF = struct.Struct("<QQIB")  # offset, nbytes, dtype, ndim
+
+
+def _pack_str(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<H", len(raw)) + raw
+
+
+class _Reader:
+    def __init__(self, data: bytes | memoryview) -> None:
+        self._data = memoryview(data)
+        self._at = 0
+
+    def take(self, layout: struct.Struct) -> tuple[Any, ...]:
+        values = layout.unpack_from(self._data, self._at)
+        self._at += layout.size
+        return values
+
+    def string(self) -> str:
+        (length,) = self.take(_U16)
+        raw = bytes(self._data[self._at : self._at + length])
+        self._at += length
+        return raw.decode()
+
+    def ref(self) -> TensorRef:
+        segment = self.string()
+        offset, nbytes, dtype, ndim = self.take(_REF)
+        shape = struct.unpack_from(f"<{ndim}q", self._data, self._at)
+        self._at += 8 * ndim
+        return TensorRef(segment, offset, nbytes, dtype, tuple(shape))
+
+
+_U16 = struct.Struct("<H")
+
+
+def _pack_ref(ref: TensorRef) -> bytes:
+    return (
+        _pack_str(ref.segment)
+        + _REF.pack(ref.offset, ref.nbytes, ref.dtype, len(ref.shape))
+        + struct.pack(f"<{len(ref.shape)}q", *ref.shape)
+    )
+
+
+@dataclass(frozen=True)
+class ForwardDescriptor:
+    """One Forward request, its tensors in shared memory."""
+
+    request_id: int
+    layer: int
+    #: Seconds the request may wait for GPU slots (its deadline's share).
+    slot_wait: float
+    hidden: TensorRef
+    output: TensorRef
+    #: (num_tokens, adapter reference or "" for the base model).
+    segments: tuple[tuple[int, str], ...]
+    topk_ids: TensorRef | None = None
+    topk_weights: TensorRef | None = None
+
+    def encode(self) -> bytes:
+        parts = [
+            struct.pack("<QidB", self.request_id, self.layer, self.slot_wait, self._flags()),
+            _pack_ref(self.hidden),
+            _pack_ref(self.output),
+        ]
+        if self.topk_ids is not None and self.topk_weights is not None:
+            parts += [_pack_ref(self.topk_ids), _pack_ref(self.topk_weights)]
+        parts.append(struct.pack("<I", len(self.segments)))
+        for tokens, adapter in self.segments:
+            parts += [struct.pack("<I", tokens), _pack_str(adapter)]
+        return b"".join(parts)
+
+    def _flags(self) -> int:
+        return 1 if self.topk_ids is not None else 0
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> ForwardDescriptor:
+        reader = _Reader(data)
+        request_id, layer, slot_wait, flags = reader.take(_HEAD)
+        hidden, output = reader.ref(), reader.ref()
+        ids = weights = None
+        if flags & 1:
+            ids, weights = reader.ref(), reader.ref()
+        (count,) = reader.take(_U32)
+        segments = []
+        for _ in range(count):
+            (tokens,) = reader.take(_U32)
+            segments.append((tokens, reader.string()))
+        return cls(request_id, layer, slot_wait, hidden, output, tuple(segments), ids, weights)
+
+
+_HEAD = struct.Struct("<QidB")
+_U32 = struct.Struct("<I")
+_RESULT = struct.Struct("<QBIIHI")  # id, code, retry_after_ms, server_time_us, loaded, n
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """The engine's answer: a status (``grpc.StatusCode`` value, 0 = OK) and, when OK, the
+    output written where the descriptor said."""
+
+    request_id: int
+    code: int
+    message: str = ""
+    resolved_adapters: tuple[str, ...] = ()
+    adapters_loaded: int = 0
+    server_time_us: int = 0
+    retry_after_ms: int = 0
+
+    def encode(self) -> bytes:
+        head = _RESULT.pack(
+            self.request_id,
+            self.code,
+            self.retry_after_ms,
+            self.server_time_us,
+            self.adapters_loaded,
+            len(self.resolved_adapters),
+        )
+        names = b"".join(_pack_str(a) for a in self.resolved_adapters)
+        return head + names + _pack_str(self.message[:4096])
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> ForwardResult:
+        reader = _Reader(data)
+        request_id, code, retry, server_us, loaded, count = reader.take(_RESULT)
+        names = tuple(reader.string() for _ in range(count))
+        return cls(request_id, code, reader.string(), names, loaded, server_us, retry)
+
+
+class Connection:
+    """One end of the front end ↔ engine socket: whole frames, sends from any thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, kind: Kind, payload: bytes) -> None:
+        with self._send_lock:
+            self.sock.sendall(_FRAME.pack(len(payload), kind) + payload)
+
+    def send_json(self, kind: Kind, value: object) -> None:
+        self.send(kind, json.dumps(value).encode())
+
+    def recv(self) -> tuple[Kind, bytes]:
+        """The next frame; EOFError once the other end is gone."""
+        length, kind = _FRAME.unpack(self._exact(_FRAME.size))
+        if length > MAX_FRAME:
+            raise ValueError(f"frame of {length} bytes")
+        return Kind(kind), self._exact(length)
+
+    def _exact(self, count: int) -> bytes:
+        chunks = []
+        while count:
+            chunk = self.sock.recv(count)
+            if not chunk:
+                raise EOFError("the other end closed the connection")
+            chunks.append(chunk)
+            count -= len(chunk)
+        return b"".join(chunks)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # already gone
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
