@@ -10,6 +10,11 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 BUF_VERSION := 1.75.0
 BUF := .tools/node_modules/.bin/buf
+# Prometheus and promtool (the Debian package, unpacked without root): the tests scrape live
+# services with it and check the chart's dashboard queries and alert rules.
+PROMETHEUS_DEB := prometheus_2.42.0+ds-5+deb12u1_amd64.deb
+PROMETHEUS_SHA256 := 81d59a24fce84f7fbe97a45a4f2914b6a5881b5cd1db2a6a0e129e515e1a5f55
+PROMTOOL := .tools/prometheus/usr/bin/promtool
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
 PYTEST_ARGS ?=
@@ -20,7 +25,7 @@ PYTEST_ARGS ?=
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 
-setup: $(STAMP) $(BUF) ## Create .venv with the pinned dependencies, and the buf tool
+setup: $(STAMP) $(BUF) $(PROMTOOL) ## Create .venv with the pinned dependencies, buf and Prometheus
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +37,15 @@ $(STAMP): pyproject.toml
 $(BUF):
 	mkdir -p .tools
 	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@$(BUF_VERSION)
+
+# apt's own download where its package lists are present, else the pinned file from the mirror.
+$(PROMTOOL):
+	rm -rf .tools/prometheus .tools/deb && mkdir -p .tools/deb
+	cd .tools/deb && { apt-get download prometheus 2>/dev/null || { \
+		curl -fsSLO "https://deb.debian.org/debian/pool/main/p/prometheus/$(PROMETHEUS_DEB)" && \
+		echo "$(PROMETHEUS_SHA256)  $(PROMETHEUS_DEB)" | sha256sum --check --quiet; }; }
+	dpkg-deb --extract .tools/deb/prometheus_*.deb .tools/prometheus
+	rm -rf .tools/deb
 
 proto: $(STAMP) ## Regenerate the Python stubs from protos/
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m grpc_tools.protoc -Iprotos \

@@ -51,6 +51,9 @@ ENV PYTHONUNBUFFERED=1 \
     MOELORA_EXECUTOR_LISTEN=0.0.0.0:50052 \
     MOELORA_EXECUTOR_METRICS_LISTEN=0.0.0.0:9402 \
     MOELORA_EXECUTOR_DISK_CACHE_DIR=/var/cache/moelora/adapters
+# The commit built, for moelora_build_info: --build-arg COMMIT="$(git rev-parse HEAD)".
+ARG COMMIT=unknown
+ENV MOELORA_BUILD_COMMIT=${COMMIT}
 USER 10001:10001
 WORKDIR /home/moelora
 EXPOSE 50052 9402

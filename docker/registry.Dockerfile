@@ -44,6 +44,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     MOELORA_REGISTRY_METRICS_LISTEN=0.0.0.0:9401 \
     MOELORA_REGISTRY_HTTP_LISTEN=0.0.0.0:50053 \
     MOELORA_REGISTRY_DATA_DIR=/data
+# The commit built, for moelora_build_info: --build-arg COMMIT="$(git rev-parse HEAD)".
+ARG COMMIT=unknown
+ENV MOELORA_BUILD_COMMIT=${COMMIT}
 USER 10001:10001
 WORKDIR /home/moelora
 EXPOSE 50051 9401 50053

@@ -137,6 +137,20 @@ class AdapterManager:
                 f"adapter {adapter.label} was made for base model {fingerprint}, but this "
                 f"executor serves {self._pack.base_model_name} ({self._pack.spec.fingerprint})"
             )
+        if adapter.rank is not None and adapter.rank > self._pack.max_rank:
+            log_event(
+                log,
+                "adapter_refused",
+                logging.WARNING,
+                adapter=adapter.label,
+                rank=adapter.rank,
+                max_rank=self._pack.max_rank,
+            )
+            raise FailedPrecondition(
+                f"adapter {adapter.label} has rank {adapter.rank}, above this executor's "
+                f"--max-rank {self._pack.max_rank}: serve it from executors started with "
+                f"--max-rank {adapter.rank} or more"
+            )
         return adapter
 
     # -- Forward's path ------------------------------------------------------------------
@@ -425,7 +439,7 @@ class AdapterManager:
             bytes=packed.nbytes,
             cached=put.stored,
             evicted=[a.label for a in put.evicted],
-            ms=round(seconds * 1000, 2),
+            seconds=round(seconds, 5),
         )
         return put.entry
 
@@ -447,7 +461,7 @@ class AdapterManager:
         self._update_slot_gauges()
         log_event(
             log,
-            "adapters_to_gpu",
+            "adapters_to_slots",
             loaded=[a.label for a in lease.loaded],
             slots=[lease.slots[a.digest] for a in lease.loaded],
             evicted=[a.label for a in lease.evicted],

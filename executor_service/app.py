@@ -2,7 +2,7 @@
 
 Health says NOT_SERVING (and RPCs answer UNAVAILABLE) while the model loads, so that probes get
 answers during a long load; SERVING once it is ready. A model that fails to load stops the
-server, and ``main`` exits non-zero. Without ``--base-model-path`` the server stays NOT_SERVING.
+server, and ``main`` exits non-zero with the reason.
 A device fault (``device_fault.py``) turns health NOT_SERVING at once and drains the server
 within ``FAULT_GRACE_SECONDS``, new calls answered UNAVAILABLE naming the fault; ``main`` then
 exits with ``DEVICE_FAULT_EXIT_CODE``.
@@ -22,10 +22,14 @@ from executor_service.runtime import ExecutorRuntime, build_runtime
 from executor_service.server import ExecutorServicer
 from executor_service.sources import AdapterSource
 from moelora.v1 import executor_pb2, executor_pb2_grpc
+from shared.errors import MoeLoraError
 from shared.grpc_server import GrpcServer
 from shared.logs import log_event
 
 log = logging.getLogger(__name__)
+
+#: What a bad checkpoint or setting raises while the model loads (no traceback logged).
+EXPECTED_LOAD_ERRORS = (ValueError, OSError, MoeLoraError)
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 
@@ -79,8 +83,7 @@ class ExecutorApp:
 
     def serve_forever(self) -> None:
         """Starts, drains on SIGTERM or SIGINT, returns once stopped (the process)."""
-        self._start_loading()
-        self.server.serve_forever(on_drained=self._close)
+        self.server.serve_forever(on_drained=self._close, on_started=self._start_loading)
 
     def drain(self) -> None:
         self.server.drain(on_drained=self._close)
@@ -113,9 +116,6 @@ class ExecutorApp:
         ).start()
 
     def _start_loading(self) -> None:
-        if self.settings.base_model_path is None:
-            log_event(log, "no_base_model", hint="set --base-model-path; staying NOT_SERVING")
-            return
         threading.Thread(target=self._load, name="load-base-model", daemon=True).start()
 
     def _load(self) -> None:
@@ -127,7 +127,8 @@ class ExecutorApp:
                 log,
                 "base_model_load_failed",
                 logging.ERROR,
-                exc_info=True,
+                # A checkpoint that is not what it should be says so; anything else is a bug.
+                exc_info=not isinstance(exc, EXPECTED_LOAD_ERRORS),
                 path=str(self.settings.base_model_path),
                 error=str(exc),
             )

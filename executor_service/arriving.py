@@ -16,7 +16,7 @@ Parts arrive two ways. A socket receives straight into the file's shared memory 
 (``Inflow.receive`` + ``received``: the one copy is the kernel's), each step's pages mapped
 ahead by one ``madvise(MADV_POPULATE_WRITE)`` with the GIL released: left to fault in as the
 bytes land (some 27 000 faults for a 1.26 GB adapter on the 6.18 kernels here), Forward beside
-a cold load lost 1.7 times as much time (docs/executor.md, issue 13's eighth pass).
+a cold load lost 1.7 times as much time (docs/decisions/0005-download-in-the-serving-process.md).
 Bytes that came as objects (the registry's gRPC stream) are written with ``pwrite``
 (``Inflow.write``). Writing every part with ``pwrite`` from a buffer of the worker's instead
 serialised the workers on the file's inode lock: 2.5-4.4 GB/s for 8 threads on an H200 host,

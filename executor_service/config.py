@@ -23,7 +23,9 @@ class ExecutorSettings(ServerSettings):
 
     listen: str = Field("127.0.0.1:50052", description="host:port the gRPC server listens on")
     base_model_path: Path | None = Field(
-        None, description="Hugging Face checkpoint folder (config.json + *.safetensors)"
+        None,
+        description="Hugging Face checkpoint folder (config.json + *.safetensors); required "
+        "to serve",
     )
     base_model_name: str | None = Field(
         None, description="the base model's registry name; default: the folder's name"

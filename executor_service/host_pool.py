@@ -10,7 +10,7 @@ evicted it, and that costs at both ends:
 * on the CPU every page of a fresh tensor faults on first touch (three times the cost of the
   writing), and on a VM whose balloon reports free memory to its host the host faults too:
   fresh memory touched at 0.44–0.50 GB/s on the 2-core VM, against 6.6–8.7 GB/s for memory
-  touched before (docs/executor.md, issue 13, fifth pass).
+  touched before (docs/decisions/0006-host-cache-memory-pool.md).
 
 So the pool takes slabs of host memory up to a capacity (the host cache's budget plus room for
 the packs in flight), page-locked on a CUDA executor, on transparent huge pages on the CPU;
@@ -20,8 +20,8 @@ write holding it any more. On a CUDA executor a range freed is handed out again 
 the copies the slot writes had enqueued on their stream (``reader``) by then. What the slabs
 cannot hold (a tensor larger than a slab, or the capacity taken) gets fresh memory, as before,
 so the pool is never a reason for a load to fail. ``reserve`` takes every slab at start-up:
-the first loads then find their memory ready too. Measured (docs/executor.md, issue 13, sixth
-pass): on an H100 host, slabs reserved against taken as needed, cold loads 1.88–2.12 GB/s
+the first loads then find their memory ready too. Measured (docs/decisions/0006): on an H100
+host, slabs reserved against taken as needed, cold loads 1.88–2.12 GB/s
 against 1.74–1.91 and the pack alone 6.2–7.0 against 4.7–5.7; on the 2-core VM, disk-warm loads
 3.0–3.3 GB/s against 0.6–0.8 before the pool, and cold 0.87–0.96 reserved against 0.26.
 """
@@ -137,7 +137,7 @@ class HostPool:
                 "host_memory_reserved",
                 bytes=self.reserved_bytes,
                 pinned=self.pinned,
-                ms=round((time.perf_counter() - start) * 1000, 1),
+                seconds=round(time.perf_counter() - start, 4),
             )
 
     @property

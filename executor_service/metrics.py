@@ -15,6 +15,11 @@ import time
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+#: The adapter tiers (label ``tier``): a slot, the packed host-memory cache.
+TIERS = ("gpu", "host")
+#: Outcomes of a background prefetch (label ``result``).
+PREFETCH_RESULTS = ("loaded", "held", "failed", "dropped")
+
 _LATENCY_BUCKETS = (
     0.0002,
     0.0005,
@@ -118,14 +123,23 @@ class ExecutorMetrics:
             "Bytes of packed adapters in the host cache",
             registry=registry,
         )
-        self.host_memory_reserved_bytes = Gauge(
-            "moelora_executor_host_memory_reserved_bytes",
-            "Bytes of host memory the host cache's pool has taken (kept and recycled)",
+        self.host_pool_mapped_bytes = Gauge(
+            "moelora_executor_host_pool_mapped_bytes",
+            "Bytes of host memory the host cache's pool has mapped (its slabs, kept and "
+            "recycled): page-locked and resident on a GPU executor or when reserved at "
+            "start-up; otherwise pages become resident as packs first touch them "
+            "(process_resident_memory_bytes is the process's resident memory)",
             registry=registry,
         )
-        self.host_memory_fresh_bytes = Counter(
-            "moelora_executor_host_memory_fresh_bytes",
-            "Bytes of packed tensors the host cache's pool had no room for (fresh memory)",
+        self.host_pool_used_bytes = Gauge(
+            "moelora_executor_host_pool_used_bytes",
+            "Bytes of the pool's slabs that hold packed adapters now",
+            registry=registry,
+        )
+        self.host_pool_overflow_bytes = Counter(
+            "moelora_executor_host_pool_overflow_bytes",
+            "Bytes of packed tensors the host cache's pool had no room for (allocated outside "
+            "it, as fresh memory)",
             registry=registry,
         )
         self.gpu_slots = Gauge(
@@ -217,6 +231,20 @@ class ExecutorMetrics:
             "what this executor had resolved (0 while the registry answers)",
             registry=registry,
         )
+
+        # Every label value a dashboard or alert reads exists from the start (at 0), so that
+        # rates and ratios are defined before the first event rather than absent.
+        for tier in TIERS:
+            for labelled in (
+                self.cache_hits,
+                self.cache_misses,
+                self.evictions,
+                self.load_seconds,
+                self.load_bytes,
+            ):
+                labelled.labels(tier)
+        for result in PREFETCH_RESULTS:
+            self.prefetches.labels(result)
 
         # Label children resolved once: ``labels()`` costs microseconds on every Forward.
         self.stage = {

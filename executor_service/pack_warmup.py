@@ -4,7 +4,8 @@ CUDA loads a kernel on its first launch (lazy module loading, CUDA's default), a
 launches kernels that serving never does: copies between the stored and the serving dtype,
 B's transposing gather, the scaling, the finite checks. On an H100 host the first cold load
 after start-up spent 100–270 ms on that inside its first layer, and with
-``CUDA_MODULE_LOADING=EAGER`` none (docs/executor.md, issue 13, sixth pass). So at start-up
+``CUDA_MODULE_LOADING=EAGER`` none (docs/decisions/0009-pack-where-the-executor-computes.md).
+So at start-up
 a CUDA executor packs tiny synthetic adapters of its own model (rank 1, one layer, bf16, each
 format the model type has) from files, the way a load packs a download.
 """

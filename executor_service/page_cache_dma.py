@@ -20,7 +20,8 @@ where one registration fails the caller stages the bytes instead.
 
 Off by default (``--page-cache-dma``): with the copies unpaced, one per 64 MiB window, disk-warm
 loads ran at 7.7–9.7 GB/s against 3.4–5.4 staged, but Forward's p50 beside them rose +55% to +77%
-against +7% to +17% staged, for a cause not yet found (docs/executor.md, seventh pass).
+against +7% to +17% staged, for a cause not known
+(docs/decisions/0004-page-cache-dma-off-by-default.md).
 """
 
 from __future__ import annotations

@@ -122,5 +122,5 @@ class Prefetcher:
             adapter=adapter.label,
             digest=adapter.digest,
             result=result,
-            ms=round((time.perf_counter() - start) * 1000, 1),
+            seconds=round(time.perf_counter() - start, 4),
         )

@@ -162,6 +162,7 @@ class RegistrySource:
             version=version.version,
             digest=version.digest,
             base_model_fingerprint=version.base_model_fingerprint or None,
+            rank=version.rank or None,
         )
         self.resolutions.store(key, adapter, generation)
         return adapter
@@ -261,7 +262,7 @@ class RegistrySource:
                 bytes=size,
                 via=how,
                 streams=self._streams,
-                ms=round((time.perf_counter() - start) * 1000, 1),
+                seconds=round(time.perf_counter() - start, 4),
             )
             if download.file(WEIGHTS_FILE).size <= self._disk.budget_bytes:
                 self._keep(adapter, partial, files)  # else too big to keep: dropped at close

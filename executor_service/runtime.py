@@ -195,9 +195,10 @@ def host_pool(
         device,
         reserve=reserve == "on" or (reserve == "auto" and device.type == "cuda"),
         reader=buffers.sync.copy_stream,
-        on_fresh=metrics.host_memory_fresh_bytes.inc,
+        on_fresh=metrics.host_pool_overflow_bytes.inc,
     )
-    metrics.host_memory_reserved_bytes.set_function(lambda: pool.reserved_bytes)
+    metrics.host_pool_mapped_bytes.set_function(lambda: pool.reserved_bytes)
+    metrics.host_pool_used_bytes.set_function(lambda: pool.used_bytes)
     return pool
 
 
@@ -260,7 +261,7 @@ def build_runtime(
     host = HostCache(settings.host_cache_bytes, host_pool(settings, buffers, metrics))
     if where.device.type == "cuda":  # the pack's kernels loaded now, not in the first load
         seconds = warm_up_packing(pack, host.memory)
-        log_event(log, "packing_warmed_up", ms=round(seconds * 1000, 1))
+        log_event(log, "packing_warmed_up", seconds=round(seconds, 4))
     manager = AdapterManager(
         source=source if source is not None else adapter_source(settings, metrics),
         pack=pack,

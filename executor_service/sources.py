@@ -18,7 +18,7 @@ import hashlib
 import json
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,6 +44,9 @@ class ResolvedAdapter:
     #: Fingerprint of the base model the source validated it against; None when the source
     #: does not know (a local folder), in which case packing against the base model decides.
     base_model_fingerprint: str | None = None
+    #: The adapter's packed LoRA rank where the source recorded it (the registry does), so
+    #: that an adapter no slot can hold is refused before its download.
+    rank: int | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:

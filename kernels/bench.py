@@ -1,6 +1,6 @@
 """Benchmark of the fused MoE + multi-LoRA forward: ``python -m kernels.bench`` (``make bench``).
 
-Method (issue 3, so numbers compare with vLLM's): bf16 random data; routing = softmax → top-k
+Method (so that numbers compare with vLLM's): bf16 random data; routing = softmax → top-k
 → renormalise from random router logits; LoRA rank 16, 8 slots, min(M, 4) distinct adapters
 assigned round-robin to the tokens; each variant is captured in a CUDA graph (our alignment
 included) and timed by replaying it under ``triton.testing.do_bench`` (median; it flushes L2
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary(rows: list[Row]) -> str:
-    """The issue's targets over these rows: cells within each % of floor bound, LoRA
+    """The targets (kernels/BENCHMARKS.md) over these rows: cells within each % of floor bound, LoRA
     overhead, and the geometric mean against vLLM where it has numbers."""
 
     def within(cells: list[Row], bound: float) -> str:

@@ -13,7 +13,7 @@ timings depend on the shape, not on the values.
 ``--ranks`` (and the shapes given; without any, every shape in the table), and writes them.
 
 The table of the earlier tuner (a from-scratch search, then ``--around-table`` stages) was made
-by the version of this file at commit 02b4e9d; see kernels/BENCHMARKS.md.
+by the version of this file at commit 02b4e9d.
 """
 
 from __future__ import annotations

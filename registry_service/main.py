@@ -10,17 +10,19 @@ import json
 import sys
 from collections.abc import Sequence
 
-from sqlalchemy.exc import SQLAlchemyError
+from prometheus_client import REGISTRY
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from registry_service.app import open_database, open_registry
 from registry_service.backfill import backfill_parts
 from registry_service.config import RegistrySettings
 from registry_service.db import migrate
+from registry_service.metrics import InventoryCollector
 from registry_service.server import create_server
 from shared.config import parse_settings
-from shared.errors import MoeLoraError
 from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
+from shared.startup import StartupError, check_listen, exit_on_startup_error, setting_name
 from shared.tokens import Role, new_token_entry
 
 #: Each command and what it does (its --help says it too).
@@ -58,8 +60,11 @@ def usage() -> str:
 
 
 def serve(settings: RegistrySettings) -> None:
+    for field in ("listen", "metrics_listen", "http_listen"):
+        check_listen(getattr(settings, field), setting_name(RegistrySettings, field))
     app = open_registry(settings)
     server = create_server(app, settings)
+    REGISTRY.register(InventoryCollector(app.registry.store.inventory))
     start_metrics_server(settings.metrics_listen)
     server.set_serving(True)
     server.serve_forever(on_drained=app.close)
@@ -146,18 +151,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         RegistrySettings, args, prog=f"moelora-registry {command}", description=description
     )
     configure_logging(settings.log_level, settings.log_format)
-    try:
-        if command == "serve":
-            serve(settings)
-        elif command == "migrate":
-            run_migrate(settings)
-        elif command == "backfill-parts":
-            run_backfill(settings)
-        else:
-            run_gc(settings, grace, dry_run)
-    except (ValueError, OSError, MoeLoraError, SQLAlchemyError) as exc:
-        print(f"moelora-registry {command}: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+    with exit_on_startup_error(f"moelora-registry {command}", SQLAlchemyError):
+        try:
+            if command == "serve":
+                serve(settings)
+            elif command == "migrate":
+                run_migrate(settings)
+            elif command == "backfill-parts":
+                run_backfill(settings)
+            else:
+                run_gc(settings, grace, dry_run)
+        except OperationalError as exc:  # the database refused or could not be reached
+            raise StartupError(
+                f"cannot use the database: {exc.orig}",
+                setting_name(RegistrySettings, "database_url"),
+                "check the URL, its credentials, and that the database accepts connections",
+            ) from None
 
 
 if __name__ == "__main__":

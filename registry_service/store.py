@@ -69,6 +69,18 @@ class PendingUpload:
     base_model: BaseModelRecord
 
 
+@dataclass(frozen=True)
+class Inventory:
+    """What the registry holds, for its gauges."""
+
+    base_models: int
+    #: Adapter names with at least one READY version.
+    adapters: int
+    #: Versions and the bytes of their files, by status.
+    versions: dict[VersionStatus, int]
+    version_bytes: dict[VersionStatus, int]
+
+
 class BlobsMissing(Exception):
     """A blob vanished between its write and the READY commit (gc raced us)."""
 
@@ -464,6 +476,30 @@ class Store:
                 created_at=self.clock(),
             )
         )
+
+    def inventory(self) -> Inventory:
+        """Counts of base models, adapters and versions (and their bytes) by status: one
+        aggregate query per figure, whatever the number of rows."""
+        with self.db.read() as s:
+            base_models = s.scalar(select(func.count()).select_from(BaseModelRow)) or 0
+            adapters = (
+                s.scalar(
+                    select(func.count(func.distinct(VersionRow.adapter_id))).where(
+                        VersionRow.status == VersionStatus.READY
+                    )
+                )
+                or 0
+            )
+            total = func.coalesce(func.sum(VersionRow.size_bytes), 0)
+            rows = s.execute(
+                select(VersionRow.status, func.count(), total).group_by(VersionRow.status)
+            ).all()
+        versions = dict.fromkeys(VersionStatus, 0)
+        version_bytes = dict.fromkeys(VersionStatus, 0)
+        for status, count, size in rows:
+            versions[VersionStatus(status)] = int(count)
+            version_bytes[VersionStatus(status)] = int(size)
+        return Inventory(base_models, adapters, versions, version_bytes)
 
     def last_sequence(self) -> int:
         with self.db.read() as s:

@@ -22,26 +22,14 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import Counter, Histogram
 
-from shared import keepalive
+from shared import keepalive, rpc_metrics
 from shared.errors import RETRY_AFTER_METADATA, MoeLoraError, Overloaded
 from shared.logs import log_event
+from shared.reflection import enable_reflection
+from shared.rpc_metrics import MethodMetrics
 
 log = logging.getLogger(__name__)
-
-RPC_HANDLED = Counter(
-    "moelora_grpc_server_handled_total",
-    "RPCs completed, by method and status code",
-    ["method", "code"],
-)
-RPC_SECONDS = Histogram(
-    "moelora_grpc_server_handling_seconds",
-    "Time from RPC start to its end (streams: until the stream closes), by method",
-    ["method"],
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-)
 
 _ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -102,71 +90,97 @@ class _Call:
     its errors to status codes and records its metrics."""
 
     def __init__(
-        self, method: str, state: _State, authorize: Authorizer | None, counted: bool
+        self,
+        method: str,
+        metrics: MethodMetrics,
+        state: _State,
+        authorize: Authorizer | None,
+        counted: bool,
     ) -> None:
         self.method = method
+        self.metrics = metrics
         self._state = state
         self._authorize = authorize
         self._counted = counted
 
     @contextlib.contextmanager
     def handled(self, context: grpc.ServicerContext) -> Iterator[None]:
-        if self._counted and self._state.draining.is_set():
-            context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{self._state.drain_reason}; retry on another replica",
-            )
-        start = time.perf_counter()
-        if self._counted:
-            self._state.enter()
+        start = self.metrics.started()
+        code = grpc.StatusCode.OK
+        entered = False
         try:
+            if self._counted and self._state.draining.is_set():
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{self._state.drain_reason}; retry on another replica",
+                )
+            if self._counted:
+                self._state.enter()
+                entered = True
             if self._authorize is not None and self._counted:
                 self._authorize(self.method, tuple(context.invocation_metadata()))
             yield
+            code = context.code() or grpc.StatusCode.OK
+        except GeneratorExit:  # the client went away from a stream
+            code = grpc.StatusCode.CANCELLED
+            raise
         except Exception as exc:
-            if _is_abort(exc, context):
-                self._done(start, context)
-                raise
-            self._fail(context, exc)
+            if not _is_abort(exc, context):
+                code, message = self._failure(context, exc)
+                context.abort(code, message)
+            code = context.code()
             raise
         finally:
-            if self._counted:
+            if entered:
                 self._state.leave()
-        self._done(start, context)
+            self.metrics.handled(start, code)
 
-    def unary(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _requests(self, requests: Iterator[Any]) -> Iterator[Any]:
+        for request in requests:
+            self.metrics.received()
+            yield request
+
+    def unary(self, behavior: Callable[..., Any], streamed: bool) -> Callable[..., Any]:
         def run(request: Any, context: grpc.ServicerContext) -> Any:
             with self.handled(context):
-                return behavior(request, context)
+                if streamed:
+                    request = self._requests(request)
+                else:
+                    self.metrics.received()
+                response = behavior(request, context)
+            self.metrics.sent()
+            return response
 
         return run
 
-    def stream(self, behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    def stream(
+        self, behavior: Callable[..., Iterator[Any]], streamed: bool
+    ) -> Callable[..., Iterator[Any]]:
         def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             with self.handled(context):
-                yield from behavior(request, context)
+                if streamed:
+                    request = self._requests(request)
+                else:
+                    self.metrics.received()
+                for response in behavior(request, context):
+                    self.metrics.sent()
+                    yield response
 
         return run
 
-    def _fail(self, context: grpc.ServicerContext, exc: BaseException) -> None:
+    def _failure(
+        self, context: grpc.ServicerContext, exc: BaseException
+    ) -> tuple[grpc.StatusCode, str]:
+        """The status code and message ``exc`` ends the RPC with."""
         if isinstance(exc, MoeLoraError):
-            RPC_HANDLED.labels(self.method, exc.code.name).inc()
             if isinstance(exc, Overloaded):
                 context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(exc.retry_after_ms)),))
-            context.abort(exc.code, exc.message)
+            return exc.code, exc.message
         if isinstance(exc, NotImplementedError):
-            RPC_HANDLED.labels(self.method, "UNIMPLEMENTED").inc()
-            context.abort(
-                grpc.StatusCode.UNIMPLEMENTED, f"{self.method} is not implemented in this build"
-            )
-        message = internal_error_message("rpc_internal_error", method=self.method)
-        RPC_HANDLED.labels(self.method, "INTERNAL").inc()
-        context.abort(grpc.StatusCode.INTERNAL, message)
-
-    def _done(self, start: float, context: grpc.ServicerContext) -> None:
-        RPC_SECONDS.labels(self.method).observe(time.perf_counter() - start)
-        code = context.code()
-        RPC_HANDLED.labels(self.method, (code or grpc.StatusCode.OK).name).inc()
+            return grpc.StatusCode.UNIMPLEMENTED, f"{self.method} is not implemented in this build"
+        return grpc.StatusCode.INTERNAL, internal_error_message(
+            "rpc_internal_error", method=self.method
+        )
 
 
 class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
@@ -183,15 +197,24 @@ class _ErrorAndMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         method: str = details.method
         # Health and reflection are answered during a drain and don't hold it up.
         counted = not method.startswith(_ALWAYS_ALLOWED)
-        call = _Call(method, self._state, self._authorize, counted)
+        metrics = MethodMetrics.of(method, handler.request_streaming, handler.response_streaming)
+        call = _Call(method, metrics, self._state, self._authorize, counted)
         des, ser = handler.request_deserializer, handler.response_serializer
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(call.unary(handler.unary_unary), des, ser)
+            return grpc.unary_unary_rpc_method_handler(
+                call.unary(handler.unary_unary, False), des, ser
+            )
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(call.stream(handler.unary_stream), des, ser)
+            return grpc.unary_stream_rpc_method_handler(
+                call.stream(handler.unary_stream, False), des, ser
+            )
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(call.unary(handler.stream_unary), des, ser)
-        return grpc.stream_stream_rpc_method_handler(call.stream(handler.stream_stream), des, ser)
+            return grpc.stream_unary_rpc_method_handler(
+                call.unary(handler.stream_unary, True), des, ser
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            call.stream(handler.stream_stream, True), des, ser
+        )
 
 
 def _is_abort(exc: Exception, context: grpc.ServicerContext) -> bool:
@@ -228,21 +251,22 @@ class GrpcServer:
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         register(self._server)
-        reflection.enable_server_reflection(
-            [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
-        )
+        enable_reflection([*self._service_names, health.SERVICE_NAME], self._server)
         self.port = self._bind()
         self.set_serving(False)
 
     def _bind(self) -> int:
         opts = self.options
-        if opts.tls_cert_file and opts.tls_key_file:
-            creds = grpc.ssl_server_credentials(
-                [(opts.tls_key_file.read_bytes(), opts.tls_cert_file.read_bytes())]
-            )
-            port = int(self._server.add_secure_port(opts.listen, creds))
-        else:
-            port = int(self._server.add_insecure_port(opts.listen))
+        try:
+            if opts.tls_cert_file and opts.tls_key_file:
+                creds = grpc.ssl_server_credentials(
+                    [(opts.tls_key_file.read_bytes(), opts.tls_cert_file.read_bytes())]
+                )
+                port = int(self._server.add_secure_port(opts.listen, creds))
+            else:
+                port = int(self._server.add_insecure_port(opts.listen))
+        except RuntimeError:  # grpc names no cause: shared.startup.check_listen does
+            port = 0
         if port == 0:
             raise OSError(f"cannot listen on {opts.listen}")
         return port
@@ -265,6 +289,8 @@ class GrpcServer:
         )
         for name in ["", *self._service_names]:
             self.health.set(name, status)
+        for name in self._service_names:
+            rpc_metrics.set_serving(name, serving)
 
     def start(self) -> None:
         self._server.start()
@@ -310,8 +336,12 @@ class GrpcServer:
         """Blocks until the server stopped; True if it did."""
         return self._stopped.wait(timeout)
 
-    def serve_forever(self, on_drained: Callable[[], None] | None = None) -> None:
-        """Starts, drains on SIGTERM or SIGINT, returns once stopped."""
+    def serve_forever(
+        self,
+        on_drained: Callable[[], None] | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
+        """Starts, calls ``on_started``, drains on SIGTERM or SIGINT, returns once stopped."""
         self.start()
 
         def handle(signum: int, _frame: Any) -> None:
@@ -322,6 +352,8 @@ class GrpcServer:
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
+        if on_started is not None:
+            on_started()
         while not self.wait(0.5):
             pass
 

@@ -3,10 +3,11 @@
 Call sites name the event and pass fields::
 
     log = logging.getLogger(__name__)
-    log_event(log, "adapter_loaded", adapter="sql:3", slot=2, ms=4.1)
+    log_event(log, "adapter_loaded", adapter="sql:3", slot=2, seconds=0.0041)
 
-Libraries that log plain messages (grpc, sqlalchemy, alembic) come out as the
-same JSON lines with their message in ``msg``.
+Libraries that log plain messages (grpc, sqlalchemy, alembic) come out as the same lines,
+at the same level, with their message under the same key (``event``). Durations are
+``seconds`` everywhere; timestamps are UTC in both formats.
 """
 
 from __future__ import annotations
@@ -20,37 +21,45 @@ from typing import Any
 _FIELDS_ATTR = "moelora_fields"
 
 
+def _timestamp(record: logging.LogRecord) -> str:
+    return (
+        time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        + f".{int(record.msecs):03d}Z"
+    )
+
+
+def _event_and_fields(record: logging.LogRecord) -> tuple[str, dict[str, Any]]:
+    """An event of ours with its fields, or a library's message as the event."""
+    fields = getattr(record, _FIELDS_ATTR, None)
+    if fields is None:
+        return record.getMessage(), {}
+    return str(record.msg), fields
+
+
 class JsonFormatter(logging.Formatter):
-    """Formats a record as one JSON line: ts, level, logger, event/msg, fields."""
+    """Formats a record as one JSON line: ts, level, logger, event, fields."""
 
     def format(self, record: logging.LogRecord) -> str:
+        event, fields = _event_and_fields(record)
         line: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": _timestamp(record),
             "level": record.levelname.lower(),
             "logger": record.name,
+            "event": event,
+            **fields,
         }
-        fields = getattr(record, _FIELDS_ATTR, None)
-        if fields is not None:
-            line["event"] = record.msg
-            line.update(fields)
-        else:
-            line["msg"] = record.getMessage()
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str, ensure_ascii=False)
 
 
 class TextFormatter(logging.Formatter):
-    """``event key=value ...`` for people at a terminal."""
+    """``ts level logger: event key=value ...`` for people at a terminal."""
 
     def format(self, record: logging.LogRecord) -> str:
-        fields = getattr(record, _FIELDS_ATTR, None)
-        head = f"{record.levelname.lower():7s} {record.name}: "
-        if fields is None:
-            text = head + record.getMessage()
-        else:
-            text = head + str(record.msg) + "".join(f" {k}={v}" for k, v in fields.items())
+        event, fields = _event_and_fields(record)
+        text = f"{_timestamp(record)} {record.levelname.lower():7s} {record.name}: {event}"
+        text += "".join(f" {k}={v}" for k, v in fields.items())
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text

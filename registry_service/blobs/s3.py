@@ -26,6 +26,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from registry_service import metrics
 from registry_service.blobs.base import KEY_PREFIX, BlobStat, is_blob_key
 from shared.errors import Unavailable
 
@@ -40,6 +41,7 @@ def _unavailable_on_failure(location: str) -> Iterator[None]:
     try:
         yield
     except (BotoCoreError, ClientError, Boto3Error) as exc:
+        metrics.BLOB_STORE_ERRORS.inc()
         raise Unavailable(f"blob store {location} failed: {exc}; retry later") from exc
 
 

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, make_url
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
+from registry_service import metrics
 from shared.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -83,13 +85,13 @@ class Database:
 
     @contextmanager
     def read(self) -> Iterator[Session]:
-        with self._reads() as session, session.begin():
+        with _counting_failures(), self._reads() as session, session.begin():
             yield session
 
     @contextmanager
     def write(self) -> Iterator[Session]:
         """One write transaction: committed when the block ends, rolled back on error."""
-        with self._writes() as session, session.begin():
+        with _counting_failures(), self._writes() as session, session.begin():
             yield session
 
     def write_retrying(self, work: Callable[[Session], T]) -> T:
@@ -110,7 +112,22 @@ class Database:
         self.engine.dispose()
 
 
-def _is_race(exc: IntegrityError | OperationalError) -> bool:
+@contextmanager
+def _counting_failures() -> Iterator[None]:
+    """Counts the database's failures (moelora_registry_database_errors_total): not a
+    constraint that refused a row, nor a race that the transaction is retried after."""
+    try:
+        yield
+    except PoolTimeout:
+        metrics.DATABASE_ERRORS.inc()
+        raise
+    except DBAPIError as exc:
+        if not isinstance(exc, IntegrityError) and not _is_race(exc):
+            metrics.DATABASE_ERRORS.inc()
+        raise
+
+
+def _is_race(exc: DBAPIError) -> bool:
     text = str(exc.orig)
     if isinstance(exc, IntegrityError):
         # Only a unique key taken by a concurrent transaction; other integrity

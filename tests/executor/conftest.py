@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import shutil
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,8 +29,15 @@ from executor_service.synthetic import (
     write_base_checkpoint,
 )
 from kernels import LoRAContext, MoELayerWeights, Routing, moe_forward
+from shared.bench_servers import registry_server
+from shared.bench_servers import write_adapter as write_bench_adapter
+from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef
+from shared.registry_client import RegistryClient
 from tests.executor.worlds import LEGACY_2D, Recipe, World, build_world
+
+#: The base model's name in the registry of ``registry_setup``.
+BASE = "tiny"
 
 #: float32 on the CPU: the executor's torch reference vs transformers + PEFT, both float32,
 #: differ by rounding only (different summation orders): |Δ| <= ATOL + RTOL·|reference|.
@@ -68,6 +77,17 @@ def qwen_world(tmp_path_factory: pytest.TempPathFactory) -> World:
 
 
 @dataclass
+class RegistrySetup:
+    """A registry process (``--max-rank 8``) with a synthetic qwen3_moe base model registered
+    as BASE, and a rank-8 adapter folder of it, not uploaded."""
+
+    registry: str
+    spec: ModelSpec
+    checkpoint: Path
+    adapter: Path
+
+
+@dataclass
 class Running:
     """An executor started by ``start_executor`` and a client connected to it."""
 
@@ -90,19 +110,29 @@ StartExecutor = Callable[..., Running]
 
 @contextlib.contextmanager
 def running_executor(
-    world: World,
+    world: World | RegistrySetup,
     *,
     kernel: KernelFn | None = None,
     source: AdapterSource | None = None,
     wait: bool = True,
     **overrides: Any,
 ) -> Iterator[Running]:
-    """An executor on a free port over ``world`` (settings overridable), drained on exit.
-    ``wait``: return once the base model loaded."""
+    """An executor on a free port over ``world`` (its adapter folder), or over a registry
+    (``RegistrySetup``: adapters from it, a disk cache in a fresh folder), settings
+    overridable, drained on exit. ``wait``: return once the base model loaded."""
+    origin: dict[str, Any] = (
+        {"adapter_dir": world.adapter_dir}
+        if isinstance(world, World)
+        else {
+            "base_model_name": BASE,
+            "registry_address": world.registry,
+            "disk_cache_dir": world.checkpoint.parent / f"disk-{uuid.uuid4().hex[:8]}",
+        }
+    )
     values: dict[str, Any] = {
         "listen": "127.0.0.1:0",
         "base_model_path": world.checkpoint,
-        "adapter_dir": world.adapter_dir,
+        **origin,
         # The float32 tolerances below hold for the CPU's torch reference; GPU serving has its
         # own tests (test_gpu_serving.py, test_stress.py) at bf16 tolerances.
         "device": "cpu",
@@ -178,3 +208,14 @@ class GatedSource:
         if self._gate is not None:
             assert self._gate.wait(30), "the test never opened the gate"
         return self._inner.fetch(adapter)
+
+
+@pytest.fixture(scope="module")
+def registry_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistrySetup]:
+    tmp = tmp_path_factory.mktemp("registry")
+    spec = write_base_checkpoint(tmp / "base", SyntheticBase("qwen3_moe"), dtype=torch.bfloat16)
+    write_bench_adapter(tmp / "adapter", spec, rank=8)
+    with registry_server(tmp, ["--max-rank", "8"]) as address:
+        with RegistryClient(address) as registry:
+            registry.register_base_model(spec.to_proto(BASE))
+        yield RegistrySetup(address, spec, tmp / "base", tmp / "adapter")

@@ -118,9 +118,10 @@ def test_host_cache_churn_recycles_its_memory(
     for name in names:
         running.client.load_adapter(name)
     assert running.metric("moelora_executor_adapter_evictions_total", tier="host") >= 10
-    reserved = running.metric("moelora_executor_host_memory_reserved_bytes")
-    assert 0 < reserved < len(names) * probe
-    assert running.metric("moelora_executor_host_memory_fresh_bytes_total") == 0
+    mapped = running.metric("moelora_executor_host_pool_mapped_bytes")
+    assert 0 < mapped < len(names) * probe
+    assert 0 < running.metric("moelora_executor_host_pool_used_bytes") <= mapped
+    assert running.metric("moelora_executor_host_pool_overflow_bytes_total") == 0
 
 
 def test_references_resolve_to_versions_keyed_by_digest(

@@ -12,49 +12,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
 from executor_service.app import ExecutorApp
-from executor_service.config import ExecutorSettings
 from executor_service.metrics import ExecutorMetrics
 from executor_service.prefetch import QUEUE_PER_WORKER, Prefetcher
 from executor_service.runtime import ExecutorRuntime
 from executor_service.sources import LocalFolderSource
-from executor_service.synthetic import SyntheticBase, write_base_checkpoint
 from moelora.v1 import registry_pb2
-from shared.bench_servers import registry_server, write_adapter
-from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef
 from shared.registry_client import RegistryClient
 from tests.conftest import wait_for
-from tests.executor.conftest import GatedSource, running_executor
+from tests.executor.conftest import BASE, GatedSource, RegistrySetup, running_executor
 from tests.executor.worlds import World
-
-BASE = "tiny"
-
-
-@dataclass
-class Setup:
-    registry: str
-    spec: ModelSpec
-    checkpoint: Path
-    adapter: Path
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    tmp = tmp_path_factory.mktemp("prefetch")
-    spec = write_base_checkpoint(tmp / "base", SyntheticBase("qwen3_moe"), dtype=torch.bfloat16)
-    write_adapter(tmp / "adapter", spec, rank=8)
-    with registry_server(tmp, ["--max-rank", "8"]) as address:
-        with RegistryClient(address) as registry:
-            registry.register_base_model(spec.to_proto(BASE))
-        yield Setup(address, spec, tmp / "base", tmp / "adapter")
 
 
 @dataclass
@@ -71,39 +43,20 @@ class Executor:
 
 
 @pytest.fixture
-def executor(setup: Setup, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Executor]:
-    values: dict[str, Any] = {
-        "listen": "127.0.0.1:0",
-        "base_model_path": setup.checkpoint,
-        "base_model_name": BASE,
-        "registry_address": setup.registry,
-        "disk_cache_dir": tmp_path / "disk",
-        "num_slots": 4,
-        "max_rank": 8,
-        "host_cache_bytes": 64 * 1024**2,
-        "metrics_listen": "",
-        "drain_seconds": 5.0,
-        "log_format": "text",
-        "kernel_autotune_seconds": 0.0,
-        "prefetch_on_watch": request.param,
-    }
-    metrics = CollectorRegistry()
-    app = ExecutorApp(ExecutorSettings(**values), ExecutorMetrics(metrics))
-    app.start()
-    try:
-        assert app.loaded.wait(60) and app.load_error is None, app.load_error
-        runtime = app.runtime
+def executor(registry_setup: RegistrySetup, request: pytest.FixtureRequest) -> Iterator[Executor]:
+    with running_executor(registry_setup, prefetch_on_watch=request.param) as running:
+        runtime = running.app.runtime
         assert runtime is not None and runtime.watcher is not None
         assert runtime.watcher.connected.wait(30)
-        yield Executor(app, runtime, metrics)
-    finally:
-        app.drain()
+        yield Executor(running.app, runtime, running.registry)
 
 
-def _alias_new_version(setup: Setup, name: str) -> registry_pb2.WatchAdaptersResponse:
+def _alias_new_version(
+    registry_setup: RegistrySetup, name: str
+) -> registry_pb2.WatchAdaptersResponse:
     """Uploads the adapter as ``name`` and points ``prod`` at it; the ALIAS_SET event."""
-    with RegistryClient(setup.registry) as registry, registry.watch(name=name) as stream:
-        version = registry.upload(setup.adapter, name, BASE)
+    with RegistryClient(registry_setup.registry) as registry, registry.watch(name=name) as stream:
+        version = registry.upload(registry_setup.adapter, name, BASE)
         registry.set_alias(name, "prod", version.version)
         for event in stream:
             if event.type == registry_pb2.AdapterEventType.ADAPTER_EVENT_TYPE_ALIAS_SET:
@@ -113,9 +66,9 @@ def _alias_new_version(setup: Setup, name: str) -> registry_pb2.WatchAdaptersRes
 
 @pytest.mark.parametrize("executor", [True], indirect=True)
 def test_an_aliased_version_reaches_the_host_cache_without_a_request(
-    setup: Setup, executor: Executor
+    registry_setup: RegistrySetup, executor: Executor
 ) -> None:
-    event = _alias_new_version(setup, "promoted")
+    event = _alias_new_version(registry_setup, "promoted")
     manager = executor.runtime.adapters
     wait_for(lambda: manager.host.peek(event.digest) is not None, timeout=60)
     entry = manager.host.peek(event.digest)
@@ -128,8 +81,10 @@ def test_an_aliased_version_reaches_the_host_cache_without_a_request(
 
 
 @pytest.mark.parametrize("executor", [False], indirect=True)
-def test_without_the_flag_nothing_is_fetched(setup: Setup, executor: Executor) -> None:
-    event = _alias_new_version(setup, "ignored")
+def test_without_the_flag_nothing_is_fetched(
+    registry_setup: RegistrySetup, executor: Executor
+) -> None:
+    event = _alias_new_version(registry_setup, "ignored")
     watcher = executor.runtime.watcher
     assert watcher is not None and executor.runtime.prefetcher is None
     wait_for(lambda: watcher.last_sequence >= event.sequence, timeout=30)

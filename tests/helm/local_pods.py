@@ -87,8 +87,11 @@ def start_serving(
         metrics_url = f"http://{env[f'{prefix}METRICS_LISTEN']}/metrics"
         metrics = urllib.request.urlopen(metrics_url).read()
         # The probe's health checks went through the server's RPC metrics.
-        health_ok = b'code="OK",method="/grpc.health.v1.Health/Check"'
-        assert b"moelora_grpc_server_handled_total{" + health_ok in metrics
+        health_ok = (
+            b'grpc_code="OK",grpc_method="Check",grpc_service="grpc.health.v1.Health",'
+            b'grpc_type="unary"'
+        )
+        assert b"grpc_server_handled_total{" + health_ok in metrics
     return server
 
 

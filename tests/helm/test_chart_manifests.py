@@ -22,9 +22,9 @@ from tests.helm.chart import (
     render,
 )
 
-# prometheus-operator CRDs: kubernetes-validate has no schemas for them; the object
-# tests check their selectors and ports instead.
-CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor"}
+# prometheus-operator CRDs: kubernetes-validate has no schemas for them; the object tests
+# check the monitors' selectors and ports, and tests/observability the rules with promtool.
+CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 VALUES_FILES = ["defaults", *ci_value_names()]
 
 

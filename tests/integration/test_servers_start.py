@@ -10,32 +10,39 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
 from shared.health import health_check, wait_until_serving
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port
 
 REGISTRY = "moelora.v1.AdapterRegistry"
 EXECUTOR = "moelora.v1.Executor"
 
 
-def _list_services(channel: grpc.Channel) -> set[str]:
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    responses = stub.ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
-    )
-    return {s.name for r in responses for s in r.list_services_response.service}
+#: Reflection's two protocol versions: the same messages under two service names.
+REFLECTION = ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
 
 
-def _file_containing(channel: grpc.Channel, symbol: str) -> bool:
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    responses = list(
-        stub.ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)]),
-            timeout=10,
-        )
+def _reflect(
+    channel: grpc.Channel, request: reflection_pb2.ServerReflectionRequest, service: str
+) -> reflection_pb2.ServerReflectionResponse:
+    call = channel.stream_stream(
+        f"/{service}/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
     )
-    return bool(responses[0].file_descriptor_response.file_descriptor_proto)
+    return next(iter(call(iter([request]), timeout=10)))
+
+
+def _list_services(channel: grpc.Channel, service: str = REFLECTION[0]) -> set[str]:
+    answer = _reflect(channel, reflection_pb2.ServerReflectionRequest(list_services=""), service)
+    return {s.name for s in answer.list_services_response.service}
+
+
+def _file_containing(channel: grpc.Channel, symbol: str, service: str = REFLECTION[0]) -> bool:
+    request = reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
+    answer = _reflect(channel, request, service)
+    return bool(answer.file_descriptor_response.file_descriptor_proto)
 
 
 def _json_events(log: str) -> list[dict[str, Any]]:
@@ -69,29 +76,22 @@ def test_registry_starts_serves_health_reflection_and_drains(
     assert events.index("server_draining") < events.index("server_stopped")
 
 
-def test_executor_without_model_is_not_serving_but_answers(start_server: Any) -> None:
+@pytest.mark.parametrize("reflection", REFLECTION)
+def test_reflection_answers_in_both_protocol_versions(
+    start_server: Any, tmp_path: Path, reflection: str
+) -> None:
     port = free_port()
-    server = start_server(
-        "moelora-executor",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--metrics-listen",
-        "",
-        "--drain-seconds",
-        "1",
-    )
+    start_server(
+        "moelora-registry", "--listen", f"127.0.0.1:{port}", "--data-dir", str(tmp_path / "r"),
+        "--metrics-listen", "",
+    )  # fmt: skip
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-
-        def up() -> bool:
-            try:
-                return health_check(channel, EXECUTOR) == "NOT_SERVING"
-            except grpc.RpcError:
-                return False
-
-        wait_for(up, timeout=60)
-        assert EXECUTOR in _list_services(channel)
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(30) == 0
+        wait_until_serving(channel, REGISTRY, timeout=60)
+        assert {REGISTRY, "grpc.health.v1.Health", *REFLECTION} <= _list_services(
+            channel, reflection
+        )
+        for symbol in (REGISTRY, *REFLECTION):
+            assert _file_containing(channel, symbol, reflection), symbol
 
 
 def test_invalid_flag_exits_2_with_one_readable_line(start_server: Any) -> None:
@@ -141,10 +141,14 @@ def test_outside_client_uses_only_reflection(start_server: Any, tmp_path: Path) 
     base = [str(BUF), "curl", "--protocol", "grpc", "--http2-prior-knowledge"]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         wait_until_serving(channel, REGISTRY, timeout=60)
-    listed = subprocess.run(
-        [*base, "--list-methods", url], capture_output=True, text=True, check=True
-    )
-    assert f"{REGISTRY}/UploadAdapter" in listed.stdout.split()
+    for protocol in ("grpc-v1", "grpc-v1alpha"):
+        listed = subprocess.run(
+            [*base, "--reflect-protocol", protocol, "--list-methods", url],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert f"{REGISTRY}/UploadAdapter" in listed.stdout.split()
     health = subprocess.run(
         [*base, "-d", json.dumps({"service": REGISTRY}), f"{url}/grpc.health.v1.Health/Check"],
         capture_output=True,

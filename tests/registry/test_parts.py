@@ -1,4 +1,4 @@
-"""Per-piece sha256s (AdapterFile.part_size_bytes / part_sha256, issue 13): recorded at upload
+"""Per-piece sha256s (AdapterFile.part_size_bytes / part_sha256): recorded at upload
 from the bytes received, on both blob stores, for files that are an exact multiple of the
 piece size, one byte over, and smaller than one piece; carried by every single-version answer,
 left out of ListAdapters; refused in upload headers."""

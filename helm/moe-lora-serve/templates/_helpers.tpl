@@ -62,6 +62,16 @@ app.kubernetes.io/part-of: moe-lora-serve
 {{- end }}
 {{- end }}
 
+{{/* metadata.annotations: commonAnnotations and the object's own (.extra, which wins);
+nothing when both are empty. */}}
+{{- define "moelora.annotations" -}}
+{{- $all := mergeOverwrite (deepCopy (default dict .root.Values.commonAnnotations)) (default dict .extra) }}
+{{- with $all }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
 {{/* image: repository:tag, or repository@digest when a digest is given. */}}
 {{- define "moelora.image" -}}
 {{- if .image.digest -}}

@@ -1,4 +1,4 @@
-"""Per-piece sha256s of each file (issue 13): adapter_files.part_size_bytes and part_sha256,
+"""Per-piece sha256s of each file: adapter_files.part_size_bytes and part_sha256,
 NULL for the files stored before (`moelora-registry backfill-parts` fills them in).
 
 Revision ID: 0002

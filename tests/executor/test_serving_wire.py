@@ -1,0 +1,102 @@
+"""The pieces front ends and the engine share: shared-memory segments, a front end's arena
+allocator, and the frames they exchange."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from executor_service.serving.arena import ALIGN, Arena, ArenaFull, Region
+from executor_service.serving.shm import SHM_ROOT, Segment
+from executor_service.serving.wire import (
+    Connection,
+    ForwardDescriptor,
+    ForwardResult,
+    Kind,
+    TensorRef,
+)
+
+
+def test_a_segment_is_shared_by_name_and_its_creator_unlinks_it() -> None:
+    owner = Segment.create_unique("moelora-test", 8192)
+    other = Segment(owner.name)
+    owner.buffer[100:105] = b"hello"
+    assert bytes(other.buffer[100:105]) == b"hello" and other.size == 8192
+    other.close()
+    assert (SHM_ROOT / owner.name).exists(), "an attached process must not unlink it"
+    owner.close()
+    assert not (SHM_ROOT / owner.name).exists()
+    with pytest.raises(ValueError):
+        Segment("../etc/passwd")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5000)), min_size=1, max_size=80))
+def test_the_arena_never_hands_out_overlapping_regions_and_coalesces(
+    steps: list[tuple[bool, int]],
+) -> None:
+    arena = Arena.create("moelora-test", 64 * 1024)
+    try:
+        held: list[tuple[int, int]] = []
+        rng = random.Random(len(steps))
+        for allocate, size in steps:
+            if allocate or not held:
+                try:
+                    region = arena.allocate(size)
+                except ArenaFull:
+                    continue
+                assert region.offset % ALIGN == 0 and region.nbytes >= size
+                assert region.offset + region.nbytes <= arena.size
+                for start, nbytes in held:
+                    assert region.offset >= start + nbytes or region.offset + region.nbytes <= start
+                held.append((region.offset, region.nbytes))
+            else:
+                offset, nbytes = held.pop(rng.randrange(len(held)))
+                arena.free(Region(offset, nbytes))
+        for offset, nbytes in held:
+            arena.free(Region(offset, nbytes))
+        assert arena.used == 0
+        assert arena.allocate(arena.size).nbytes == arena.size, "free space did not coalesce"
+    finally:
+        arena.close()
+
+
+def test_descriptors_and_results_survive_the_wire() -> None:
+    hidden = TensorRef("", 4096, 2 * 7 * 64, 3, (7, 64))
+    output = TensorRef("", 8192, 2 * 7 * 64, 3, (7, 64))
+    ids = TensorRef("client-ring", 0, 7 * 2 * 4, 5, (7, 2))
+    weights = TensorRef("client-ring", 256, 7 * 2 * 4, 1, (7, 2))
+    descriptor = ForwardDescriptor(
+        9, 3, 4.5, hidden, output, ((3, "sql@prod"), (4, "")), ids, weights
+    )
+    assert ForwardDescriptor.decode(descriptor.encode()) == descriptor
+    plain = ForwardDescriptor(10, 0, 1.0, hidden, output, ((7, "é-adapter:2"),))
+    assert ForwardDescriptor.decode(plain.encode()) == plain
+    result = ForwardResult(9, 8, "busy", ("sql:3", ""), 1, 1234, 50)
+    assert ForwardResult.decode(result.encode()) == result
+
+
+def test_frames_arrive_whole_and_a_closed_end_is_eof() -> None:
+    left, right = socket.socketpair()
+    a, b = Connection(left), Connection(right)
+    big = bytes(range(256)) * 4096  # more than the socket buffers: sent in pieces
+
+    def send() -> None:
+        a.send(Kind.FORWARD, big)
+        a.send_json(Kind.CALL, {"id": 1, "method": "list"})
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    assert b.recv() == (Kind.FORWARD, big)
+    kind, payload = b.recv()
+    assert kind is Kind.CALL and payload == b'{"id": 1, "method": "list"}'
+    sender.join(10)
+    a.close()
+    with pytest.raises(EOFError):
+        b.recv()
+    b.close()
