@@ -18,11 +18,11 @@ import grpc
 import helm_python as helm
 import pytest
 import torch
-import yaml  # type: ignore[import-untyped]
+import yaml
 
 from executor_service.client import ExecutorClient, ForwardCall, RetryPolicy
 from shared.errors import MoeLoraError
-from shared.grpc_server import wait_until_serving
+from shared.health import wait_until_serving
 from shared.model_spec import ModelSpec, read_model_spec
 from shared.registry_client import RegistryClient
 from tests.conftest import ServerProcess, free_port
@@ -108,7 +108,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "--data-dir", str(tmp / "registry"), "--metrics-listen", metrics["registry"],
                 "--drain-seconds", "1",
             ],
-            {**_env(), "MOELORA_HTTP_LISTEN": "127.0.0.1:0"},
+            {**_env(), "MOELORA_REGISTRY_HTTP_LISTEN": "127.0.0.1:0"},
             tmp / "registry.log",
         )  # fmt: skip
         with grpc.insecure_channel(registry_address) as channel:
