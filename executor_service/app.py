@@ -1,5 +1,10 @@
 """The executor process: the gRPC server up at once, the base model loaded in the background.
 
+The serving path is split in two (``serving/``): the engine (``EngineHost`` over the loaded
+``ExecutorRuntime``), which owns the device, and a gRPC front end (``ExecutorServicer``), which
+decodes requests into shared memory and hands the engine descriptors over a local socket. Here
+both run in this process; ``main`` can add front-end processes on the same port.
+
 Health says NOT_SERVING (and RPCs answer UNAVAILABLE) while the model loads, so that probes get
 answers during a long load; SERVING once it is ready. A model that fails to load stops the
 server, and ``main`` exits non-zero with the reason.
@@ -11,6 +16,7 @@ exits with ``DEVICE_FAULT_EXIT_CODE``.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 
 from executor_service.auth import open_authorizer
@@ -20,6 +26,9 @@ from executor_service.device_fault import DeviceFault
 from executor_service.metrics import ExecutorMetrics
 from executor_service.runtime import ExecutorRuntime, build_runtime
 from executor_service.server import ExecutorServicer
+from executor_service.serving.arena import Arena
+from executor_service.serving.engine_host import EngineHost
+from executor_service.serving.engine_link import EngineLink
 from executor_service.sources import AdapterSource
 from moelora.v1 import executor_pb2, executor_pb2_grpc
 from shared.errors import MoeLoraError
@@ -54,8 +63,15 @@ class ExecutorApp:
         self._metrics = metrics
         self._kernel = kernel
         self._source = source
+        #: The engine: where requests meet the runtime once it is loaded.
+        self.host = EngineHost(workers=settings.grpc_workers + 8)
+        engine_end, front_end = socket.socketpair()
+        self._arena = Arena.create("moelora-frontend", settings.frontend_arena_bytes)
+        self.link = EngineLink(front_end, self._arena, on_state=self._on_engine_state)
         self.servicer = ExecutorServicer(
-            settings.max_forward_streams or max(1, settings.grpc_workers * 3 // 4)
+            self.link,
+            settings,
+            settings.max_forward_streams or max(1, settings.grpc_workers * 3 // 4),
         )
         self.server = GrpcServer(
             settings.server_options(settings.grpc_workers),
@@ -71,6 +87,8 @@ class ExecutorApp:
         #: Set once the device faulted (``device_fault`` says how).
         self.faulted = threading.Event()
         self.device_fault: DeviceFault | None = None
+        self.host.serve(engine_end)
+        self.link.start()
 
     @property
     def address(self) -> str:
@@ -89,6 +107,10 @@ class ExecutorApp:
         self.server.drain(on_drained=self._close)
 
     def _close(self) -> None:
+        self.host.set_state(False, "the executor is stopping")
+        self.link.close()
+        self.host.close()
+        self._arena.close()
         if self.runtime is None:
             return
         try:
@@ -99,8 +121,13 @@ class ExecutorApp:
             # A lost device may fail its own clean-up; the process ends regardless.
             log_event(log, "close_after_device_fault_failed", logging.WARNING, exc_info=True)
 
+    def _on_engine_state(self, serving: bool, _reason: str) -> None:
+        if not self.server.draining:
+            self.server.set_serving(serving)
+
     def _on_device_fault(self, fault: DeviceFault) -> None:
         self.device_fault = fault
+        self.host.set_state(False, fault.describe())
         self.server.set_serving(False)
         self.faulted.set()
         threading.Thread(
@@ -133,11 +160,12 @@ class ExecutorApp:
                 error=str(exc),
             )
             self.loaded.set()
-            self.server.drain()
+            self.server.drain(on_drained=self._close)
             return
         self.runtime = runtime
         runtime.device.on_fault(self._on_device_fault)
-        self.servicer.attach(runtime)
+        self.host.attach(runtime)
+        self.host.set_state(True)
         if not self.server.draining:
             self.server.set_serving(True)
         self.loaded.set()

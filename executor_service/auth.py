@@ -1,6 +1,7 @@
 """Who may call the executor: the registry's token file and roles, checked per RPC.
 
-Computing and looking need ``read``: Forward, ForwardStream, the listings and the info.
+Computing and looking need ``read``: Forward, ForwardStream, the listings, the info, and a
+caller's own shared-memory regions.
 Changing what is resident needs ``admin``: Load/Unload/Pin/Unpin decide which tenants'
 adapters are evicted, so a tenant's own (read) token must not reach them. ``write`` means
 "may publish adapters" on the registry and grants nothing more here than ``read``.
@@ -22,7 +23,17 @@ _SERVICE = executor_pb2.DESCRIPTOR.services_by_name["Executor"]
 # every RPC of the proto is).
 _ROLES_BY_NAME = {
     **dict.fromkeys(
-        ("Forward", "ForwardStream", "ListLoadedAdapters", "GetExecutorInfo", "WatchResidency"),
+        (
+            "Forward",
+            "ForwardStream",
+            "ListLoadedAdapters",
+            "GetExecutorInfo",
+            "WatchResidency",
+            # A caller's own shared memory, for its own Forward calls (scoped to its token).
+            "RegisterSharedMemory",
+            "UnregisterSharedMemory",
+            "ListSharedMemory",
+        ),
         Role.READ,
     ),
     **dict.fromkeys(("LoadAdapter", "UnloadAdapter", "PinAdapter", "UnpinAdapter"), Role.ADMIN),

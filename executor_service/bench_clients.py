@@ -16,8 +16,10 @@ executor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import queue
 import sys
 import threading
@@ -30,6 +32,7 @@ import numpy as np
 
 from executor_service.bench.answers import tensor_to_float32, worst_row_error
 from executor_service.echo_server import STREAM, UNARY
+from executor_service.serving.shm import Segment
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 
 #: Timed answers kept for the check: one in this many.
@@ -125,6 +128,68 @@ class _StreamCall:
         self._outbox.put(None)
 
 
+class _Transport:
+    """How a request's tensors travel: in the message (grpc), or in a shared-memory ring
+    registered with the executor once (shm), input written there once, output read back."""
+
+    def __init__(
+        self, channel: grpc.Channel, kind: str, target: str, request: executor_pb2.ForwardRequest
+    ) -> None:
+        self.request = request
+        self._ring: Segment | None = None
+        self._stub = executor_pb2_grpc.ExecutorStub(channel)
+        self._registered = False
+        if kind == "grpc":
+            return
+        hidden = request.hidden_states
+        nbytes = len(hidden.data)
+        ring = self._ring = Segment.create_unique("moelora-bench", 2 * nbytes)
+        ring.buffer[:nbytes] = hidden.data
+        self._output_at = nbytes
+        self._region = f"bench-{os.getpid()}"
+        if target == "executor":
+            self._stub.RegisterSharedMemory(
+                executor_pb2.RegisterSharedMemoryRequest(
+                    region=self._region, shm_name=ring.name, size=ring.size
+                ),
+                timeout=60,
+            )
+            self._registered = True
+
+        def shared(offset: int) -> executor_pb2.SharedTensor:
+            return executor_pb2.SharedTensor(
+                region=self._region, offset=offset, dtype=hidden.dtype, shape=hidden.shape
+            )
+
+        self._template = tensor_pb2.Tensor(dtype=hidden.dtype, shape=hidden.shape)
+        self.request = executor_pb2.ForwardRequest(
+            layer=request.layer,
+            segments=request.segments,
+            shared_hidden_states=shared(0),
+            shared_output=shared(nbytes),
+        )
+
+    def output(self, answered: tensor_pb2.Tensor | None) -> tensor_pb2.Tensor | None:
+        """The call's output: from the message, or a copy of the ring's output region."""
+        ring = self._ring
+        if ring is None or not self._registered:
+            return answered
+        data = bytes(ring.buffer[self._output_at : 2 * self._output_at])
+        return tensor_pb2.Tensor(dtype=self._template.dtype, shape=self._template.shape, data=data)
+
+    def __enter__(self) -> _Transport:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._registered:
+            with contextlib.suppress(grpc.RpcError):
+                self._stub.UnregisterSharedMemory(
+                    executor_pb2.UnregisterSharedMemoryRequest(region=self._region), timeout=10
+                )
+        if self._ring is not None:
+            self._ring.close()
+
+
 def _row_errors(kept: list[tensor_pb2.Tensor | None], expected: Path | None) -> list[float]:
     """The worst row error of each kept answer against ``expected`` (none without it)."""
     if expected is None:
@@ -150,12 +215,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--expected", type=Path, help="the answer to check against (.npy)")
     parser.add_argument("--tolerance", type=float, default=0.0)
+    parser.add_argument(
+        "--transport",
+        choices=["grpc", "shm"],
+        default="grpc",
+        help="shm: the tensors in a shared-memory region registered once, the RPC a descriptor",
+    )
     args = parser.parse_args(argv)
     adapters = [a for a in args.adapters.split(",") if a]
     request = forward_request(args.layer, args.tokens, args.hidden, adapters, args.seed)
-    with grpc.insecure_channel(args.address, options=_OPTIONS) as channel:
+    with (
+        grpc.insecure_channel(args.address, options=_OPTIONS) as channel,
+        _Transport(channel, args.transport, args.target, request) as transport,
+    ):
+        request = transport.request
         stream = _StreamCall(channel, args.target, request) if args.mode == "stream" else None
-        call: Call = stream if stream is not None else _unary_call(channel, args.target, request)
+        sent: Call = stream if stream is not None else _unary_call(channel, args.target, request)
+
+        def call() -> tuple[int, tensor_pb2.Tensor | None]:
+            server_us, output = sent()
+            return server_us, transport.output(output)
+
         kept: list[tensor_pb2.Tensor | None] = [call()[1] for _ in range(args.warmup)]
         print("ready", flush=True)
         if sys.stdin.readline().strip() != "go":

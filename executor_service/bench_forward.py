@@ -48,6 +48,7 @@ from executor_service.bench_clients import forward_request
 from executor_service.client import ExecutorClient
 from executor_service.graphs import GraphCache
 from executor_service.model_loader import load_base_model
+from executor_service.serving.frontends import frontend_count
 from executor_service.synthetic import SyntheticAdapter, write_adapter, write_base_checkpoint
 from kernels import LoRAContext, LoRASlots, moe_forward
 from kernels.forward import Backend
@@ -144,6 +145,7 @@ def _run_clients(
     iters: int,
     warmup: int,
     answers: Answers | None = None,
+    transport: str = "grpc",
 ) -> ClientsRun:
     """Runs one row's clients (client i sends the request of seed i); with ``answers`` each
     checks a sample of its answers against its request's expected answer."""
@@ -164,6 +166,7 @@ def _run_clients(
             f"--iters={iters}",
             f"--warmup={warmup}",
             f"--seed={i}",
+            f"--transport={transport}",
             *check,
         ]
         procs.append(
@@ -314,20 +317,20 @@ def _adapter_sets(pool: list[str], clients: int) -> list[list[str]]:
     ]
 
 
-def _print(rows: list[Row], title: str) -> None:
+def _print(rows: list[Row], title: str, front_ends: int) -> None:
     print(f"\n{title}\n")
     print(
-        "| mode | T | clients | p50 ms | p99 ms | server p50 ms | kernel ms | floor ms | "
-        "overhead ms | tokens/s | mean batch | answers checked (worst row error) |"
+        "| mode | T | clients | front ends | p50 ms | p99 ms | server p50 ms | kernel ms | "
+        "floor ms | overhead ms | tokens/s | mean batch | answers checked (worst row error) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         kernel = "—" if r.kernel_ms is None else f"{r.kernel_ms:.3f}"
         overhead = "—" if r.kernel_ms is None else f"{r.p50_ms - r.kernel_ms - r.floor_ms:.3f}"
         clients = f"{r.clients}{' (churn)' if r.churn else ''}"
         print(
-            f"| {r.mode} | {r.tokens} | {clients} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | "
-            f"{r.server_ms:.3f} | {kernel} | {r.floor_ms:.3f} | {overhead} | "
+            f"| {r.mode} | {r.tokens} | {clients} | {front_ends} | {r.p50_ms:.3f} | "
+            f"{r.p99_ms:.3f} | {r.server_ms:.3f} | {kernel} | {r.floor_ms:.3f} | {overhead} | "
             f"{r.tokens_per_s:,.0f} | {r.batch:.2f} | {r.checked} ({r.worst_row_error:.1e}) |"
         )
     print("\nExecutor time per stage, mean ms per request (queue) or per launch (the others)\n")
@@ -343,7 +346,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", default="1,8,64,512", help="T of the one-client rows")
-    parser.add_argument("--clients", default="8,32", help="client counts of the T=64 rows")
+    parser.add_argument("--clients", default="8,32,64", help="client counts of the T=64 rows")
+    parser.add_argument(
+        "--transport",
+        choices=["grpc", "shm"],
+        default="grpc",
+        help="grpc: tensors in the messages; shm: in a shared-memory region each client "
+        "registers once, the RPC carrying only the descriptor",
+    )
+    parser.add_argument(
+        "--frontends", type=int, help="the executor's --frontends (default: its own)"
+    )
     parser.add_argument("--modes", default="unary,stream")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--slots", type=int, default=8, help="the executor's --num-slots")
@@ -427,6 +440,7 @@ def main(argv: list[str] | None = None) -> None:
             f"--cuda-graphs={args.cuda_graphs}",
             f"--batch-window-us={args.batch_window_us}",
             "--log-level=info",
+            *([] if args.frontends is None else [f"--frontends={args.frontends}"]),
         ]
         echo = [
             sys.executable,
@@ -461,6 +475,7 @@ def main(argv: list[str] | None = None) -> None:
                         args.iters,
                         args.warmup,
                         answers,
+                        args.transport,
                     )
                     latency = served.latency
                     after = _metrics(metrics_url)
@@ -474,6 +489,7 @@ def main(argv: list[str] | None = None) -> None:
                         sets,
                         args.iters,
                         args.warmup,
+                        transport=args.transport,
                     )
                     stages = {
                         s: 1e3
@@ -514,10 +530,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_forward: answers differ from the reference; no table printed")
     _print(
         rows,
-        f"Forward, {args.shape} layer on {info.device} ({info.backend}), compute "
-        f"{str(dtype).removeprefix('torch.')}, bf16 on the wire, rank {args.rank}, "
+        f"Forward over {args.transport}, {args.shape} layer on {info.device} ({info.backend}), "
+        f"compute {str(dtype).removeprefix('torch.')}, bf16 tensors, rank {args.rank}, "
         f"{PER_REQUEST} adapters per request ({len(pinned)} pinned; churn row: {churn_pool} "
         f"adapters over {args.slots} slots), {args.iters} calls per client and row",
+        frontend_count(args.frontends),
     )
 
 

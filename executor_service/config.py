@@ -165,6 +165,22 @@ class ExecutorSettings(ServerSettings):
         description="ForwardStream streams open at once, each holding a handler thread; more "
         "are refused with RESOURCE_EXHAUSTED and a retry hint; default: 3/4 of grpc_workers",
     )
+    frontends: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="gRPC front-end processes on the one --listen port (each decodes, checks "
+        "and encodes requests under its own GIL and hands them to the GPU's engine process "
+        "through shared memory); 0 = serve gRPC in the engine's process; default: one per "
+        "four cores, 1 to 8",
+    )
+    frontend_arena_bytes: int = Field(
+        1024**3,
+        ge=16 * 1024**2,
+        description="shared memory (/dev/shm) each gRPC front end holds for its requests' "
+        "input and output tensors on their way to and from the engine; a request needs about "
+        "twice its hidden_states' bytes while it is served (pages are taken as they are used)",
+    )
     gil_switch_interval_us: int = Field(
         200,
         ge=1,

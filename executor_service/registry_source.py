@@ -33,6 +33,7 @@ from collections.abc import Callable
 from http import HTTPStatus
 from http.client import HTTPException
 from pathlib import Path
+from typing import Any
 
 from executor_service.disk_cache import DiskCache
 from executor_service.listing import RemoteFile
@@ -46,7 +47,7 @@ from executor_service.sources import (
     check_digest,
     parse_config,
 )
-from moelora.v1 import executor_pb2, registry_pb2
+from moelora.v1 import registry_pb2
 from shared.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
 from shared.errors import (
     DataLoss,
@@ -184,18 +185,16 @@ class RegistrySource:
 
         threading.Thread(target=ask, name="registry-probe", daemon=True).start()
 
-    def status(self) -> executor_pb2.RegistryStatus:
-        """What GetExecutorInfo says of the registry."""
-        status = executor_pb2.RegistryStatus(
-            address=self.address,
-            reachable=not self.outage.down,
-            watching=self.resolutions.is_watching,
-            staleness_seconds=self.resolutions.staleness_seconds,
-        )
-        since = self.outage.since
-        if since is not None:
-            status.unreachable_since.FromNanoseconds(round(since * 1e9))
-        return status
+    def status(self) -> dict[str, Any]:
+        """What GetExecutorInfo says of the registry, as the engine sends it to its front ends
+        (``registry_status_message`` makes the message of it)."""
+        return {
+            "address": self.address,
+            "reachable": not self.outage.down,
+            "unreachable_since": self.outage.since,
+            "watching": self.resolutions.is_watching,
+            "staleness_seconds": self.resolutions.staleness_seconds,
+        }
 
     def _never_resolved(self, key: str, why: str) -> Unavailable:
         return Unavailable(
@@ -387,7 +386,7 @@ class RegistrySource:
         )
 
 
-def registry_status(source: AdapterSource | None) -> executor_pb2.RegistryStatus | None:
+def registry_status(source: AdapterSource | None) -> dict[str, Any] | None:
     """GetExecutorInfo's registry detail; None when adapters do not come from a registry."""
     return source.status() if isinstance(source, RegistrySource) else None
 

@@ -1,123 +1,191 @@
-"""The Executor gRPC servicer: translates messages and nothing else.
+"""The Executor gRPC servicer, as a front end runs it: messages in, the engine's answers out.
 
-Decoding, encoding and the proto ↔ dataclass mapping happen here; the work happens in the
-``ForwardEngine`` and the ``AdapterManager`` of the attached ``ExecutorRuntime``. Domain errors
-raised below become status codes in ``shared.grpc_server``'s interceptor; ForwardStream turns
-them into per-request ``RequestError`` answers so that one bad request does not end the stream.
+A Forward request's tensors are checked for size and copied once, straight from the message's
+bytes, into the front end's shared-memory arena; the engine gets a small descriptor over the
+``EngineLink`` and writes the answer into a region of the same arena, from which the response
+is encoded. The work (validation against the model, adapters, batching, the GPU) happens in the
+engine (``serving/engine_host.py``); admin calls are forwarded to it as they are. Domain errors
+become status codes in ``shared.grpc_server``'s interceptor; ForwardStream turns them into
+per-request ``RequestError`` answers so that one bad request does not end the stream.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from typing_extensions import override
 
-from executor_service.adapters import AdapterStatus, Location
-from executor_service.batch import Segment
-from executor_service.engine import ForwardInput
-from executor_service.registry_source import registry_status
-from executor_service.runtime import ExecutorRuntime, replica_name
-from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared import codec, torch_codec
-from shared.errors import MoeLoraError, Overloaded, Unavailable
+from executor_service.config import ExecutorSettings
+from executor_service.serving.arena import Arena, ArenaFull, Region
+from executor_service.serving.engine_link import EngineLink, raise_for
+from executor_service.serving.wire import ForwardDescriptor, TensorRef
+from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
+from shared import codec
+from shared.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    MoeLoraError,
+    Overloaded,
+    ResourceExhausted,
+)
 from shared.grpc_server import internal_error_message
-from shared.refs import AdapterRef
-from shared.version import package_version
+from shared.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 _LOCATIONS = {
-    Location.GPU: executor_pb2.ADAPTER_LOCATION_GPU,
-    Location.HOST: executor_pb2.ADAPTER_LOCATION_HOST,
-    Location.DISK: executor_pb2.ADAPTER_LOCATION_DISK,
-    Location.NONE: executor_pb2.ADAPTER_LOCATION_UNSPECIFIED,
+    "gpu": executor_pb2.ADAPTER_LOCATION_GPU,
+    "host": executor_pb2.ADAPTER_LOCATION_HOST,
+    "disk": executor_pb2.ADAPTER_LOCATION_DISK,
+    "none": executor_pb2.ADAPTER_LOCATION_UNSPECIFIED,
 }
 
+#: How long a request waits for room in the front end's arena before RESOURCE_EXHAUSTED.
+_ARENA_WAIT_SECONDS = 5.0
 
-def decode_forward(request: executor_pb2.ForwardRequest) -> ForwardInput:
-    """The request as the engine takes it (tensors view the message's bytes)."""
-    routing = request.routing if request.HasField("routing") else None
-    has_ids = routing is not None and routing.HasField("topk_ids")
-    has_weights = routing is not None and routing.HasField("topk_weights")
-    return ForwardInput(
-        layer=request.layer,
-        hidden=torch_codec.to_torch(request.hidden_states, "hidden_states"),
-        segments=[Segment(s.num_tokens, s.adapter) for s in request.segments],
-        topk_ids=torch_codec.to_torch(request.routing.topk_ids, "routing.topk_ids")
-        if has_ids
-        else None,
-        topk_weights=(
-            torch_codec.to_torch(request.routing.topk_weights, "routing.topk_weights")
-            if has_weights
-            else None
-        ),
+
+def registry_status_message(status: dict[str, Any] | None) -> executor_pb2.RegistryStatus | None:
+    """The engine's registry detail (``registry_source.registry_status``) as the message."""
+    if status is None:
+        return None
+    message = executor_pb2.RegistryStatus(
+        address=status["address"],
+        reachable=status["reachable"],
+        watching=status["watching"],
+        staleness_seconds=status["staleness_seconds"],
     )
+    if status["unreachable_since"] is not None:
+        message.unreachable_since.FromNanoseconds(round(status["unreachable_since"] * 1e9))
+    return message
 
 
-def loaded_adapter(status: AdapterStatus) -> executor_pb2.LoadedAdapter:
+def loaded_adapter(status: dict[str, Any]) -> executor_pb2.LoadedAdapter:
+    """An adapter's status as the engine reports it (``engine_host.status_json``)."""
     message = executor_pb2.LoadedAdapter(
-        name=status.adapter.name,
-        version=status.adapter.version,
-        digest=status.adapter.digest,
-        location=_LOCATIONS[status.location],
-        slot=-1 if status.slot is None else status.slot,
-        pinned=status.pinned,
-        rank=status.rank,
-        size_bytes=status.nbytes,
-        in_flight=status.in_flight,
+        name=status["name"],
+        version=status["version"],
+        digest=status["digest"],
+        location=_LOCATIONS[status["location"]],
+        slot=-1 if status["slot"] is None else status["slot"],
+        pinned=status["pinned"],
+        rank=status["rank"],
+        size_bytes=status["nbytes"],
+        in_flight=status["in_flight"],
     )
-    if status.last_used is not None:
+    if status["last_used"] is not None:
         stamp = Timestamp()
-        stamp.FromNanoseconds(int(status.last_used * 1e9))
+        stamp.FromNanoseconds(int(status["last_used"] * 1e9))
         message.last_used_time.CopyFrom(stamp)
     return message
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    """Answers UNAVAILABLE until ``attach`` hands it the loaded runtime."""
+    """Forwards every RPC to the engine over ``link`` (see the module doc)."""
 
-    def __init__(self, max_streams: int = 48) -> None:
-        self._runtime: ExecutorRuntime | None = None
+    def __init__(self, link: EngineLink, settings: ExecutorSettings, max_streams: int) -> None:
+        self._link = link
+        self._arena: Arena = link.arena
+        self._settings = settings
         # Each open ForwardStream holds a handler thread: past this many, refuse new ones
         # rather than let idle or slow streams take every thread from unary calls.
         self._max_streams = max_streams
         self._streams = threading.BoundedSemaphore(max_streams)
 
-    def attach(self, runtime: ExecutorRuntime) -> None:
-        self._runtime = runtime
-
-    @contextlib.contextmanager
-    def _ready(self) -> Iterator[ExecutorRuntime]:
-        """The loaded runtime; a device fault met inside becomes UNAVAILABLE naming it."""
-        runtime = self._runtime
-        if runtime is None:
-            raise Unavailable("the executor is still loading its base model; retry shortly")
-        with runtime.device.guard():
-            yield runtime
-
     def _forward(
         self, request: executor_pb2.ForwardRequest, context: grpc.ServicerContext
     ) -> executor_pb2.ForwardResponse:
-        with self._ready() as runtime:
-            start = time.perf_counter()
-            decoded = decode_forward(request)
-            runtime.metrics.stage["decode"].observe(time.perf_counter() - start)
-            prepared = runtime.engine.prepare(decoded, _slot_wait(runtime, context))
-            result = runtime.scheduler.submit(prepared)
+        start = time.perf_counter()
+        regions: list[Region] = []
+        shared_output = request.HasField("shared_output")
+        try:
+            if request.HasField("shared_hidden_states"):
+                if request.hidden_states.data or request.hidden_states.shape:
+                    raise InvalidArgument(
+                        "hidden_states: leave it unset when shared_hidden_states names the input",
+                        "hidden_states",
+                    )
+                hidden = _shared(request.shared_hidden_states, "shared_hidden_states")
+            else:
+                hidden = self._put(request.hidden_states, "hidden_states", regions)
+            if shared_output:
+                output = _shared(request.shared_output, "shared_output")
+                if (output.dtype, output.shape) != (hidden.dtype, hidden.shape):
+                    raise InvalidArgument(
+                        "shared_output: must have the input's dtype and shape "
+                        f"{list(hidden.shape)}",
+                        "shared_output",
+                    )
+            else:
+                output = self._reserve(hidden, regions)
+                output_region = regions[-1]
+            ids = weights = None
+            if request.HasField("routing"):
+                routing = request.routing
+                ids = self._put(routing.topk_ids, "routing.topk_ids", regions)
+                weights = self._put(routing.topk_weights, "routing.topk_weights", regions)
+            descriptor = ForwardDescriptor(
+                request_id=self._link.next_id(),
+                layer=request.layer,
+                slot_wait=_slot_wait(self._settings, context),
+                decode_seconds=time.perf_counter() - start,
+                scope=_scope(context),
+                hidden=hidden,
+                output=output,
+                segments=tuple((s.num_tokens, s.adapter) for s in request.segments),
+                topk_ids=ids,
+                topk_weights=weights,
+            )
+            result = self._link.forward(descriptor)
+            raise_for(result.code, result.message, result.retry_after_ms)
+            if not shared_output:
+                data = bytes(self._arena.view(output_region)[: output.nbytes])
+        finally:
+            for region in regions:
+                self._arena.free(region)
         response = executor_pb2.ForwardResponse(
-            output=torch_codec.from_torch(prepared.output),
-            resolved_adapters=result.resolved_adapters,
+            resolved_adapters=list(result.resolved_adapters),
             adapters_resident=result.adapters_loaded == 0,
             adapters_loaded=result.adapters_loaded,
         )
+        if not shared_output:
+            response.output.CopyFrom(
+                tensor_pb2.Tensor(
+                    dtype=request.hidden_states.dtype, shape=list(output.shape), data=data
+                )
+            )
         response.server_time_us = int((time.perf_counter() - start) * 1e6)
         return response
+
+    def _put(self, tensor: tensor_pb2.Tensor, field: str, regions: list[Region]) -> TensorRef:
+        """Copies a message tensor into the arena (its size checked against its shape)."""
+        shape, _ = codec.checked_shape(tensor, field)
+        region = self._allocate(len(tensor.data), regions)
+        self._arena.view(region)[: len(tensor.data)] = tensor.data
+        return TensorRef("", region.offset, len(tensor.data), tensor.dtype, shape)
+
+    def _reserve(self, like: TensorRef, regions: list[Region]) -> TensorRef:
+        region = self._allocate(like.nbytes, regions)
+        return TensorRef("", region.offset, like.nbytes, like.dtype, like.shape)
+
+    def _allocate(self, nbytes: int, regions: list[Region]) -> Region:
+        try:
+            region = self._arena.allocate(nbytes, _ARENA_WAIT_SECONDS)
+        except ArenaFull as exc:
+            raise ResourceExhausted(
+                f"hidden_states: the request's tensors do not fit the front end's shared memory "
+                f"now ({exc}); send fewer tokens per request or raise --frontend-arena-bytes",
+                "hidden_states",
+            ) from None
+        regions.append(region)
+        return region
 
     @override
     def Forward(
@@ -176,84 +244,148 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def LoadAdapter(
         self, request: executor_pb2.LoadAdapterRequest, context: grpc.ServicerContext
     ) -> executor_pb2.LoadAdapterResponse:
-        with self._ready() as runtime:
-            ref = AdapterRef.parse(request.adapter, "adapter")
-            status = runtime.adapters.load(ref, request.to_gpu, _slot_wait(runtime, context))
-            return executor_pb2.LoadAdapterResponse(adapter=loaded_adapter(status))
+        wait = _slot_wait(self._settings, context)
+        status = self._link.call(
+            "load", {"adapter": request.adapter, "to_gpu": request.to_gpu, "wait": wait}
+        )
+        return executor_pb2.LoadAdapterResponse(adapter=loaded_adapter(status))
 
     @override
     def UnloadAdapter(
         self, request: executor_pb2.UnloadAdapterRequest, context: grpc.ServicerContext
     ) -> executor_pb2.UnloadAdapterResponse:
-        with self._ready() as runtime:
-            ref = AdapterRef.parse(request.adapter, "adapter")
-            # Requests in flight finish first, however long the caller's deadline allows.
-            status = runtime.adapters.unload(ref, float(context.time_remaining()))
-            return executor_pb2.UnloadAdapterResponse(adapter=loaded_adapter(status))
+        # Requests in flight finish first, however long the caller's deadline allows.
+        wait = float(context.time_remaining())
+        status = self._link.call("unload", {"adapter": request.adapter, "wait": wait})
+        return executor_pb2.UnloadAdapterResponse(adapter=loaded_adapter(status))
 
     @override
     def PinAdapter(
         self, request: executor_pb2.PinAdapterRequest, context: grpc.ServicerContext
     ) -> executor_pb2.PinAdapterResponse:
-        with self._ready() as runtime:
-            ref = AdapterRef.parse(request.adapter, "adapter")
-            status = runtime.adapters.pin(ref, _slot_wait(runtime, context))
-            return executor_pb2.PinAdapterResponse(adapter=loaded_adapter(status))
+        wait = _slot_wait(self._settings, context)
+        status = self._link.call("pin", {"adapter": request.adapter, "wait": wait})
+        return executor_pb2.PinAdapterResponse(adapter=loaded_adapter(status))
 
     @override
     def UnpinAdapter(
         self, request: executor_pb2.UnpinAdapterRequest, context: grpc.ServicerContext
     ) -> executor_pb2.UnpinAdapterResponse:
-        with self._ready() as runtime:
-            ref = AdapterRef.parse(request.adapter, "adapter")
-            status = runtime.adapters.unpin(ref)
-            return executor_pb2.UnpinAdapterResponse(adapter=loaded_adapter(status))
+        status = self._link.call("unpin", {"adapter": request.adapter})
+        return executor_pb2.UnpinAdapterResponse(adapter=loaded_adapter(status))
 
     @override
     def ListLoadedAdapters(
         self, request: executor_pb2.ListLoadedAdaptersRequest, context: grpc.ServicerContext
     ) -> executor_pb2.ListLoadedAdaptersResponse:
-        with self._ready() as runtime:
-            adapters = runtime.adapters
-            stats = adapters.stats()
-            return executor_pb2.ListLoadedAdaptersResponse(
-                adapters=[loaded_adapter(s) for s in adapters.list_loaded()],
-                num_slots=stats.num_slots,
-                free_slots=stats.free_slots,
-                host_cache_used_bytes=stats.host_cache_used_bytes,
-            )
+        listing = self._link.call("list", {})
+        stats = listing["stats"]
+        return executor_pb2.ListLoadedAdaptersResponse(
+            adapters=[loaded_adapter(s) for s in listing["adapters"]],
+            num_slots=stats["num_slots"],
+            free_slots=stats["free_slots"],
+            host_cache_used_bytes=stats["host_cache_used_bytes"],
+        )
 
     @override
     def GetExecutorInfo(
         self, request: executor_pb2.GetExecutorInfoRequest, context: grpc.ServicerContext
     ) -> executor_pb2.GetExecutorInfoResponse:
-        with self._ready() as runtime:
-            settings, where = runtime.settings, runtime.placement
-            return executor_pb2.GetExecutorInfoResponse(
-                base_model=runtime.model.spec.to_proto(runtime.model.name),
-                compute_dtype=codec.dtype_from_name(str(where.dtype)),
-                num_slots=settings.num_slots,
-                max_rank=settings.max_rank,
-                device=where.device_name,
-                backend=where.backend_name,
-                slot_memory_bytes=runtime.adapters.stats().slot_memory_bytes,
-                host_cache_bytes=settings.host_cache_bytes,
-                max_tokens_per_request=settings.max_tokens_per_request,
-                max_message_bytes=settings.max_message_bytes,
-                server_version=package_version(),
-                served_layers=sorted(runtime.model.layers),
-                replica_name=replica_name(settings),
-                registry=registry_status(runtime.adapters.source),
-                kernel_configs=[
-                    executor_pb2.KernelConfigInfo(
-                        rank=c.rank, source=c.source, shape=c.shape,
-                        autotune_seconds=c.autotune_seconds,
-                    )
-                    for c in runtime.kernel_configs
-                ],
-            )  # fmt: skip
+        info = self._link.call("info", {})
+        spec = info["spec"]
+        spec["moe_layers"] = tuple(spec["moe_layers"])
+        return executor_pb2.GetExecutorInfoResponse(
+            base_model=ModelSpec(**spec).to_proto(info["model_name"]),
+            compute_dtype=codec.dtype_from_name(info["compute_dtype"]),
+            num_slots=info["num_slots"],
+            max_rank=info["max_rank"],
+            device=info["device"],
+            backend=info["backend"],
+            slot_memory_bytes=info["slot_memory_bytes"],
+            host_cache_bytes=info["host_cache_bytes"],
+            max_tokens_per_request=info["max_tokens_per_request"],
+            max_message_bytes=info["max_message_bytes"],
+            server_version=info["server_version"],
+            served_layers=info["served_layers"],
+            replica_name=info["replica_name"],
+            registry=registry_status_message(info["registry"]),
+            kernel_configs=[
+                executor_pb2.KernelConfigInfo(
+                    rank=c["rank"], source=c["source"], shape=c["shape"],
+                    autotune_seconds=c["autotune_seconds"],
+                )
+                for c in info["kernel_configs"]
+            ],
+        )  # fmt: skip
+
+    @override
+    def RegisterSharedMemory(
+        self, request: executor_pb2.RegisterSharedMemoryRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.RegisterSharedMemoryResponse:
+        if not _on_this_host(context.peer()):
+            raise FailedPrecondition(
+                f"shared memory is for clients on the executor's host; this call came from "
+                f"{context.peer()}: send the tensors' bytes instead",
+                "shm_name",
+            )
+        region = self._link.call(
+            "register_shm",
+            {
+                "scope": _scope(context),
+                "region": request.region,
+                "shm_name": request.shm_name,
+                "size": request.size,
+            },
+        )
+        return executor_pb2.RegisterSharedMemoryResponse(
+            region=executor_pb2.SharedMemoryRegion(**region)
+        )
+
+    @override
+    def UnregisterSharedMemory(
+        self, request: executor_pb2.UnregisterSharedMemoryRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.UnregisterSharedMemoryResponse:
+        self._link.call("unregister_shm", {"scope": _scope(context), "region": request.region})
+        return executor_pb2.UnregisterSharedMemoryResponse()
+
+    @override
+    def ListSharedMemory(
+        self, request: executor_pb2.ListSharedMemoryRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.ListSharedMemoryResponse:
+        regions = self._link.call("list_shm", {"scope": _scope(context)})
+        return executor_pb2.ListSharedMemoryResponse(
+            regions=[executor_pb2.SharedMemoryRegion(**r) for r in regions]
+        )
 
 
-def _slot_wait(runtime: ExecutorRuntime, context: grpc.ServicerContext) -> float:
+def _shared(tensor: executor_pb2.SharedTensor, field: str) -> TensorRef:
+    """A tensor in a registered region, as the engine takes it (bounds: the engine's)."""
+    wire = codec.WIRE_TYPES.get(tensor.dtype)
+    if wire is None:
+        raise InvalidArgument(f"{field}.dtype: unsupported dtype {tensor.dtype}", f"{field}.dtype")
+    if not tensor.region:
+        raise InvalidArgument(f"{field}.region: name a registered region", f"{field}.region")
+    shape = tuple(int(d) for d in tensor.shape)
+    if len(shape) > codec.MAX_DIMS or math.prod(shape) > codec.MAX_ELEMENTS:
+        raise InvalidArgument(f"{field}.shape: {list(shape)} is too large", f"{field}.shape")
+    nbytes = math.prod(shape) * wire.itemsize
+    return TensorRef(tensor.region, tensor.offset, nbytes, tensor.dtype, shape)
+
+
+def _scope(context: grpc.ServicerContext) -> str:
+    """Whose shared-memory regions a call may name: its bearer token's (hashed), or the
+    token-less callers' when auth is off."""
+    for key, value in context.invocation_metadata():
+        if key == "authorization":
+            raw = value.encode() if isinstance(value, str) else value
+            return hashlib.sha256(raw).hexdigest()[:32]
+    return ""
+
+
+def _on_this_host(peer: str) -> bool:
+    return peer.startswith(("unix:", "ipv4:127.", "ipv6:[::1]"))
+
+
+def _slot_wait(settings: ExecutorSettings, context: grpc.ServicerContext) -> float:
     """How long an RPC may wait for GPU slots: the setting, capped by its deadline."""
-    return min(runtime.settings.slot_wait_seconds, float(context.time_remaining()))
+    return min(settings.slot_wait_seconds, float(context.time_remaining()))

@@ -49,6 +49,9 @@ class ServerOptions:
     drain_seconds: float = 30.0
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    #: Share the port with other processes' servers (SO_REUSEPORT: the kernel spreads new
+    #: connections over them).
+    reuse_port: bool = False
 
 
 class _State:
@@ -244,7 +247,7 @@ class GrpcServer:
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(options.reuse_port)),
                 *keepalive.server_options(),
             ],
         )

@@ -57,6 +57,8 @@ _SERVING = Gauge(
     "moelora_grpc_server_serving",
     "1 while the server's health check reports SERVING for the service, else 0",
     ["grpc_service"],
+    # Several front-end processes of one executor: serving if any live one is.
+    multiprocess_mode="livemax",
 )
 
 

@@ -38,6 +38,19 @@ def setting_name(settings: type[ServiceSettings], field: str) -> str:
     return f"--{field.replace('_', '-')} / {settings.env_names()[field]}"
 
 
+def concrete_listen(listen: str) -> str:
+    """``host:port`` with port 0 replaced by a port free now (several processes that share
+    one port must agree on it before they bind)."""
+    host, _, port = listen.rpartition(":")
+    if int(port) != 0:
+        return listen
+    address = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        return f"{host}:{probe.getsockname()[1]}"
+
+
 def check_listen(listen: str, setting: str) -> None:
     """Raises StartupError unless ``host:port`` can be bound now (empty or port 0: nothing
     to check). gRPC's own bind failure names no cause and prints a C++ log line; this names

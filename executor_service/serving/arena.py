@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from dataclasses import dataclass
 
 from executor_service.serving.shm import Segment
@@ -38,6 +39,7 @@ class Arena:
         self.segment = segment
         self.size = segment.size
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
         # Free ranges as sorted starts and their ends (coalesced on free).
         self._starts: list[int] = [0]
         self._ends: dict[int, int] = {0: self.size}
@@ -51,17 +53,25 @@ class Arena:
     def name(self) -> str:
         return self.segment.name
 
-    def allocate(self, nbytes: int) -> Region:
-        """A region of at least ``nbytes`` (ArenaFull when none is free)."""
+    def allocate(self, nbytes: int, wait: float = 0.0) -> Region:
+        """A region of at least ``nbytes``, waiting up to ``wait`` seconds for others to be
+        freed; ArenaFull if none came (at once if the arena could never hold it)."""
         want = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        deadline = time.monotonic() + wait
         with self._lock:
-            for start in self._starts:
-                end = self._ends[start]
-                if end - start >= want:
-                    self._take(start, end, want)
-                    self.used += want
-                    return Region(start, want)
-        raise ArenaFull(f"{want} bytes do not fit the {self.size}-byte arena ({self.used} used)")
+            while True:
+                for start in self._starts:
+                    end = self._ends[start]
+                    if end - start >= want:
+                        self._take(start, end, want)
+                        self.used += want
+                        return Region(start, want)
+                remaining = deadline - time.monotonic()
+                if want > self.size or remaining <= 0:
+                    raise ArenaFull(
+                        f"{want} bytes do not fit the {self.size}-byte arena ({self.used} used)"
+                    )
+                self._freed.wait(remaining)
 
     def _take(self, start: int, end: int, want: int) -> None:
         index = bisect.bisect_left(self._starts, start)
@@ -82,9 +92,10 @@ class Arena:
                 del self._starts[index]
             if index > 0 and self._ends[self._starts[index - 1]] == start:  # join the previous
                 self._ends[self._starts[index - 1]] = end
-                return
-            self._starts.insert(index, start)
-            self._ends[start] = end
+            else:
+                self._starts.insert(index, start)
+                self._ends[start] = end
+            self._freed.notify_all()
 
     def view(self, region: Region) -> memoryview:
         return self.segment.buffer[region.offset : region.offset + region.nbytes]

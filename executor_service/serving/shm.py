@@ -57,6 +57,10 @@ class Segment:
     def create_unique(cls, prefix: str, size: int) -> Segment:
         return cls(f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}", size, create=True)
 
+    def unlink(self) -> None:
+        """Removes the name (the mappings stay until closed)."""
+        (SHM_ROOT / self.name).unlink(missing_ok=True)
+
     def close(self) -> None:
         """Unmaps it (views of ``buffer`` must be gone) and, if this process made it, unlinks
         it. Idempotent."""
@@ -68,4 +72,4 @@ class Segment:
         with contextlib.suppress(BufferError):
             self._map.close()
         if self._owner:
-            (SHM_ROOT / self.name).unlink(missing_ok=True)
+            self.unlink()

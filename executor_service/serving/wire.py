@@ -32,7 +32,8 @@ class Kind(IntEnum):
 
 @dataclass(frozen=True)
 class TensorRef:
-    """A tensor in shared memory: ``segment`` ("" = the front end's arena) at ``offset``."""
+    """A tensor in shared memory: ``segment`` at ``offset`` ("" = the front end's arena,
+    else the name of a region the caller registered)."""
 
     segment: str
     offset: int
@@ -93,6 +94,10 @@ class ForwardDescriptor:
     layer: int
     #: Seconds the request may wait for GPU slots (its deadline's share).
     slot_wait: float
+    #: What the front end spent on the request before sending it (the decode stage).
+    decode_seconds: float
+    #: Whose shared-memory regions ``TensorRef.segment`` names (the caller's token scope).
+    scope: str
     hidden: TensorRef
     output: TensorRef
     #: (num_tokens, adapter reference or "" for the base model).
@@ -102,7 +107,10 @@ class ForwardDescriptor:
 
     def encode(self) -> bytes:
         parts = [
-            struct.pack("<QidB", self.request_id, self.layer, self.slot_wait, self._flags()),
+            _HEAD.pack(
+                self.request_id, self.layer, self.slot_wait, self.decode_seconds, self._flags()
+            ),
+            _pack_str(self.scope),
             _pack_ref(self.hidden),
             _pack_ref(self.output),
         ]
@@ -119,7 +127,8 @@ class ForwardDescriptor:
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ForwardDescriptor:
         reader = _Reader(data)
-        request_id, layer, slot_wait, flags = reader.take(_HEAD)
+        request_id, layer, slot_wait, decode_seconds, flags = reader.take(_HEAD)
+        scope = reader.string()
         hidden, output = reader.ref(), reader.ref()
         ids = weights = None
         if flags & 1:
@@ -129,10 +138,13 @@ class ForwardDescriptor:
         for _ in range(count):
             (tokens,) = reader.take(_U32)
             segments.append((tokens, reader.string()))
-        return cls(request_id, layer, slot_wait, hidden, output, tuple(segments), ids, weights)
+        return cls(
+            request_id, layer, slot_wait, decode_seconds, scope, hidden, output, tuple(segments),
+            ids, weights,
+        )  # fmt: skip
 
 
-_HEAD = struct.Struct("<QidB")
+_HEAD = struct.Struct("<QIddB")
 _U32 = struct.Struct("<I")
 _RESULT = struct.Struct("<QBIIHI")  # id, code, retry_after_ms, server_time_us, loaded, n
 

@@ -12,7 +12,12 @@ from executor_service import bench_forward
 from executor_service.bench.answers import CPU_ROW_TOLERANCE
 
 
-def test_tiny_cpu_bench_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("transport", "modes"), [("grpc", "unary,stream"), ("shm", "unary")], ids=["grpc", "shm"]
+)
+def test_tiny_cpu_bench_prints_every_row(
+    capsys: pytest.CaptureFixture[str], transport: str, modes: str
+) -> None:
     bench_forward.main(
         [
             "--shape=tiny",
@@ -21,22 +26,28 @@ def test_tiny_cpu_bench_prints_every_row(capsys: pytest.CaptureFixture[str]) -> 
             "--clients=2,3",
             "--iters=4",
             "--warmup=1",
+            f"--transport={transport}",
+            f"--modes={modes}",
+            "--frontends=1",
         ]
     )
     out = capsys.readouterr().out
+    assert f"Forward over {transport}" in out
     rows = [line for line in out.splitlines() if re.match(r"^\| (unary|stream) \| \d", line)]
-    table, stages = rows[:8], rows[8:]
-    assert len(table) == 8 and len(stages) == 8, out
+    count = 4 * len(modes.split(","))
+    table, stages = rows[:count], rows[count:]
+    assert len(table) == count and len(stages) == count, out
     for line in table:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        clients = cells[2]
-        p50, p99, server = (float(c) for c in cells[3:6])
+        clients, front_ends = cells[2], cells[3]
+        p50, p99, server = (float(c) for c in cells[4:7])
+        assert front_ends == "1"
         assert 0 < p50 <= p99 and server > 0, line
-        assert float(cells[7]) > 0  # the transport floor
-        assert float(cells[9].replace(",", "")) > 0  # tokens/s
-        assert float(cells[10]) > 0  # mean batch
-        checks = re.fullmatch(r"(\d+) \((\S+)\)", cells[11])  # answers checked (worst error)
+        assert float(cells[8]) > 0  # the transport floor
+        assert float(cells[10].replace(",", "")) > 0  # tokens/s
+        assert float(cells[11]) > 0  # mean batch
+        checks = re.fullmatch(r"(\d+) \((\S+)\)", cells[12])  # answers checked (worst error)
         assert checks is not None, line
         assert int(checks[1]) > 0 and float(checks[2]) <= CPU_ROW_TOLERANCE, line
-        assert (cells[6] == "—") == (clients != "1"), line  # kernel time for one client
-    assert "(churn)" in table[3] and "(churn)" in table[7]
+        assert (cells[7] == "—") == (clients != "1"), line  # kernel time for one client
+    assert "(churn)" in table[3]

@@ -72,10 +72,10 @@ def test_descriptors_and_results_survive_the_wire() -> None:
     ids = TensorRef("client-ring", 0, 7 * 2 * 4, 5, (7, 2))
     weights = TensorRef("client-ring", 256, 7 * 2 * 4, 1, (7, 2))
     descriptor = ForwardDescriptor(
-        9, 3, 4.5, hidden, output, ((3, "sql@prod"), (4, "")), ids, weights
+        9, 3, 4.5, 0.25, "scope", hidden, output, ((3, "sql@prod"), (4, "")), ids, weights
     )
     assert ForwardDescriptor.decode(descriptor.encode()) == descriptor
-    plain = ForwardDescriptor(10, 0, 1.0, hidden, output, ((7, "é-adapter:2"),))
+    plain = ForwardDescriptor(10, 0, 1.0, 0.0, "", hidden, output, ((7, "é-adapter:2"),))
     assert ForwardDescriptor.decode(plain.encode()) == plain
     result = ForwardResult(9, 8, "busy", ("sql:3", ""), 1, 1234, 50)
     assert ForwardResult.decode(result.encode()) == result

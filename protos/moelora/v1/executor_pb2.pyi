@@ -116,6 +116,8 @@ class ForwardRequest(_message.Message):
     HIDDEN_STATES_FIELD_NUMBER: _builtins.int
     SEGMENTS_FIELD_NUMBER: _builtins.int
     ROUTING_FIELD_NUMBER: _builtins.int
+    SHARED_HIDDEN_STATES_FIELD_NUMBER: _builtins.int
+    SHARED_OUTPUT_FIELD_NUMBER: _builtins.int
     layer: _builtins.int
     """Decoder layer index; must be one of the base model's `moe_layers`."""
     @_builtins.property
@@ -134,6 +136,18 @@ class ForwardRequest(_message.Message):
     def routing(self) -> Global___Routing:
         """Optional precomputed routing; when unset the layer's router decides."""
 
+    @_builtins.property
+    def shared_hidden_states(self) -> Global___SharedTensor:
+        """Instead of hidden_states (left unset): the input in a registered shared-memory
+        region, [T, hidden_size] float32, float16 or bfloat16.
+        """
+
+    @_builtins.property
+    def shared_output(self) -> Global___SharedTensor:
+        """Where to write the output instead of returning it (ForwardResponse.output is then
+        unset): a region of the caller's, [T, hidden_size] bytes of the input's dtype at offset.
+        """
+
     def __init__(
         self,
         *,
@@ -141,14 +155,216 @@ class ForwardRequest(_message.Message):
         hidden_states: _tensor_pb2.Tensor | None = ...,
         segments: _abc.Iterable[Global___Segment] | None = ...,
         routing: Global___Routing | None = ...,
+        shared_hidden_states: Global___SharedTensor | None = ...,
+        shared_output: Global___SharedTensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["hidden_states", b"hidden_states", "routing", b"routing"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hidden_states", b"hidden_states", "routing", b"routing", "shared_hidden_states", b"shared_hidden_states", "shared_output", b"shared_output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_states", b"hidden_states", "layer", b"layer", "routing", b"routing", "segments", b"segments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_states", b"hidden_states", "layer", b"layer", "routing", b"routing", "segments", b"segments", "shared_hidden_states", b"shared_hidden_states", "shared_output", b"shared_output"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ForwardRequest: _TypeAlias = ForwardRequest  # noqa: Y015
+
+@_typing.final
+class SharedTensor(_message.Message):
+    """A tensor in a registered shared-memory region."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """The region's name, as registered."""
+    offset: _builtins.int
+    """Byte offset of the first element in the region (a multiple of the element size)."""
+    dtype: _tensor_pb2.DataType.ValueType
+    """Element type (float32, float16 or bfloat16 for hidden states)."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Size of each dimension."""
+
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        dtype: _tensor_pb2.DataType.ValueType = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "offset", b"offset", "region", b"region", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedTensor: _TypeAlias = SharedTensor  # noqa: Y015
+
+@_typing.final
+class SharedMemoryRegion(_message.Message):
+    """A region of shared memory a caller registered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    SHM_NAME_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """The caller's name for it, used in SharedTensor.region."""
+    shm_name: _builtins.str
+    """The POSIX shared-memory object (shm_open's name without "/")."""
+    size: _builtins.int
+    """Bytes of the object the executor may read and write, from its start."""
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+        shm_name: _builtins.str = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["region", b"region", "shm_name", b"shm_name", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedMemoryRegion: _TypeAlias = SharedMemoryRegion  # noqa: Y015
+
+@_typing.final
+class RegisterSharedMemoryRequest(_message.Message):
+    """Request of RegisterSharedMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    SHM_NAME_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """The caller's name for the region."""
+    shm_name: _builtins.str
+    """The POSIX shared-memory object on the executor's host."""
+    size: _builtins.int
+    """Bytes from its start that the executor may use."""
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+        shm_name: _builtins.str = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["region", b"region", "shm_name", b"shm_name", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterSharedMemoryRequest: _TypeAlias = RegisterSharedMemoryRequest  # noqa: Y015
+
+@_typing.final
+class RegisterSharedMemoryResponse(_message.Message):
+    """Response of RegisterSharedMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def region(self) -> Global___SharedMemoryRegion:
+        """The region as registered."""
+
+    def __init__(
+        self,
+        *,
+        region: Global___SharedMemoryRegion | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterSharedMemoryResponse: _TypeAlias = RegisterSharedMemoryResponse  # noqa: Y015
+
+@_typing.final
+class UnregisterSharedMemoryRequest(_message.Message):
+    """Request of UnregisterSharedMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """The caller's name for the region."""
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnregisterSharedMemoryRequest: _TypeAlias = UnregisterSharedMemoryRequest  # noqa: Y015
+
+@_typing.final
+class UnregisterSharedMemoryResponse(_message.Message):
+    """Response of UnregisterSharedMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnregisterSharedMemoryResponse: _TypeAlias = UnregisterSharedMemoryResponse  # noqa: Y015
+
+@_typing.final
+class ListSharedMemoryRequest(_message.Message):
+    """Request of ListSharedMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSharedMemoryRequest: _TypeAlias = ListSharedMemoryRequest  # noqa: Y015
+
+@_typing.final
+class ListSharedMemoryResponse(_message.Message):
+    """Response of ListSharedMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SharedMemoryRegion]:
+        """The caller's regions."""
+
+    def __init__(
+        self,
+        *,
+        regions: _abc.Iterable[Global___SharedMemoryRegion] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["regions", b"regions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSharedMemoryResponse: _TypeAlias = ListSharedMemoryResponse  # noqa: Y015
 
 @_typing.final
 class ForwardResponse(_message.Message):

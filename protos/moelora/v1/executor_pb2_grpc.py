@@ -83,6 +83,21 @@ class ExecutorStub:
                 request_serializer=moelora_dot_v1_dot_executor__pb2.GetExecutorInfoRequest.SerializeToString,
                 response_deserializer=moelora_dot_v1_dot_executor__pb2.GetExecutorInfoResponse.FromString,
                 _registered_method=True)
+        self.RegisterSharedMemory = channel.unary_unary(
+                '/moelora.v1.Executor/RegisterSharedMemory',
+                request_serializer=moelora_dot_v1_dot_executor__pb2.RegisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=moelora_dot_v1_dot_executor__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/moelora.v1.Executor/UnregisterSharedMemory',
+                request_serializer=moelora_dot_v1_dot_executor__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=moelora_dot_v1_dot_executor__pb2.UnregisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.ListSharedMemory = channel.unary_unary(
+                '/moelora.v1.Executor/ListSharedMemory',
+                request_serializer=moelora_dot_v1_dot_executor__pb2.ListSharedMemoryRequest.SerializeToString,
+                response_deserializer=moelora_dot_v1_dot_executor__pb2.ListSharedMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -176,6 +191,35 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterSharedMemory(self, request, context):
+        """Same-host shared memory: a client on the executor's host registers a POSIX
+        shared-memory object once, then names Forward's input and output in it
+        (ForwardRequest.shared_hidden_states, shared_output) instead of sending their bytes.
+        Regions belong to the caller that registered them (its token). Registering the
+        same region again with the same object and size is a no-op.
+        Errors: INVALID_ARGUMENT (names), NOT_FOUND (no such object on the executor's
+        host: a client on another host cannot register its memory), FAILED_PRECONDITION
+        (size larger than the object), ALREADY_EXISTS (the region name is registered to
+        another object or size), RESOURCE_EXHAUSTED (too many regions).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Forgets a region; requests using it finish first. Errors: NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSharedMemory(self, request, context):
+        """The caller's registered regions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -218,6 +262,21 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.GetExecutorInfo,
                     request_deserializer=moelora_dot_v1_dot_executor__pb2.GetExecutorInfoRequest.FromString,
                     response_serializer=moelora_dot_v1_dot_executor__pb2.GetExecutorInfoResponse.SerializeToString,
+            ),
+            'RegisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSharedMemory,
+                    request_deserializer=moelora_dot_v1_dot_executor__pb2.RegisterSharedMemoryRequest.FromString,
+                    response_serializer=moelora_dot_v1_dot_executor__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=moelora_dot_v1_dot_executor__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=moelora_dot_v1_dot_executor__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
+            'ListSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSharedMemory,
+                    request_deserializer=moelora_dot_v1_dot_executor__pb2.ListSharedMemoryRequest.FromString,
+                    response_serializer=moelora_dot_v1_dot_executor__pb2.ListSharedMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -445,6 +504,87 @@ class Executor:
             '/moelora.v1.Executor/GetExecutorInfo',
             moelora_dot_v1_dot_executor__pb2.GetExecutorInfoRequest.SerializeToString,
             moelora_dot_v1_dot_executor__pb2.GetExecutorInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moelora.v1.Executor/RegisterSharedMemory',
+            moelora_dot_v1_dot_executor__pb2.RegisterSharedMemoryRequest.SerializeToString,
+            moelora_dot_v1_dot_executor__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moelora.v1.Executor/UnregisterSharedMemory',
+            moelora_dot_v1_dot_executor__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            moelora_dot_v1_dot_executor__pb2.UnregisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moelora.v1.Executor/ListSharedMemory',
+            moelora_dot_v1_dot_executor__pb2.ListSharedMemoryRequest.SerializeToString,
+            moelora_dot_v1_dot_executor__pb2.ListSharedMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,6 +87,21 @@ class ExecutorStub:
     """Lists every adapter the executor holds and where it lives."""
     GetExecutorInfo: _grpc.UnaryUnaryMultiCallable[_executor_pb2.GetExecutorInfoRequest, _executor_pb2.GetExecutorInfoResponse]
     """Describes the executor: base model, shapes, dtype, slots, device."""
+    RegisterSharedMemory: _grpc.UnaryUnaryMultiCallable[_executor_pb2.RegisterSharedMemoryRequest, _executor_pb2.RegisterSharedMemoryResponse]
+    """Same-host shared memory: a client on the executor's host registers a POSIX
+    shared-memory object once, then names Forward's input and output in it
+    (ForwardRequest.shared_hidden_states, shared_output) instead of sending their bytes.
+    Regions belong to the caller that registered them (its token). Registering the
+    same region again with the same object and size is a no-op.
+    Errors: INVALID_ARGUMENT (names), NOT_FOUND (no such object on the executor's
+    host: a client on another host cannot register its memory), FAILED_PRECONDITION
+    (size larger than the object), ALREADY_EXISTS (the region name is registered to
+    another object or size), RESOURCE_EXHAUSTED (too many regions).
+    """
+    UnregisterSharedMemory: _grpc.UnaryUnaryMultiCallable[_executor_pb2.UnregisterSharedMemoryRequest, _executor_pb2.UnregisterSharedMemoryResponse]
+    """Forgets a region; requests using it finish first. Errors: NOT_FOUND."""
+    ListSharedMemory: _grpc.UnaryUnaryMultiCallable[_executor_pb2.ListSharedMemoryRequest, _executor_pb2.ListSharedMemoryResponse]
+    """The caller's registered regions."""
 
 @_typing.type_check_only
 class ExecutorAsyncStub(ExecutorStub):
@@ -147,6 +162,21 @@ class ExecutorAsyncStub(ExecutorStub):
     """Lists every adapter the executor holds and where it lives."""
     GetExecutorInfo: _aio.UnaryUnaryMultiCallable[_executor_pb2.GetExecutorInfoRequest, _executor_pb2.GetExecutorInfoResponse]  # type: ignore[assignment]
     """Describes the executor: base model, shapes, dtype, slots, device."""
+    RegisterSharedMemory: _aio.UnaryUnaryMultiCallable[_executor_pb2.RegisterSharedMemoryRequest, _executor_pb2.RegisterSharedMemoryResponse]  # type: ignore[assignment]
+    """Same-host shared memory: a client on the executor's host registers a POSIX
+    shared-memory object once, then names Forward's input and output in it
+    (ForwardRequest.shared_hidden_states, shared_output) instead of sending their bytes.
+    Regions belong to the caller that registered them (its token). Registering the
+    same region again with the same object and size is a no-op.
+    Errors: INVALID_ARGUMENT (names), NOT_FOUND (no such object on the executor's
+    host: a client on another host cannot register its memory), FAILED_PRECONDITION
+    (size larger than the object), ALREADY_EXISTS (the region name is registered to
+    another object or size), RESOURCE_EXHAUSTED (too many regions).
+    """
+    UnregisterSharedMemory: _aio.UnaryUnaryMultiCallable[_executor_pb2.UnregisterSharedMemoryRequest, _executor_pb2.UnregisterSharedMemoryResponse]  # type: ignore[assignment]
+    """Forgets a region; requests using it finish first. Errors: NOT_FOUND."""
+    ListSharedMemory: _aio.UnaryUnaryMultiCallable[_executor_pb2.ListSharedMemoryRequest, _executor_pb2.ListSharedMemoryResponse]  # type: ignore[assignment]
+    """The caller's registered regions."""
 
 class ExecutorServicer(metaclass=_abc_1.ABCMeta):
     """One per GPU pod: holds one base model's MoE layers and many LoRA adapters,
@@ -252,5 +282,38 @@ class ExecutorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_executor_pb2.GetExecutorInfoResponse, _abc.Awaitable[_executor_pb2.GetExecutorInfoResponse]]:
         """Describes the executor: base model, shapes, dtype, slots, device."""
+
+    @_abc_1.abstractmethod
+    def RegisterSharedMemory(
+        self,
+        request: _executor_pb2.RegisterSharedMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.RegisterSharedMemoryResponse, _abc.Awaitable[_executor_pb2.RegisterSharedMemoryResponse]]:
+        """Same-host shared memory: a client on the executor's host registers a POSIX
+        shared-memory object once, then names Forward's input and output in it
+        (ForwardRequest.shared_hidden_states, shared_output) instead of sending their bytes.
+        Regions belong to the caller that registered them (its token). Registering the
+        same region again with the same object and size is a no-op.
+        Errors: INVALID_ARGUMENT (names), NOT_FOUND (no such object on the executor's
+        host: a client on another host cannot register its memory), FAILED_PRECONDITION
+        (size larger than the object), ALREADY_EXISTS (the region name is registered to
+        another object or size), RESOURCE_EXHAUSTED (too many regions).
+        """
+
+    @_abc_1.abstractmethod
+    def UnregisterSharedMemory(
+        self,
+        request: _executor_pb2.UnregisterSharedMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.UnregisterSharedMemoryResponse, _abc.Awaitable[_executor_pb2.UnregisterSharedMemoryResponse]]:
+        """Forgets a region; requests using it finish first. Errors: NOT_FOUND."""
+
+    @_abc_1.abstractmethod
+    def ListSharedMemory(
+        self,
+        request: _executor_pb2.ListSharedMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.ListSharedMemoryResponse, _abc.Awaitable[_executor_pb2.ListSharedMemoryResponse]]:
+        """The caller's registered regions."""
 
 def add_ExecutorServicer_to_server(servicer: ExecutorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

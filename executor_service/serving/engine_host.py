@@ -1,0 +1,425 @@
+"""The engine's side of the serving split: where front ends' requests reach the GPU's owner.
+
+Front ends connect over a local socket (a Unix socket path, or one end of a socket pair when
+the front end runs in the engine's process), introduce the shared-memory arena their requests'
+tensors live in (HELLO), then send Forward descriptors and admin calls. One reader thread per
+front end receives them; worker threads do what a gRPC handler thread once did, minus the
+bytes: view the request's tensors in shared memory (no copy), check and resolve it
+(``ForwardEngine.prepare``), hand it to the scheduler, which merges it with others and writes
+its answer straight into the front end's output region, and send the result back. Admin calls
+(load, pin, list, info) run on the same workers against the ``AdapterManager``.
+
+The engine speaks no gRPC and no protobuf: statuses travel as ``grpc.StatusCode`` numbers with
+the domain error's message, everything else as the small structs of ``wire`` and JSON. A front
+end that goes away takes nothing with it: its requests in flight finish and their answers are
+dropped, and its arena's mapping is released once none of them holds a view of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from executor_service.adapters import AdapterStatus
+from executor_service.batch import Segment
+from executor_service.engine import ForwardInput
+from executor_service.registry_source import registry_status
+from executor_service.runtime import ExecutorRuntime, replica_name
+from executor_service.serving.regions import HeldRegion, SharedRegions
+from executor_service.serving.shm import Segment as ShmSegment
+from executor_service.serving.wire import (
+    Connection,
+    ForwardDescriptor,
+    ForwardResult,
+    Kind,
+    TensorRef,
+)
+from shared.codec import WIRE_TYPES
+from shared.errors import InvalidArgument, MoeLoraError, Overloaded, Unavailable
+from shared.grpc_server import internal_error_message
+from shared.logs import log_event
+from shared.refs import AdapterRef
+from shared.version import package_version
+
+log = logging.getLogger(__name__)
+
+_OK = grpc.StatusCode.OK.value[0]
+
+
+class EngineHost:
+    """Serves front ends' requests with the runtime attached once the model loaded; until
+    then (and after ``set_state(False, ...)``) every request answers UNAVAILABLE."""
+
+    def __init__(self, workers: int) -> None:
+        self._runtime: ExecutorRuntime | None = None
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="engine")
+        self._lock = threading.Lock()
+        self._links: set[_Link] = set()
+        self._serving = False
+        self._reason = "the executor is still loading its base model"
+        self._listener: socket.socket | None = None
+        self._closed = threading.Event()
+        #: Clients' registered shared memory (same-host requests without their bytes).
+        self.regions = SharedRegions()
+
+    @property
+    def runtime(self) -> ExecutorRuntime | None:
+        return self._runtime
+
+    def attach(self, runtime: ExecutorRuntime) -> None:
+        self._runtime = runtime
+
+    def set_state(self, serving: bool, reason: str = "") -> None:
+        """Tells every front end whether to report SERVING (and why not)."""
+        with self._lock:
+            self._serving, self._reason = serving, reason
+            links = list(self._links)
+        for link in links:
+            link.send_state(serving, reason)
+
+    # -- connections -------------------------------------------------------------------------
+
+    def listen(self, path: Path) -> None:
+        """Accepts front ends on the Unix socket ``path`` (separate processes)."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path.unlink(missing_ok=True)
+        listener.bind(str(path))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, name="engine-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            self.serve(sock)
+
+    def serve(self, sock: socket.socket) -> None:
+        """Serves the front end at the other end of ``sock``."""
+        link = _Link(Connection(sock))
+        with self._lock:
+            self._links.add(link)
+            serving, reason = self._serving, self._reason
+        link.send_state(serving, reason)
+        threading.Thread(target=self._read, args=(link,), name="engine-link", daemon=True).start()
+
+    def _read(self, link: _Link) -> None:
+        try:
+            while True:
+                kind, payload = link.connection.recv()
+                if kind is Kind.FORWARD:
+                    link.enter()
+                    self._pool.submit(self._forward, link, payload)
+                elif kind is Kind.CALL:
+                    self._pool.submit(self._call, link, payload)
+                elif kind is Kind.HELLO:
+                    link.hello(json.loads(payload))
+                else:
+                    raise ValueError(f"unexpected frame {kind.name} from a front end")
+        except (EOFError, OSError):
+            pass  # the front end went away
+        except Exception:
+            internal_error_message("engine_link_failed", front_end=link.pid)
+        finally:
+            with self._lock:
+                self._links.discard(link)
+            link.close()
+
+    def close(self) -> None:
+        """Stops accepting and closes every link (the front ends see the engine go)."""
+        self._closed.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            links = list(self._links)
+        for link in links:
+            link.connection.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- work ----------------------------------------------------------------------------------
+
+    def _ready(self) -> ExecutorRuntime:
+        runtime = self._runtime
+        if runtime is None or not self._serving:
+            raise Unavailable(f"{self._reason}; retry shortly or on another replica")
+        return runtime
+
+    def _forward(self, link: _Link, payload: bytes) -> None:
+        start = time.perf_counter()
+        request_id = 0
+        try:
+            descriptor = ForwardDescriptor.decode(payload)
+            request_id = descriptor.request_id
+            result = self._run_forward(link, descriptor, start)
+        except MoeLoraError as exc:
+            result = _failure(request_id, exc)
+        except Exception:
+            message = internal_error_message("forward_internal_error", request_id=request_id)
+            result = ForwardResult(request_id, grpc.StatusCode.INTERNAL.value[0], message)
+        finally:
+            link.leave()
+        link.send(Kind.RESULT, result.encode())
+
+    def _run_forward(
+        self, link: _Link, descriptor: ForwardDescriptor, start: float
+    ) -> ForwardResult:
+        runtime = self._ready()
+        held: list[HeldRegion] = []
+
+        def tensor(ref: TensorRef, field: str) -> torch.Tensor:
+            if not ref.segment:
+                return link.tensor(ref, field)
+            region = self.regions.acquire(descriptor.scope, ref.segment)
+            held.append(region)
+            dtype = _torch_dtype(ref, field)
+            flat = self.regions.view(region, ref.offset, math.prod(ref.shape), dtype, field)
+            return flat.view(ref.shape)
+
+        try:
+            with runtime.device.guard():
+                ids, weights = descriptor.topk_ids, descriptor.topk_weights
+                request = ForwardInput(
+                    layer=descriptor.layer,
+                    hidden=tensor(descriptor.hidden, "shared_hidden_states"),
+                    segments=[Segment(n, adapter) for n, adapter in descriptor.segments],
+                    topk_ids=None if ids is None else tensor(ids, "routing.topk_ids"),
+                    topk_weights=None
+                    if weights is None
+                    else tensor(weights, "routing.topk_weights"),
+                    output=tensor(descriptor.output, "shared_output"),
+                )
+                runtime.metrics.stage["decode"].observe(descriptor.decode_seconds)
+                prepared = runtime.engine.prepare(request, descriptor.slot_wait)
+                answer = runtime.scheduler.submit(prepared)
+        finally:
+            for region in held:
+                self.regions.release(region)
+        return ForwardResult(
+            descriptor.request_id,
+            _OK,
+            resolved_adapters=tuple(answer.resolved_adapters),
+            adapters_loaded=answer.adapters_loaded,
+            server_time_us=int((time.perf_counter() - start + descriptor.decode_seconds) * 1e6),
+        )
+
+    def _call(self, link: _Link, payload: bytes) -> None:
+        call = json.loads(payload)
+        reply: dict[str, Any] = {"id": call["id"], "code": _OK, "message": "", "value": None}
+        try:
+            region_call = _REGION_CALLS.get(call["method"])
+            if region_call is not None:
+                reply["value"] = region_call(self.regions, call["args"])
+                link.connection.send_json(Kind.REPLY, reply)
+                return
+            runtime = self._ready()
+            method = _CALLS.get(call["method"])
+            if method is None:
+                raise InvalidArgument(f"unknown engine call {call['method']!r}")
+            with runtime.device.guard():
+                reply["value"] = method(runtime, call["args"])
+        except MoeLoraError as exc:
+            failure = _failure(0, exc)
+            reply.update(code=failure.code, message=failure.message)
+            reply["retry_after_ms"] = failure.retry_after_ms
+        except Exception:
+            reply.update(
+                code=grpc.StatusCode.INTERNAL.value[0],
+                message=internal_error_message("engine_call_failed", method=call["method"]),
+            )
+        link.connection.send_json(Kind.REPLY, reply)
+
+
+def _torch_dtype(ref: TensorRef, field: str) -> torch.dtype:
+    wire = WIRE_TYPES.get(ref.dtype)  # type: ignore[call-overload]
+    if wire is None:
+        raise InvalidArgument(f"{field}.dtype: unsupported dtype {ref.dtype}", f"{field}.dtype")
+    dtype: torch.dtype = getattr(torch, wire.torch)
+    return dtype
+
+
+def _failure(request_id: int, exc: MoeLoraError) -> ForwardResult:
+    retry = exc.retry_after_ms if isinstance(exc, Overloaded) else 0
+    return ForwardResult(request_id, exc.code.value[0], exc.message, retry_after_ms=retry)
+
+
+class _Link:
+    """One front end, as the engine sees it."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self.pid = 0
+        self._arena: ShmSegment | None = None
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        self._open = True
+
+    def hello(self, message: dict[str, Any]) -> None:
+        self.pid = int(message.get("pid", 0))
+        self._arena = ShmSegment(str(message["arena"]))
+        # Both ends have it mapped now: its name can go, so that no crash leaves it behind.
+        self._arena.unlink()
+        log_event(log, "front_end_connected", pid=self.pid, arena=self._arena.name)
+
+    def tensor(self, ref: TensorRef, field: str) -> torch.Tensor:
+        """A view of ``ref`` in the front end's arena (bounds and sizes checked)."""
+        arena = self._arena
+        if arena is None:
+            raise InvalidArgument(f"{field}: the front end has no arena", field)
+        dtype = _torch_dtype(ref, field)
+        count = math.prod(ref.shape)
+        end = ref.offset + ref.nbytes
+        if count * dtype.itemsize != ref.nbytes or ref.offset < 0 or end > arena.size:
+            raise InvalidArgument(f"{field}: {ref} lies outside its shared memory", field)
+        if count == 0:
+            return torch.empty(ref.shape, dtype=dtype)
+        flat = torch.frombuffer(arena.buffer, dtype=dtype, count=count, offset=ref.offset)
+        return flat.view(ref.shape)
+
+    def send(self, kind: Kind, payload: bytes) -> None:
+        if not self._open:
+            return  # its front end went away: nobody waits for this answer
+        try:
+            self.connection.send(kind, payload)
+        except OSError:
+            self._open = False
+
+    def send_state(self, serving: bool, reason: str) -> None:
+        try:
+            self.connection.send_json(Kind.STATE, {"serving": serving, "reason": reason})
+        except OSError:
+            self._open = False
+
+    def enter(self) -> None:
+        with self._idle:
+            self._in_flight += 1
+
+    def leave(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def close(self) -> None:
+        """Once the requests in flight are done with its arena, unmaps it."""
+        self._open = False
+        self.connection.close()
+
+        def release() -> None:
+            with self._idle:
+                self._idle.wait_for(lambda: self._in_flight == 0)
+            if self._arena is not None:
+                self._arena.close()
+            log_event(log, "front_end_gone", pid=self.pid)
+
+        threading.Thread(target=release, name="engine-link-release", daemon=True).start()
+
+
+# -- admin calls: JSON in, JSON out ----------------------------------------------------------
+
+
+def status_json(status: AdapterStatus) -> dict[str, Any]:
+    return {
+        "name": status.adapter.name,
+        "version": status.adapter.version,
+        "digest": status.adapter.digest,
+        "location": status.location.value,
+        "slot": status.slot,
+        "pinned": status.pinned,
+        "rank": status.rank,
+        "nbytes": status.nbytes,
+        "in_flight": status.in_flight,
+        "last_used": status.last_used,
+    }
+
+
+def _ref(args: dict[str, Any]) -> AdapterRef:
+    return AdapterRef.parse(str(args["adapter"]), "adapter")
+
+
+def _load(runtime: ExecutorRuntime, args: dict[str, Any]) -> dict[str, Any]:
+    return status_json(runtime.adapters.load(_ref(args), bool(args["to_gpu"]), args["wait"]))
+
+
+def _unload(runtime: ExecutorRuntime, args: dict[str, Any]) -> dict[str, Any]:
+    return status_json(runtime.adapters.unload(_ref(args), args["wait"]))
+
+
+def _pin(runtime: ExecutorRuntime, args: dict[str, Any]) -> dict[str, Any]:
+    return status_json(runtime.adapters.pin(_ref(args), args["wait"]))
+
+
+def _unpin(runtime: ExecutorRuntime, args: dict[str, Any]) -> dict[str, Any]:
+    return status_json(runtime.adapters.unpin(_ref(args)))
+
+
+def _list(runtime: ExecutorRuntime, _args: dict[str, Any]) -> dict[str, Any]:
+    stats = runtime.adapters.stats()
+    return {
+        "adapters": [status_json(s) for s in runtime.adapters.list_loaded()],
+        "stats": dataclasses.asdict(stats),
+    }
+
+
+def _info(runtime: ExecutorRuntime, _args: dict[str, Any]) -> dict[str, Any]:
+    settings, where = runtime.settings, runtime.placement
+    return {
+        "model_name": runtime.model.name,
+        "spec": dataclasses.asdict(runtime.model.spec),
+        "compute_dtype": str(where.dtype).removeprefix("torch."),
+        "num_slots": settings.num_slots,
+        "max_rank": settings.max_rank,
+        "device": where.device_name,
+        "backend": where.backend_name,
+        "slot_memory_bytes": runtime.adapters.stats().slot_memory_bytes,
+        "host_cache_bytes": settings.host_cache_bytes,
+        "max_tokens_per_request": settings.max_tokens_per_request,
+        "max_message_bytes": settings.max_message_bytes,
+        "server_version": package_version(),
+        "served_layers": sorted(runtime.model.layers),
+        "replica_name": replica_name(settings),
+        "kernel_configs": [dataclasses.asdict(c) for c in runtime.kernel_configs],
+        "registry": registry_status(runtime.adapters.source),
+    }
+
+
+def _register(regions: SharedRegions, args: dict[str, Any]) -> dict[str, Any]:
+    info = regions.register(args["scope"], args["region"], args["shm_name"], int(args["size"]))
+    return dataclasses.asdict(info)
+
+
+def _unregister(regions: SharedRegions, args: dict[str, Any]) -> None:
+    regions.unregister(args["scope"], args["region"])
+
+
+def _list_regions(regions: SharedRegions, args: dict[str, Any]) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(r) for r in regions.list(args["scope"])]
+
+
+_REGION_CALLS: dict[str, Callable[[SharedRegions, dict[str, Any]], Any]] = {
+    "register_shm": _register,
+    "unregister_shm": _unregister,
+    "list_shm": _list_regions,
+}
+
+_CALLS: dict[str, Callable[[ExecutorRuntime, dict[str, Any]], dict[str, Any]]] = {
+    "load": _load,
+    "unload": _unload,
+    "pin": _pin,
+    "unpin": _unpin,
+    "list": _list,
+    "info": _info,
+}

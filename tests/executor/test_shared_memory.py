@@ -1,0 +1,222 @@
+"""Same-host shared memory: a client registers a POSIX shared-memory object once and names
+Forward's input and output in it; the answer equals the one sent as bytes, every bound is
+checked, regions are the registering caller's alone, and a region unregistered while a request
+uses it stays whole until that request is answered."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from executor_service.server import _on_this_host
+from executor_service.serving.shm import Segment
+from kernels import LoRAContext, MoELayerWeights, Routing, moe_forward
+from moelora.v1 import executor_pb2 as ex
+from moelora.v1 import executor_pb2_grpc, tensor_pb2
+from shared.codec import from_numpy
+from tests.executor.conftest import Running, StartExecutor
+from tests.executor.worlds import TOKENS, World
+
+F32 = tensor_pb2.DATA_TYPE_FLOAT32
+
+
+@contextmanager
+def _stub(running: Running, token: str | None = None) -> Iterator[executor_pb2_grpc.ExecutorStub]:
+    with grpc.insecure_channel(running.app.address) as channel:
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        if token is None:
+            yield stub
+            return
+
+        class _WithToken:
+            def __getattr__(self, name: str) -> object:
+                call = getattr(stub, name)
+                return lambda request, **kw: call(
+                    request, metadata=[("authorization", f"Bearer {token}")], **kw
+                )
+
+        yield _WithToken()  # type: ignore[misc]
+
+
+def _request(world: World, region: str, offset: int, out_offset: int) -> ex.ForwardRequest:
+    layer = world.moe_layers[0]
+    hidden = world.inputs[layer]
+    return ex.ForwardRequest(
+        layer=layer,
+        segments=[ex.Segment(num_tokens=TOKENS, adapter="alpha")],
+        shared_hidden_states=ex.SharedTensor(
+            region=region, offset=offset, dtype=F32, shape=list(hidden.shape)
+        ),
+        shared_output=ex.SharedTensor(
+            region=region, offset=out_offset, dtype=F32, shape=list(hidden.shape)
+        ),
+    )
+
+
+def _code(call: object) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()  # type: ignore[operator]
+    assert isinstance(info.value, grpc.Call)
+    return info.value.code()
+
+
+def test_forward_through_shared_memory_equals_forward_with_bytes(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    running = start_executor(qwen_world)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+    nbytes = hidden.nbytes
+    ring = Segment.create_unique("moelora-client", 4 * nbytes)
+    try:
+        with _stub(running) as stub:
+            region = stub.RegisterSharedMemory(
+                ex.RegisterSharedMemoryRequest(region="ring", shm_name=ring.name, size=ring.size)
+            ).region
+            assert (region.region, region.shm_name, region.size) == ("ring", ring.name, ring.size)
+            ring.buffer[nbytes : 2 * nbytes] = hidden.tobytes()
+            answer = stub.Forward(_request(qwen_world, "ring", nbytes, 2 * nbytes), timeout=30)
+            assert not answer.HasField("output") and answer.resolved_adapters == ["alpha:1"]
+            shared = np.frombuffer(ring.buffer[2 * nbytes : 3 * nbytes], dtype="<f4")
+            by_bytes = stub.Forward(
+                ex.ForwardRequest(
+                    layer=layer,
+                    hidden_states=from_numpy(hidden),
+                    segments=[ex.Segment(num_tokens=TOKENS, adapter="alpha")],
+                ),
+                timeout=30,
+            )
+            expected = np.frombuffer(by_bytes.output.data, dtype="<f4")
+            assert np.array_equal(shared, expected)
+            listed = stub.ListSharedMemory(ex.ListSharedMemoryRequest()).regions
+            assert [r.region for r in listed] == ["ring"]
+            stub.UnregisterSharedMemory(ex.UnregisterSharedMemoryRequest(region="ring"))
+            assert not stub.ListSharedMemory(ex.ListSharedMemoryRequest()).regions
+            gone = _request(qwen_world, "ring", 0, nbytes)
+            assert _code(lambda: stub.Forward(gone, timeout=30)) is grpc.StatusCode.NOT_FOUND
+    finally:
+        ring.close()
+
+
+def test_every_bound_and_name_is_checked(qwen_world: World, start_executor: StartExecutor) -> None:
+    running = start_executor(qwen_world)
+    nbytes = qwen_world.inputs[qwen_world.moe_layers[0]].numpy().nbytes
+    ring = Segment.create_unique("moelora-client", 2 * nbytes)
+    try:
+        with _stub(running) as stub:
+
+            def register(name: str, size: int) -> None:
+                stub.RegisterSharedMemory(
+                    ex.RegisterSharedMemoryRequest(region="r", shm_name=name, size=size)
+                )
+
+            assert _code(lambda: register("no-such-object", 16)) is grpc.StatusCode.NOT_FOUND
+            assert _code(lambda: register("../x", 16)) is grpc.StatusCode.INVALID_ARGUMENT
+            too_big = ring.size + 1
+            assert (
+                _code(lambda: register(ring.name, too_big)) is grpc.StatusCode.FAILED_PRECONDITION
+            )
+            register(ring.name, ring.size)
+            register(ring.name, ring.size)  # the same again: a no-op
+            assert _code(lambda: register(ring.name, 64)) is grpc.StatusCode.ALREADY_EXISTS
+            for offset, out in ((ring.size - 8, 0), (0, nbytes + 4), (2, nbytes)):
+                request = _request(qwen_world, "r", offset, out)
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Forward(request, timeout=30)
+                assert isinstance(info.value, grpc.Call)
+                assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert "shared_" in (info.value.details() or "")
+            ok = stub.Forward(_request(qwen_world, "r", 0, nbytes), timeout=30)
+            assert ok.resolved_adapters == ["alpha:1"]
+    finally:
+        ring.close()
+
+
+def test_regions_belong_to_the_token_that_registered_them(
+    qwen_world: World, start_executor: StartExecutor, tokens: tuple[object, dict[str, str]]
+) -> None:
+    path, secret = tokens
+    running = start_executor(qwen_world, auth="on", auth_tokens_file=path)
+    nbytes = qwen_world.inputs[qwen_world.moe_layers[0]].numpy().nbytes
+    ring = Segment.create_unique("moelora-client", 2 * nbytes)
+    try:
+        with _stub(running, secret["read"]) as owner, _stub(running, secret["admin"]) as other:
+            owner.RegisterSharedMemory(
+                ex.RegisterSharedMemoryRequest(region="mine", shm_name=ring.name, size=ring.size)
+            )
+            assert [
+                r.region for r in owner.ListSharedMemory(ex.ListSharedMemoryRequest()).regions
+            ] == ["mine"]
+            assert not other.ListSharedMemory(ex.ListSharedMemoryRequest()).regions
+            request = _request(qwen_world, "mine", 0, nbytes)
+            assert _code(lambda: other.Forward(request, timeout=30)) is grpc.StatusCode.NOT_FOUND
+            unregister = ex.UnregisterSharedMemoryRequest(region="mine")
+            assert (
+                _code(lambda: other.UnregisterSharedMemory(unregister)) is grpc.StatusCode.NOT_FOUND
+            )
+            assert owner.Forward(request, timeout=30).resolved_adapters == ["alpha:1"]
+    finally:
+        ring.close()
+
+
+def test_a_region_unregistered_mid_request_stays_whole_until_it_is_answered(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def held_kernel(
+        hidden: torch.Tensor,
+        layer: MoELayerWeights,
+        lora: LoRAContext | None,
+        routing: Routing | None,
+    ) -> torch.Tensor:
+        entered.set()
+        release.wait(30)
+        return moe_forward(hidden, layer, lora, routing, backend="torch")
+
+    running = start_executor(qwen_world, kernel=held_kernel)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+    nbytes = hidden.nbytes
+    ring = Segment.create_unique("moelora-client", 2 * nbytes)
+    ring.buffer[:nbytes] = hidden.tobytes()
+    answers: list[ex.ForwardResponse] = []
+    try:
+        with _stub(running) as stub:
+            register = ex.RegisterSharedMemoryRequest(
+                region="r", shm_name=ring.name, size=ring.size
+            )
+            stub.RegisterSharedMemory(register)
+            release.set()
+            stub.Forward(_request(qwen_world, "r", 0, nbytes), timeout=30)
+            want = bytes(ring.buffer[nbytes : 2 * nbytes])
+            ring.buffer[nbytes : 2 * nbytes] = b"\0" * nbytes
+            entered.clear()
+            release.clear()
+            request = _request(qwen_world, "r", 0, nbytes)
+            worker = threading.Thread(
+                target=lambda: answers.append(stub.Forward(request, timeout=30))
+            )
+            worker.start()
+            assert entered.wait(30), "the request never reached the kernel"
+            stub.UnregisterSharedMemory(ex.UnregisterSharedMemoryRequest(region="r"))
+            release.set()
+            worker.join(30)
+            assert [a.resolved_adapters for a in answers] == [["alpha:1"]]
+            assert bytes(ring.buffer[nbytes : 2 * nbytes]) == want
+            assert _code(lambda: stub.Forward(request, timeout=30)) is grpc.StatusCode.NOT_FOUND
+    finally:
+        release.set()
+        ring.close()
+
+
+def test_only_callers_on_this_host_may_register() -> None:
+    assert _on_this_host("ipv4:127.0.0.1:5000") and _on_this_host("ipv6:[::1]:5000")
+    assert _on_this_host("unix:/tmp/executor.sock")
+    assert not _on_this_host("ipv4:10.0.0.7:5000") and not _on_this_host("ipv6:[fd00::1]:1")
