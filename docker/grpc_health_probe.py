@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from shared.health import health_check
+from moelora.client.health import health_check
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "[::]", "::")
 

@@ -26,15 +26,15 @@ from executor_service.packer import PackedAdapter, pack_adapter
 from executor_service.slots import SlotLease, SlotManager, SlotStatus, Wanted
 from executor_service.sources import AdapterSource, ResolvedAdapter
 from kernels import LoRASlots
-from shared.errors import (
+from moelora.client.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from shared.logs import log_event
-from shared.model_spec import ModelSpec
+from moelora.client.logs import log_event
+from moelora.client.model_spec import ModelSpec
 from shared.refs import AdapterRef
 
 log = logging.getLogger(__name__)

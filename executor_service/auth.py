@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from executor_service.config import ExecutorSettings
+from moelora.client.errors import PermissionDenied
 from moelora.v1 import executor_pb2
-from shared.errors import PermissionDenied
 from shared.grpc_server import Authorizer
 from shared.tokens import Role, TokenChecker, open_token_checker
 

@@ -8,10 +8,10 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared import keepalive
+from moelora.client import keepalive
+from moelora.client.errors import InvalidArgument
+from moelora.client.layer_set import parse_layers
 from shared.config import ServerSettings
-from shared.errors import InvalidArgument
-from shared.layer_set import parse_layers
 
 
 class ExecutorSettings(ServerSettings):

@@ -38,10 +38,10 @@ from typing import Any
 
 from executor_service.listing import RemoteFile, pieces_match
 from executor_service.sources import ResolvedAdapter
-from shared.adapter_files import ADAPTER_FILES, files_digest
-from shared.errors import DataLoss
-from shared.logs import log_event
-from shared.part_digests import Pieces
+from moelora.client.adapter_files import ADAPTER_FILES, files_digest
+from moelora.client.errors import DataLoss
+from moelora.client.logs import log_event
+from moelora.client.part_digests import Pieces
 from shared.refs import validate_digest
 
 log = logging.getLogger(__name__)

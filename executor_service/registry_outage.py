@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from shared.logs import log_event
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

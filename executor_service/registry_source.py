@@ -47,9 +47,8 @@ from executor_service.sources import (
     check_digest,
     parse_config,
 )
-from moelora.v1 import registry_pb2
-from shared.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
-from shared.errors import (
+from moelora.client.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
+from moelora.client.errors import (
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
@@ -59,10 +58,11 @@ from shared.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from shared.logs import log_event
-from shared.part_digests import Pieces
+from moelora.client.logs import log_event
+from moelora.client.part_digests import Pieces
+from moelora.client.registry import RegistryClient, WatchStream
+from moelora.v1 import registry_pb2
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient, WatchStream
 from shared.url_ranges import HttpStatusError, UrlRangeReader, UrlUnreachable
 
 log = logging.getLogger(__name__)

@@ -35,11 +35,11 @@ from executor_service.slots import LRUPolicy, SlotManager
 from executor_service.sources import AdapterSource, LocalFolderSource
 from executor_service.staging import Staging
 from kernels.forward import Backend
-from shared.errors import InvalidArgument, MoeLoraError
-from shared.layer_set import format_layers
-from shared.logs import log_event
+from moelora.client.errors import InvalidArgument, MoeLoraError
+from moelora.client.layer_set import format_layers
+from moelora.client.logs import log_event
+from moelora.client.registry import RegistryClient
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient
 from shared.url_ranges import UrlRangeReader, tls_context
 
 log = logging.getLogger(__name__)

@@ -27,17 +27,17 @@ from executor_service.config import ExecutorSettings
 from executor_service.serving.arena import Arena, ArenaFull, Region
 from executor_service.serving.engine_link import EngineLink, raise_for
 from executor_service.serving.wire import ForwardDescriptor, TensorRef
-from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
-from shared import codec
-from shared.errors import (
+from moelora.client import tensors as codec
+from moelora.client.errors import (
     FailedPrecondition,
     InvalidArgument,
     MoeLoraError,
     Overloaded,
     ResourceExhausted,
 )
+from moelora.client.model_spec import ModelSpec
+from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 from shared.grpc_server import internal_error_message
-from shared.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from moelora.client.logs import log_event
 from registry_service.blob_reads import BlobRead, BlobReads, HttpRefusal, UrlMaker
 from registry_service.blobs.local import LocalBlobStore
 from registry_service.url_signing import UrlSigner
 from shared.grpc_server import internal_error_message
-from shared.logs import log_event
 
 log = logging.getLogger(__name__)
 

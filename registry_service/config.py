@@ -8,8 +8,8 @@ from typing import ClassVar, Literal, Self
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from moelora.client.part_digests import MIB
 from shared.config import ServerSettings
-from shared.part_digests import MIB
 
 DEFAULT_DATA_DIR = Path("~/.moelora/registry")
 

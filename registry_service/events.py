@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from shared.logs import log_event
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

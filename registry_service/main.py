@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from prometheus_client import REGISTRY
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
+from moelora.client.logs import configure_logging
 from registry_service.app import open_database, open_registry
 from registry_service.backfill import backfill_parts
 from registry_service.config import RegistrySettings
@@ -20,7 +21,6 @@ from registry_service.db import migrate
 from registry_service.metrics import InventoryCollector
 from registry_service.server import create_server
 from shared.config import parse_settings
-from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.startup import StartupError, check_listen, exit_on_startup_error, setting_name
 from shared.tokens import Role, new_token_entry

@@ -9,7 +9,7 @@ import hashlib
 import json
 from typing import Any
 
-from shared.errors import InvalidArgument
+from moelora.client.errors import InvalidArgument
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000

@@ -11,16 +11,16 @@ from typing import Any
 
 import grpc
 
+from moelora.client.errors import InvalidArgument, ResourceExhausted, Unavailable
+from moelora.client.model_spec import ModelSpec
+from moelora.client.rpc_metadata import WATCH_START_METADATA
 from moelora.v1 import registry_pb2, registry_pb2_grpc
 from registry_service import messages, metrics
 from registry_service.app import RegistryApp
 from registry_service.config import RegistrySettings
 from registry_service.domain import Chunk, UploadTrailer
 from registry_service.service import Registry
-from shared.errors import InvalidArgument, ResourceExhausted, Unavailable
 from shared.grpc_server import GrpcServer
-from shared.model_spec import ModelSpec
-from shared.rpc_metadata import WATCH_START_METADATA
 from shared.tokens import Principal, Role, TokenChecker
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name

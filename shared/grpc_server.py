@@ -23,9 +23,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shared import keepalive, rpc_metrics
-from shared.errors import RETRY_AFTER_METADATA, MoeLoraError, Overloaded
-from shared.logs import log_event
+from moelora.client import keepalive
+from moelora.client.errors import RETRY_AFTER_METADATA, MoeLoraError, Overloaded
+from moelora.client.logs import log_event
+from shared import rpc_metrics
 from shared.reflection import enable_reflection
 from shared.rpc_metrics import MethodMetrics
 

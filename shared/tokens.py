@@ -25,9 +25,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.auth import bearer_token
-from shared.errors import PermissionDenied, Unauthenticated
-from shared.logs import log_event
+from moelora.client.auth import bearer_token
+from moelora.client.errors import PermissionDenied, Unauthenticated
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

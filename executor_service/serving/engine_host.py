@@ -46,10 +46,10 @@ from executor_service.serving.wire import (
     Kind,
     TensorRef,
 )
-from shared.codec import WIRE_TYPES
-from shared.errors import InvalidArgument, MoeLoraError, Overloaded, Unavailable
+from moelora.client.errors import InvalidArgument, MoeLoraError, Overloaded, Unavailable
+from moelora.client.logs import log_event
+from moelora.client.tensors import WIRE_TYPES
 from shared.grpc_server import internal_error_message
-from shared.logs import log_event
 from shared.refs import AdapterRef
 from shared.version import package_version
 

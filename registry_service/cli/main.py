@@ -41,6 +41,10 @@ import grpc
 import shtab
 from google.protobuf.message import Message
 
+from moelora.client.adapter_files import ADAPTER_FILES, files_digest
+from moelora.client.errors import FailedPrecondition, InvalidArgument, MoeLoraError
+from moelora.client.model_spec import read_model_spec
+from moelora.client.registry import RegistryClient, describe_folder
 from moelora.v1 import registry_pb2
 from registry_service.cli.output import (
     FORMATS,
@@ -50,11 +54,7 @@ from registry_service.cli.output import (
     render_table,
     size_text,
 )
-from shared.adapter_files import ADAPTER_FILES, files_digest
-from shared.errors import FailedPrecondition, InvalidArgument, MoeLoraError
-from shared.model_spec import read_model_spec
 from shared.refs import AdapterRef, validate_name
-from shared.registry_client import RegistryClient, describe_folder
 from shared.version import package_version
 
 PROG = "adapterctl"

@@ -22,8 +22,8 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
+from moelora.client.logs import log_event
 from registry_service import metrics
-from shared.logs import log_event
 
 log = logging.getLogger(__name__)
 

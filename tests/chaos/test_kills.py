@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from moelora.client.errors import MoeLoraError
 from moelora.v1 import registry_pb2, registry_pb2_grpc
-from shared.errors import MoeLoraError
 from tests.chaos.fault_proxy import FaultProxy
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import Recipe, World, build_world

@@ -20,10 +20,10 @@ import grpc
 import pytest
 import torch
 
-from executor_service.client import ExecutorClient, ForwardResult, RetryPolicy
+from moelora.client.errors import NotFound, Unavailable
+from moelora.client.executor import ExecutorClient, ForwardResult, RetryPolicy
+from moelora.client.health import wait_until_serving
 from moelora.v1 import executor_pb2
-from shared.errors import NotFound, Unavailable
-from shared.health import wait_until_serving
 from tests.conftest import ServerProcess, free_port, wait_for
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import Recipe, World, build_world

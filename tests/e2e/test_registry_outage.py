@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from executor_service.client import ExecutorClient, RetryPolicy
-from shared.errors import NotFound, Unavailable
+from moelora.client.errors import NotFound, Unavailable
+from moelora.client.executor import ExecutorClient, RetryPolicy
 from tests.conftest import ServerProcess, free_port, wait_for
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import Recipe, World, build_world

@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from executor_service.client import ExecutorClient, ForwardResult, forward_request
+from moelora.client.errors import FailedPrecondition, MoeLoraError, Overloaded
+from moelora.client.executor import ExecutorClient, ForwardResult, forward_request
 from moelora.v1 import executor_pb2_grpc
-from shared.errors import FailedPrecondition, MoeLoraError, Overloaded
 from tests.executor.conftest import FOREIGN, Running, StartExecutor, assert_close, slowed_kernel
 from tests.executor.test_churn import PINNED, _random_segments
 from tests.executor.worlds import TOKENS, World
@@ -184,7 +184,7 @@ def test_a_full_queue_refuses_with_a_retry_hint(
 def test_forward_stream_requests_join_the_batches(
     qwen_world: World, start_executor: StartExecutor, window_us: int
 ) -> None:
-    from executor_service.client import ForwardCall
+    from moelora.client.executor import ForwardCall
 
     layer = qwen_world.moe_layers[0]
     running = start_executor(qwen_world, batch_window_us=window_us)

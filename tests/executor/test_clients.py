@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from executor_service.aio_client import AsyncExecutorClient
-from executor_service.client import ExecutorClient, ForwardCall, ForwardResult, RetryPolicy
 from executor_service.sources import LocalFolderSource
-from shared.errors import InvalidArgument, NotFound, Unavailable
+from moelora.client.errors import InvalidArgument, NotFound, Unavailable
+from moelora.client.executor import ExecutorClient, ForwardCall, ForwardResult, RetryPolicy
+from moelora.client.executor_aio import AsyncExecutorClient
 from tests.executor.conftest import (
     GatedSource,
     StartExecutor,

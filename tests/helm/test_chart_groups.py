@@ -10,8 +10,8 @@ import helm_python as helm
 import pytest
 
 from executor_service.config import ExecutorSettings
+from moelora.client.layer_set import parse_layers
 from shared.config import parse_settings
-from shared.layer_set import parse_layers
 from tests.helm.chart import (
     Obj,
     Release,

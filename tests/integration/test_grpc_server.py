@@ -9,9 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from shared.errors import FailedPrecondition, InvalidArgument, NotFound
+from moelora.client.errors import FailedPrecondition, InvalidArgument, NotFound
+from moelora.client.health import health_check
 from shared.grpc_server import GrpcServer, ServerOptions
-from shared.health import health_check
 
 SERVICE = "test.v1.Probe"
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2
 
-from shared.health import health_check, wait_until_serving
+from moelora.client.health import health_check, wait_until_serving
 from tests.conftest import free_port
 
 REGISTRY = "moelora.v1.AdapterRegistry"

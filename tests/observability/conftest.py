@@ -20,11 +20,11 @@ import pytest
 import torch
 import yaml
 
-from executor_service.client import ExecutorClient, ForwardCall, RetryPolicy
-from shared.errors import MoeLoraError
-from shared.health import wait_until_serving
-from shared.model_spec import ModelSpec, read_model_spec
-from shared.registry_client import RegistryClient
+from moelora.client.errors import MoeLoraError
+from moelora.client.executor import ExecutorClient, ForwardCall, RetryPolicy
+from moelora.client.health import wait_until_serving
+from moelora.client.model_spec import ModelSpec, read_model_spec
+from moelora.client.registry import RegistryClient
 from tests.conftest import ServerProcess, free_port
 from tests.helm.chart import CHART_DIR, render
 from tests.observability.prometheus import Prometheus

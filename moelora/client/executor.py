@@ -1,6 +1,6 @@
 """A Python client of the Executor for backends: numpy arrays or torch tensors in, the same
 kind out (torch is needed only for torch tensors, bfloat16 among them), deadlines on every
-call, retries only where they are safe, errors as ``shared.errors`` classes.
+call, retries only where they are safe, errors as ``moelora.client.errors`` classes.
 
 Retries: a call is retried only on UNAVAILABLE (the server drains, is still loading, or the
 connection failed) and on ``Overloaded`` (RESOURCE_EXHAUSTED with a retry hint: too many
@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import grpc
 import numpy as np
 
+from moelora.client import keepalive
+from moelora.client import tensors as codec
+from moelora.client.auth import open_channel
+from moelora.client.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
+from moelora.client.health import wait_until_serving
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
-from shared import codec, keepalive
-from shared.auth import open_channel
-from shared.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
-from shared.health import wait_until_serving
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +106,7 @@ def encode(array: np.ndarray[Any, Any] | torch.Tensor) -> tensor_pb2.Tensor:
     """A numpy array or torch tensor on the wire (torch imported only for torch tensors)."""
     if isinstance(array, np.ndarray):
         return codec.from_numpy(array)
-    from shared import torch_codec
+    from moelora.client import torch_tensors as torch_codec
 
     return torch_codec.from_torch(array)
 
@@ -114,7 +115,7 @@ def decode(message: tensor_pb2.Tensor, like: Array) -> Array:
     """``message`` as ``like``'s kind, writable and owning its memory."""
     if isinstance(like, np.ndarray):
         return codec.to_numpy(message, "output").copy()
-    from shared import torch_codec
+    from moelora.client import torch_tensors as torch_codec
 
     return torch_codec.to_torch(message, "output").clone()
 
@@ -143,7 +144,7 @@ def forward_request(
 def channel_options(max_message_bytes: int, keepalive_seconds: float) -> list[tuple[str, int]]:
     """gRPC channel options that let messages up to ``max_message_bytes`` through both ways
     and find a connection gone silent within twice ``keepalive_seconds`` while a call is open
-    (``shared/keepalive.py``)."""
+    (``moelora/client/keepalive.py``)."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from executor_service.client import ForwardResult
-from executor_service.cluster.endpoints import Resolver, resolve_endpoints
-from executor_service.cluster.policy import AffinityTable, batch_key
+from moelora.client.cluster.endpoints import Resolver, resolve_endpoints
+from moelora.client.cluster.policy import AffinityTable, batch_key
+from moelora.client.errors import MoeLoraError, Unavailable
+from moelora.client.executor import ForwardResult
+from moelora.client.layer_set import format_layers
+from moelora.client.logs import log_event
 from moelora.v1 import executor_pb2
-from shared.errors import MoeLoraError, Unavailable
-from shared.layer_set import format_layers
-from shared.logs import log_event
 
 if TYPE_CHECKING:
     import torch

@@ -2,7 +2,7 @@
 in flight from one event loop (for example two micro-batches ping-ponging between attention
 and the MoE executor).
 
-The same calls, results, errors and retry rules as ``executor_service.client.ExecutorClient``:
+The same calls, results, errors and retry rules as ``moelora.client.executor.ExecutorClient``:
 only UNAVAILABLE and ``Overloaded`` (after its hint) are retried, with jittered exponential
 backoff inside the call's deadline, and only for calls that are safe to run twice.
 
@@ -23,7 +23,10 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from executor_service.client import (
+from moelora.client import keepalive
+from moelora.client.auth import bearer_metadata
+from moelora.client.errors import MoeLoraError, Unavailable, from_rpc_error
+from moelora.client.executor import (
     Array,
     ForwardCall,
     ForwardResult,
@@ -37,9 +40,6 @@ from executor_service.client import (
     stream_error,
 )
 from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared import keepalive
-from shared.auth import bearer_metadata
-from shared.errors import MoeLoraError, Unavailable, from_rpc_error
 
 T = TypeVar("T")
 
