@@ -13,6 +13,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=igno
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos/ protos/
+COPY moelora/ moelora/
 COPY shared/ shared/
 COPY kernels/ kernels/
 COPY executor_service/ executor_service/

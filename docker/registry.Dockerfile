@@ -11,6 +11,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=igno
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos/ protos/
+COPY moelora/ moelora/
 COPY shared/ shared/
 COPY registry_service/ registry_service/
 RUN pip wheel --no-deps --wheel-dir /wheels .

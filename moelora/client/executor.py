@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import grpc
 import numpy as np
@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 #: What Forward takes and gives back: numpy arrays, or torch tensors (any device, bfloat16 too).
-Array = TypeVar("Array", np.ndarray[Any, Any], "torch.Tensor")
+#: A bound rather than constraints: where torch is not installed, its half is Any, and the
+#: answer's type must still follow the argument's.
+Array = TypeVar("Array", bound="np.ndarray[Any, Any] | torch.Tensor")
 
 #: (num_tokens, adapter reference or None for the base model), in token order.
 Segments = Sequence[tuple[int, str | None]]
@@ -114,10 +116,10 @@ def encode(array: np.ndarray[Any, Any] | torch.Tensor) -> tensor_pb2.Tensor:
 def decode(message: tensor_pb2.Tensor, like: Array) -> Array:
     """``message`` as ``like``'s kind, writable and owning its memory."""
     if isinstance(like, np.ndarray):
-        return codec.to_numpy(message, "output").copy()
+        return cast(Array, codec.to_numpy(message, "output").copy())
     from moelora.client import torch_tensors as torch_codec
 
-    return torch_codec.to_torch(message, "output").clone()
+    return cast(Array, torch_codec.to_torch(message, "output").clone())
 
 
 def forward_request(
