@@ -581,7 +581,7 @@ def test_notes_tell_how_to_upload_an_adapter_and_call_forward(
     notes = defaults.notes
     assert "kubectl -n ml port-forward svc/demo-moe-lora-serve-registry 50051:50051" in notes
     assert "adapterctl upload" in notes and "adapterctl base-model register" in notes
-    assert "stub.Forward(" in notes
+    assert "pip install moelora-client" in notes and "client.forward(" in notes
     assert "dns:///demo-moe-lora-serve-executor-headless.ml.svc:50052" in notes
     assert "admits only client pods labelled moelora.io/executor-client=true" in notes
     assert "WARNING: auth is off" in notes
