@@ -104,7 +104,7 @@ def test_executor_fetches_its_model_loads_an_adapter_and_answers_forward(
     program = notes_forward_snippet(cpu.notes).replace(
         "127.0.0.1:50052", env["MOELORA_EXECUTOR_LISTEN"]
     )
-    base_only = run_python(program.replace('adapter="my-adapter@prod"', 'adapter=""'))
+    base_only = run_python(program.replace('"my-adapter@prod"', "None"))
     assert base_only.returncode == 0, base_only.stderr + executor.log()
     assert base_only.stdout.startswith("['', ''] (4, 16)"), base_only.stdout
     with_adapter = run_python(program)
