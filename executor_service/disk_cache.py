@@ -17,9 +17,9 @@ piece on ``check_threads`` threads, bound to the digest through the listed sha25
 hashing each file whole on one core (1.26 GB: about a second at 1.3 GB/s).
 
 ``references.json`` beside the entries keeps what moving references (a bare name, an alias)
-last resolved to, so that an executor restarted while the registry is down still serves
-``name@prod`` from the entry it pointed at; ``name:VERSION`` and ``name@sha256:...`` resolve
-from the entries themselves.
+last resolved to, for the versions held, so that an executor restarted while the registry is
+down still serves ``name@prod`` from the entry it pointed at; ``name:VERSION`` and
+``name@sha256:...`` resolve from the entries themselves.
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ class DiskCache:
             for ref, digest in _read_references(self.root / _REFERENCES_FILE).items()
             if digest in self._entries
         }
+        self._saved_references = dict(self._references)
+        self._save_lock = threading.Lock()
 
     @property
     def used_bytes(self) -> int:
@@ -101,28 +103,39 @@ class DiskCache:
             }
 
     def remember(self, changes: Mapping[str, str | None]) -> None:
-        """Records moving references -> digest (None: forget the reference) in
-        ``references.json``, rewritten whole and renamed into place when anything changed
-        (the digest need not be held yet: ``references`` lists only those that are). Best
-        effort: a failed write loses only what a restart during an outage would serve."""
+        """Records moving references -> digest (None: forget the reference). The file keeps
+        those whose version is held (a reference to a version still downloading is written when
+        its entry is committed), so a cache that holds nothing has no file either."""
         with self._lock:
-            before = dict(self._references)
             for ref, digest in changes.items():
                 if digest is None:
                     self._references.pop(ref, None)
                 else:
                     self._references[ref] = digest
-            if self._references == before:
+        self._save_references()
+
+    def _save_references(self) -> None:
+        """Rewrites ``references.json`` whole, renamed into place, when what it should hold
+        changed. Best effort: a failed write loses only what a restart during an outage would
+        serve."""
+        with self._save_lock:
+            with self._lock:
+                held = {r: d for r, d in self._references.items() if d in self._entries}
+            if held == self._saved_references:
                 return
-            text = json.dumps(self._references, sort_keys=True)
-        path = self.root / _REFERENCES_FILE
-        temporary = path.with_name(f"{_PARTIAL_PREFIX}{uuid.uuid4().hex}.json")
-        try:
-            temporary.write_text(text)
-            temporary.replace(path)
-        except OSError as exc:
-            temporary.unlink(missing_ok=True)
-            log_event(log, "disk_cache_references_not_kept", logging.WARNING, error=str(exc))
+            path = self.root / _REFERENCES_FILE
+            temporary = path.with_name(f"{_PARTIAL_PREFIX}{uuid.uuid4().hex}.json")
+            try:
+                if held:
+                    temporary.write_text(json.dumps(held, sort_keys=True))
+                    temporary.replace(path)
+                else:
+                    path.unlink(missing_ok=True)
+            except OSError as exc:
+                temporary.unlink(missing_ok=True)
+                log_event(log, "disk_cache_references_not_kept", logging.WARNING, error=str(exc))
+                return
+            self._saved_references = held
 
     def get(self, digest: str) -> Path | None:
         """The folder holding the files of ``digest``, or None when not cached (or the entry
@@ -187,6 +200,7 @@ class DiskCache:
             shutil.rmtree(self._folder(gone), ignore_errors=True)
         if evicted:
             log_event(log, "disk_cache_evicted", digests=evicted)
+        self._save_references()  # references that waited for this entry
         return evicted
 
     def remove(self, digest: str) -> bool:
