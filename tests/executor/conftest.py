@@ -28,6 +28,7 @@ from executor_service.synthetic import (
     write_base_checkpoint,
 )
 from kernels import LoRAContext, MoELayerWeights, Routing, moe_forward
+from kernels.synthetic import relative_error, worst_row_error
 from moelora.client.executor import ExecutorClient, RetryPolicy
 from moelora.client.model_spec import ModelSpec
 from moelora.client.registry import RegistryClient
@@ -63,6 +64,58 @@ MULTI = "multi"
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), atol=ATOL, rtol=RTOL)
+
+
+GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+#: The kernels' own float32 tolerance on the GPU (tests/kernels): ‖Δ‖/‖reference‖ over the
+#: output, and for its worst row.
+GPU_FLOAT32_RELATIVE = 2e-5
+GPU_FLOAT32_ROW = 1e-4
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an in-process executor computes, and how close it must come: the CPU's torch
+    reference, or the GPU's Triton kernels in float32 replayed from CUDA graphs."""
+
+    device: str
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        if self.device == "cpu":
+            return {"device": "cpu"}
+        return {"device": "cuda", "dtype": "float32", "cuda_graphs": "on"}
+
+    def check(self, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        """``actual`` against a float32 reference (PEFT, or the same request alone)."""
+        if self.device == "cpu":
+            assert_close(actual, expected)  # elementwise ATOL + RTOL·|expected|
+            return
+        whole, worst = relative_error(actual, expected), worst_row_error(actual, expected)
+        assert whole < GPU_FLOAT32_RELATIVE and worst < GPU_FLOAT32_ROW, (whole, worst)
+
+    def same(self, merged: torch.Tensor, alone: torch.Tensor) -> None:
+        """A request merged into a launch against it alone: the same bits on the CPU (fixed
+        row blocks), the same within float32 rounding on the GPU (other tile configurations
+        for other launch sizes)."""
+        if self.device == "cpu":
+            assert torch.equal(merged, alone)
+        else:
+            self.check(merged, alone)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(Placement("cpu"), id="cpu"),
+        pytest.param(Placement("cuda"), id="cuda-graphs", marks=GPU),
+    ]
+)
+def placement(request: pytest.FixtureRequest) -> Placement:
+    value: Placement = request.param
+    return value
 
 
 @pytest.fixture(scope="session")

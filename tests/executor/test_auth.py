@@ -23,7 +23,7 @@ from moelora.client.health import health_check
 from moelora.v1 import executor_pb2
 from shared.tokens import Role
 from tests.conftest import wait_for
-from tests.executor.conftest import StartExecutor, assert_close
+from tests.executor.conftest import Placement, StartExecutor
 from tests.executor.worlds import World
 from tests.tls_certs import self_signed
 
@@ -90,10 +90,10 @@ def test_state_changing_rpc_refuses_the_anonymous_and_the_underprivileged(
 
 
 def test_forward_and_listings_need_read(
-    qwen_world: World, start_executor: StartExecutor, tokens: Tokens
+    qwen_world: World, start_executor: StartExecutor, tokens: Tokens, placement: Placement
 ) -> None:
     path, secret = tokens
-    running = start_executor(qwen_world, auth="on", auth_tokens_file=path)
+    running = start_executor(qwen_world, auth="on", auth_tokens_file=path, **placement.settings)
     address = running.app.address
     layer = qwen_world.moe_layers[0]
     hidden = qwen_world.inputs[layer][:4]
@@ -109,7 +109,7 @@ def test_forward_and_listings_need_read(
             assert health_check(channel, "moelora.v1.Executor") == "SERVING"
 
         result = reader.forward(layer, hidden, segments)
-        assert_close(result.output, qwen_world.expected(layer, segments))
+        placement.check(result.output, qwen_world.expected(layer, segments))
         assert reader.get_executor_info().num_slots == 4
         assert [a.name for a in reader.list_loaded_adapters().adapters] == ["alpha"]
 

@@ -7,7 +7,6 @@ GPU through the Triton kernels in float32; ``test_bfloat16_on_the_gpu`` covers b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from kernels.synthetic import relative_error
-from tests.executor.conftest import QWEN_RECIPES, StartExecutor, assert_close
+from tests.executor.conftest import QWEN_RECIPES, Placement, StartExecutor
 from tests.executor.worlds import LEGACY_2D, TOKENS, Recipe, World, build_world
 
 #: Per model type: a 3D adapter on both parameters, one on down_proj only, and a 2D legacy one
@@ -26,12 +25,6 @@ OTHER_TYPES = ("mixtral", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3")
 NO_PEFT_2D = ("gpt_oss", "qwen2_moe")
 OTHER_RECIPES = [Recipe("both", "both", 11), Recipe("down", "down_only", 12)]
 
-GPU = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-#: The kernels' own float32 tolerance on the GPU (tests/kernels): ‖Δ‖/‖reference‖.
-GPU_FLOAT32_RELATIVE = 2e-5
 #: bf16 input, weights, slots and output against the float32 reference: ‖Δ‖/‖reference‖.
 #: Each rounding is 2^-9 relative; several (input, W13, LoRA, activation, W2, output) add up to
 #: about 1%; the kernels' own bf16 bound (2e-2, against a reference with the same bf16
@@ -39,36 +32,10 @@ GPU_FLOAT32_RELATIVE = 2e-5
 GPU_BFLOAT16_RELATIVE = 3e-2
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where the executor computes, and how close it must come to the reference."""
-
-    device: str
-
-    def check(self, actual: torch.Tensor, expected: torch.Tensor) -> None:
-        if self.device == "cpu":
-            assert_close(actual, expected)  # elementwise ATOL + RTOL·|expected|
-        else:
-            assert relative_error(actual, expected) < GPU_FLOAT32_RELATIVE
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(Placement("cpu"), id="cpu-torch"),
-        pytest.param(Placement("cuda"), id="cuda-triton-float32", marks=GPU),
-    ]
-)
-def placement(request: pytest.FixtureRequest) -> Placement:
-    value: Placement = request.param
-    return value
-
-
 def test_every_qwen3_variant_and_base_match_peft(
     qwen_world: World, start_executor: StartExecutor, placement: Placement
 ) -> None:
-    client = start_executor(
-        qwen_world, num_slots=8, device=placement.device, dtype="float32"
-    ).client
+    client = start_executor(qwen_world, num_slots=8, **placement.settings).client
     for layer in qwen_world.moe_layers:
         hidden = qwen_world.inputs[layer]
         base = client.forward(layer, hidden)
@@ -84,7 +51,7 @@ def test_every_qwen3_variant_and_base_match_peft(
 def test_mixed_batch_matches_per_segment_references(
     qwen_world: World, start_executor: StartExecutor, placement: Placement
 ) -> None:
-    client = start_executor(qwen_world, device=placement.device, dtype="float32").client
+    client = start_executor(qwen_world, **placement.settings).client
     layer = qwen_world.moe_layers[-1]
     segments: list[tuple[int, str | None]] = [
         (3, "alpha"),
@@ -126,7 +93,7 @@ def other_world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 def test_other_model_types_match_peft_in_one_mixed_batch(
     other_world: World, start_executor: StartExecutor, placement: Placement
 ) -> None:
-    client = start_executor(other_world, device=placement.device, dtype="float32").client
+    client = start_executor(other_world, **placement.settings).client
     for layer in other_world.moe_layers:
         hidden = other_world.inputs[layer]
         segments: list[tuple[int, str | None]] = [
@@ -171,7 +138,7 @@ def _experts_float64(
 def test_precomputed_routing_replaces_the_router(
     qwen_world: World, start_executor: StartExecutor, placement: Placement
 ) -> None:
-    client = start_executor(qwen_world, device=placement.device, dtype="float32").client
+    client = start_executor(qwen_world, **placement.settings).client
     layer = qwen_world.moe_layers[0]
     hidden = qwen_world.inputs[layer]
     # The router's own choice, given: the same as letting the router decide.
