@@ -19,7 +19,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: help setup proto proto-check lint docs format test demo bench bench-registry bench-load bench-forward \
+.PHONY: help setup client-wheel proto proto-check lint docs format test demo bench bench-registry bench-load bench-forward \
 	helm-check fuzz chaos soak clean
 
 help: ## List the targets
@@ -27,11 +27,16 @@ help: ## List the targets
 
 setup: $(STAMP) $(BUF) $(PROMTOOL) ## Create .venv with the pinned dependencies, buf and Prometheus
 
-$(STAMP): pyproject.toml
+# The client wheel's dependencies, kept as wheels: its test installs it into a fresh venv offline.
+CLIENT_DEPS := grpcio==1.85.1 grpcio-health-checking==1.85.1 protobuf==7.36.2 numpy==2.3.5
+
+$(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip==26.3
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"; fi
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[registry,executor,transformers,dev]'
+	$(PY) -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
+		--dest $(VENV)/wheelhouse $(CLIENT_DEPS)
 	touch $@
 
 $(BUF):
@@ -46,6 +51,9 @@ $(PROMTOOL):
 		echo "$(PROMETHEUS_SHA256)  $(PROMETHEUS_DEB)" | sha256sum --check --quiet; }; }
 	dpkg-deb --extract .tools/deb/prometheus_*.deb .tools/prometheus
 	rm -rf .tools/deb
+
+client-wheel: $(STAMP) ## Build the moelora-client wheel (the moelora namespace only) into dist/
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation ./client --wheel-dir dist
 
 proto: $(STAMP) ## Regenerate the Python stubs from protos/
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m grpc_tools.protoc -Iprotos \

@@ -36,7 +36,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from executor_service.client import ExecutorClient, ForwardResult
 from executor_service.model_loader import load_base_model
 from executor_service.packer import PackedAdapter, pack_adapter
 from executor_service.synthetic import (
@@ -46,10 +45,11 @@ from executor_service.synthetic import (
     write_base_checkpoint,
 )
 from kernels import MoELayerWeights, moe_forward_reference
-from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from moelora.client.executor import ExecutorClient, ForwardResult
+from moelora.client.health import wait_until_serving
+from moelora.client.tensors import dtype_name
 from shared.adapter_format import AdapterFormat
-from shared.codec import dtype_name
-from shared.grpc_server import wait_until_serving
 
 BIN = Path(sys.executable).parent
 BASE_NAME = "demo-qwen3-moe"
@@ -285,7 +285,7 @@ def run_forward_calls(client: ExecutorClient, checkpoint: Path, work: Path, requ
         for segments in mixes:
             tokens = sum(n for n, _ in segments)
             hidden = torch.randn(tokens, model.spec.hidden_size, generator=generator).to(dtype)
-            result: ForwardResult = client.forward(layer, hidden, segments)
+            result: ForwardResult[torch.Tensor] = client.forward(layer, hidden, segments)
             names = [
                 None if ref is None else ref.split("@")[0].split(":")[0] for _, ref in segments
             ]

@@ -13,6 +13,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=igno
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos/ protos/
+COPY moelora/ moelora/
 COPY shared/ shared/
 COPY kernels/ kernels/
 COPY executor_service/ executor_service/
@@ -48,9 +49,9 @@ ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/moelora \
     TRITON_CACHE_DIR=/var/cache/moelora/triton \
-    MOELORA_LISTEN=0.0.0.0:50052 \
-    MOELORA_METRICS_LISTEN=0.0.0.0:9402 \
-    MOELORA_DISK_CACHE_DIR=/var/cache/moelora/adapters
+    MOELORA_EXECUTOR_LISTEN=0.0.0.0:50052 \
+    MOELORA_EXECUTOR_METRICS_LISTEN=0.0.0.0:9402 \
+    MOELORA_EXECUTOR_DISK_CACHE_DIR=/var/cache/moelora/adapters
 # The commit built, for moelora_build_info: --build-arg COMMIT="$(git rev-parse HEAD)".
 ARG COMMIT=unknown
 ENV MOELORA_BUILD_COMMIT=${COMMIT}

@@ -7,9 +7,10 @@ Every object under PREFIX lands at DEST/<key without PREFIX>. Each file is writt
 a ``.part`` name and renamed when complete, so an interrupted copy never leaves a file
 that looks whole. DEST/.fetch-manifest.json records each file's size and ETag: a
 restarted pod whose DEST is a persistent volume downloads only what changed.
-Connection settings are the registry's: MOELORA_S3_ENDPOINT_URL, MOELORA_S3_REGION,
-MOELORA_S3_PATH_STYLE; credentials come from boto3's chain (AWS_* variables, web
-identity, instance profile). Ships in the registry image, which has boto3.
+Connection settings are the registry's: MOELORA_REGISTRY_S3_ENDPOINT_URL,
+MOELORA_REGISTRY_S3_REGION, MOELORA_REGISTRY_S3_PATH_STYLE; credentials come from boto3's
+chain (AWS_* variables, web identity, instance profile). Ships in the registry image,
+which has boto3.
 
 Exit codes: 0 copied, 1 S3 or file error, 2 bad usage or nothing under PREFIX.
 """
@@ -134,11 +135,11 @@ def fetch(client: Any, source: Source, dest: Path) -> dict[str, int]:
 
 
 def make_client(environ: dict[str, str]) -> Any:
-    path_style = environ.get("MOELORA_S3_PATH_STYLE", "").lower() in TRUE_WORDS
+    path_style = environ.get("MOELORA_REGISTRY_S3_PATH_STYLE", "").lower() in TRUE_WORDS
     return boto3.client(
         "s3",
-        endpoint_url=environ.get("MOELORA_S3_ENDPOINT_URL") or None,
-        region_name=environ.get("MOELORA_S3_REGION") or None,
+        endpoint_url=environ.get("MOELORA_REGISTRY_S3_ENDPOINT_URL") or None,
+        region_name=environ.get("MOELORA_REGISTRY_S3_REGION") or None,
         config=Config(
             s3={"addressing_style": "path" if path_style else "auto"},
             retries={"max_attempts": 10, "mode": "adaptive"},

@@ -2,9 +2,9 @@
 """Container health probe: exits 0 when every ADDRESS answers SERVING on grpc.health.v1.
 
 Used by the images' HEALTHCHECK (no address: the server this container runs, from
-MOELORA_LISTEN with a wildcard host replaced by loopback) and by the chart's
-`helm test` pod (the registry and every executor by DNS name). It ships in the
-images as /opt/moelora/grpc_health_probe.py, so no probe binary is downloaded.
+MOELORA_REGISTRY_LISTEN or MOELORA_EXECUTOR_LISTEN with a wildcard host replaced by
+loopback) and by the chart's `helm test` pod (the registry and every executor by DNS name).
+It ships in the images as /opt/moelora/grpc_health_probe.py, so no probe binary is downloaded.
 
 Exit codes: 0 all SERVING, 1 any other status or no answer, 2 bad usage.
 """
@@ -18,17 +18,23 @@ from collections.abc import Sequence
 
 import grpc
 
-from shared.grpc_server import health_check
+from moelora.client.health import health_check
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "[::]", "::")
 
 
+#: Where the server's listen address is, by service (the first set wins; the last is the name
+#: from before the per-service prefixes).
+LISTEN_VARIABLES = ("MOELORA_REGISTRY_LISTEN", "MOELORA_EXECUTOR_LISTEN", "MOELORA_LISTEN")
+
+
 def own_address(environ: dict[str, str]) -> str:
-    """The loopback address of the server whose MOELORA_LISTEN is in ``environ``."""
-    listen = environ.get("MOELORA_LISTEN", "")
+    """The loopback address of the server whose listen variable is in ``environ``."""
+    name = next((n for n in LISTEN_VARIABLES if environ.get(n)), LISTEN_VARIABLES[0])
+    listen = environ.get(name, "")
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
-        raise SystemExit(f"grpc_health_probe: MOELORA_LISTEN={listen!r} is not host:port")
+        raise SystemExit(f"grpc_health_probe: {name}={listen!r} is not host:port")
     if host in WILDCARD_HOSTS:
         host = "127.0.0.1"
     return f"{host}:{port}"

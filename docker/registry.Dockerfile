@@ -11,6 +11,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_ROOT_USER_ACTION=igno
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos/ protos/
+COPY moelora/ moelora/
 COPY shared/ shared/
 COPY registry_service/ registry_service/
 RUN pip wheel --no-deps --wheel-dir /wheels .
@@ -40,10 +41,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/moelora \
-    MOELORA_LISTEN=0.0.0.0:50051 \
-    MOELORA_METRICS_LISTEN=0.0.0.0:9401 \
-    MOELORA_HTTP_LISTEN=0.0.0.0:50053 \
-    MOELORA_DATA_DIR=/data
+    MOELORA_REGISTRY_LISTEN=0.0.0.0:50051 \
+    MOELORA_REGISTRY_METRICS_LISTEN=0.0.0.0:9401 \
+    MOELORA_REGISTRY_HTTP_LISTEN=0.0.0.0:50053 \
+    MOELORA_REGISTRY_DATA_DIR=/data
 # The commit built, for moelora_build_info: --build-arg COMMIT="$(git rev-parse HEAD)".
 ARG COMMIT=unknown
 ENV MOELORA_BUILD_COMMIT=${COMMIT}

@@ -16,14 +16,18 @@ HEADER = """# Configuration reference
 
 Generated from the settings classes by `make docs`; do not edit by hand.
 
-Every setting is a command-line flag with an environment twin: `--num-slots 16` or
-`MOELORA_NUM_SLOTS=16`. A flag wins over the environment, which wins over the default. Values
-that are lists (such as `--preload-adapters`) take JSON in the environment
-(`MOELORA_PRELOAD_ADAPTERS='["sql@prod"]'`). An invalid value stops the program with exit
-status 2 and one line naming the flag and its variable.
+Every setting is a command-line flag with an environment twin named with its service's prefix:
+`--num-slots 16` or `MOELORA_EXECUTOR_NUM_SLOTS=16`, `--listen` or `MOELORA_REGISTRY_LISTEN`.
+A flag wins over the environment, which wins over the default. Values that are lists (such as
+`--preload-adapters`) take JSON in the environment
+(`MOELORA_EXECUTOR_PRELOAD_ADAPTERS='["sql@prod"]'`). An invalid value stops the program with
+exit status 2 and one line naming the flag and its variable. The names from before the
+prefixes (`MOELORA_NUM_SLOTS`) are still read, below the new ones, each with a deprecation
+warning on stderr.
 
 `adapterctl` reads `MOELORA_REGISTRY_ADDRESS`, `MOELORA_REGISTRY_TOKEN`, `MOELORA_REGISTRY_TLS`
-and `MOELORA_REGISTRY_CA_FILE` (see `adapterctl --help` and docs/registry.md).
+and `MOELORA_REGISTRY_CA_FILE` (see `adapterctl --help` and docs/registry.md); none of them
+configures a server (the executor's own token is `MOELORA_EXECUTOR_REGISTRY_TOKEN`).
 """
 
 

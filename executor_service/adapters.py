@@ -26,15 +26,15 @@ from executor_service.packer import PackedAdapter, pack_adapter
 from executor_service.slots import SlotLease, SlotManager, SlotStatus, Wanted
 from executor_service.sources import AdapterSource, ResolvedAdapter
 from kernels import LoRASlots
-from shared.errors import (
+from moelora.client.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
-from shared.logs import log_event
-from shared.model_spec import ModelSpec
+from moelora.client.logs import log_event
+from moelora.client.model_spec import ModelSpec
 from shared.refs import AdapterRef
 
 log = logging.getLogger(__name__)
@@ -123,16 +123,9 @@ class AdapterManager:
     # -- references ----------------------------------------------------------------------
 
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
-        """The version ``ref`` names now. A version number or digest that the executor holds
-        resolves locally; a bare name or alias always asks the source (it may have moved)."""
-        if ref.is_pinned_version:
-            for adapter in self._held():
-                if (
-                    adapter.name == ref.name
-                    and ref.version in (None, adapter.version)
-                    and (ref.digest in (None, adapter.digest))
-                ):
-                    return adapter
+        """The version ``ref`` names now, as the source says: even a version the executor
+        holds may have been deleted since, and only the source knows how fresh its answer is
+        (the registry source answers from memory while that is fresh enough)."""
         if self.source is None:
             raise NotFound(
                 f"adapter {ref} not found: the executor has no adapter source (set --adapter-dir)"

@@ -30,10 +30,10 @@ from executor_service.serving.arena import Arena
 from executor_service.serving.engine_host import EngineHost
 from executor_service.serving.engine_link import EngineLink
 from executor_service.sources import AdapterSource
+from moelora.client.errors import MoeLoraError
+from moelora.client.logs import log_event
 from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared.errors import MoeLoraError
 from shared.grpc_server import GrpcServer
-from shared.logs import log_event
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ import threading
 from pathlib import Path
 
 from executor_service.loader import lower_priority
-from shared.errors import DataLoss
-from shared.part_digests import PartHasher, Pieces
+from moelora.client.errors import DataLoss
+from moelora.client.part_digests import PartHasher, Pieces
 
 #: Bytes hashed per step by the whole-file hasher, so that it notices a cancel within
 #: milliseconds.

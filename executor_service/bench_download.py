@@ -33,12 +33,12 @@ from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
 from executor_service.registry_source import RegistrySource
 from executor_service.runtime import download_streams
+from moelora.client.errors import FailedPrecondition
+from moelora.client.model_spec import ModelSpec, spec_from_config
+from moelora.client.registry import RegistryClient
 from moelora.v1 import registry_pb2
 from shared.bench_servers import registry_server, write_adapter
-from shared.errors import FailedPrecondition
-from shared.model_spec import ModelSpec, spec_from_config
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient
 
 _GB = 1e9
 BASE_NAME = "bench-base"

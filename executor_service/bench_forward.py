@@ -45,13 +45,13 @@ from executor_service.bench.answers import row_tolerance
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
 from executor_service.bench_clients import forward_request
-from executor_service.client import ExecutorClient
 from executor_service.graphs import GraphCache
 from executor_service.model_loader import load_base_model
 from executor_service.serving.frontends import frontend_count
 from executor_service.synthetic import SyntheticAdapter, write_adapter, write_base_checkpoint
 from kernels import LoRAContext, LoRASlots, moe_forward
 from kernels.forward import Backend
+from moelora.client.executor import ExecutorClient
 
 #: Adapters per request; the pinned pool every row but the churn row draws from.
 PER_REQUEST = 4

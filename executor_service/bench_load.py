@@ -52,7 +52,6 @@ from prometheus_client import CollectorRegistry
 
 from executor_service.adapters import Location
 from executor_service.app import ExecutorApp
-from executor_service.client import ExecutorClient
 from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
 from executor_service.loader import Loader, load_threads
@@ -63,11 +62,12 @@ from executor_service.process import configure_process
 from executor_service.registry_source import RegistrySource
 from executor_service.runtime import ExecutorRuntime, download_streams
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
-from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from moelora.client.executor import ExecutorClient
+from moelora.client.model_spec import ModelSpec
+from moelora.client.registry import RegistryClient
 from shared.bench_servers import moto_server, registry_server, write_adapter
-from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient
 
 BASE_NAME = "bench-base"
 OTHER = "other:1"

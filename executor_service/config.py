@@ -1,4 +1,4 @@
-"""Executor settings: each field is a flag and a MOELORA_* environment variable."""
+"""Executor settings: each field is a flag and a MOELORA_EXECUTOR_* environment variable."""
 
 from __future__ import annotations
 
@@ -6,17 +6,19 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
+from pydantic_settings import SettingsConfigDict
 
-from shared import keepalive
+from moelora.client import keepalive
+from moelora.client.errors import InvalidArgument
+from moelora.client.layer_set import parse_layers
 from shared.config import ServerSettings
-from shared.errors import InvalidArgument
-from shared.layer_set import parse_layers
 
 
 class ExecutorSettings(ServerSettings):
     """Embedded defaults: 127.0.0.1, the GPU if there is one (else the CPU with the
     torch reference), adapters from the registry on 127.0.0.1:50051."""
 
+    model_config = SettingsConfigDict(env_prefix="MOELORA_EXECUTOR_")
     prog_name: ClassVar[str] = "moelora-executor"
 
     listen: str = Field("127.0.0.1:50052", description="host:port the gRPC server listens on")
@@ -65,6 +67,21 @@ class ExecutorSettings(ServerSettings):
     )
     registry_timeout_seconds: float = Field(
         30.0, gt=0, description="deadline of each registry call (downloads excepted)"
+    )
+    registry_staleness_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="how long what a reference (an alias, a bare name, name:VERSION) resolved "
+        "to is trusted without the registry's change stream vouching for it; older answers "
+        "are asked again before use while the registry answers, and served as they are while "
+        "it does not",
+    )
+    registry_resolve_timeout_seconds: float = Field(
+        2.0,
+        gt=0,
+        description="deadline of a reference resolution a Forward waits on: a registry that "
+        "stopped answering costs one request at most this long, then the outage is known and "
+        "nothing waits on it",
     )
     registry_keepalive_seconds: float = Field(
         keepalive.DEFAULT_KEEPALIVE_SECONDS,

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from executor_service.metrics import ExecutorMetrics
-from shared.errors import ResourceExhausted, Unavailable
-from shared.logs import log_event
+from moelora.client.errors import ResourceExhausted, Unavailable
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

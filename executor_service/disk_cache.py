@@ -15,6 +15,11 @@ With the entry, ``files.json`` keeps what the registry listed of its files (sha2
 digests) when the version had pieces: a restarted executor then checks the files piece by
 piece on ``check_threads`` threads, bound to the digest through the listed sha256s, instead of
 hashing each file whole on one core (1.26 GB: about a second at 1.3 GB/s).
+
+``references.json`` beside the entries keeps what moving references (a bare name, an alias)
+last resolved to, for the versions held, so that an executor restarted while the registry is
+down still serves ``name@prod`` from the entry it pointed at; ``name:VERSION`` and
+``name@sha256:...`` resolve from the entries themselves.
 """
 
 from __future__ import annotations
@@ -33,10 +38,10 @@ from typing import Any
 
 from executor_service.listing import RemoteFile, pieces_match
 from executor_service.sources import ResolvedAdapter
-from shared.adapter_files import ADAPTER_FILES, files_digest
-from shared.errors import DataLoss
-from shared.logs import log_event
-from shared.part_digests import Pieces
+from moelora.client.adapter_files import ADAPTER_FILES, files_digest
+from moelora.client.errors import DataLoss
+from moelora.client.logs import log_event
+from moelora.client.part_digests import Pieces
 from shared.refs import validate_digest
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,7 @@ log = logging.getLogger(__name__)
 _PARTIAL_PREFIX = ".partial-"
 _VERSION_FILE = "version.json"
 _LISTING_FILE = "files.json"
+_REFERENCES_FILE = "references.json"
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,14 @@ class DiskCache:
         self._verified: dict[str, tuple[tuple[int, int], ...]] = {}
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
+        # References to versions no longer held are dropped at the next write.
+        self._references = {
+            ref: digest
+            for ref, digest in _read_references(self.root / _REFERENCES_FILE).items()
+            if digest in self._entries
+        }
+        self._saved_references = dict(self._references)
+        self._save_lock = threading.Lock()
 
     @property
     def used_bytes(self) -> int:
@@ -78,6 +92,50 @@ class DiskCache:
         """Cached versions, least recently used first."""
         with self._lock:
             return list(self._entries.values())
+
+    def references(self) -> dict[str, ResolvedAdapter]:
+        """What each remembered moving reference resolved to, for the entries still held."""
+        with self._lock:
+            return {
+                ref: self._entries[digest].adapter
+                for ref, digest in self._references.items()
+                if digest in self._entries
+            }
+
+    def remember(self, changes: Mapping[str, str | None]) -> None:
+        """Records moving references -> digest (None: forget the reference). The file keeps
+        those whose version is held (a reference to a version still downloading is written when
+        its entry is committed), so a cache that holds nothing has no file either."""
+        with self._lock:
+            for ref, digest in changes.items():
+                if digest is None:
+                    self._references.pop(ref, None)
+                else:
+                    self._references[ref] = digest
+        self._save_references()
+
+    def _save_references(self) -> None:
+        """Rewrites ``references.json`` whole, renamed into place, when what it should hold
+        changed. Best effort: a failed write loses only what a restart during an outage would
+        serve."""
+        with self._save_lock:
+            with self._lock:
+                held = {r: d for r, d in self._references.items() if d in self._entries}
+            if held == self._saved_references:
+                return
+            path = self.root / _REFERENCES_FILE
+            temporary = path.with_name(f"{_PARTIAL_PREFIX}{uuid.uuid4().hex}.json")
+            try:
+                if held:
+                    temporary.write_text(json.dumps(held, sort_keys=True))
+                    temporary.replace(path)
+                else:
+                    path.unlink(missing_ok=True)
+            except OSError as exc:
+                temporary.unlink(missing_ok=True)
+                log_event(log, "disk_cache_references_not_kept", logging.WARNING, error=str(exc))
+                return
+            self._saved_references = held
 
     def get(self, digest: str) -> Path | None:
         """The folder holding the files of ``digest``, or None when not cached (or the entry
@@ -142,6 +200,7 @@ class DiskCache:
             shutil.rmtree(self._folder(gone), ignore_errors=True)
         if evicted:
             log_event(log, "disk_cache_evicted", digests=evicted)
+        self._save_references()  # references that waited for this entry
         return evicted
 
     def remove(self, digest: str) -> bool:
@@ -199,9 +258,14 @@ class DiskCache:
         leftovers of interrupted writes and entries it cannot read."""
         found: list[tuple[float, DiskEntry]] = []
         for child in self.root.iterdir():
+            if child.name == _REFERENCES_FILE:
+                continue
             entry = None if child.name.startswith(_PARTIAL_PREFIX) else _read_entry(child)
             if entry is None:
-                shutil.rmtree(child, ignore_errors=True)
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
                 continue
             accessed = max((child / name).stat().st_atime for name in ADAPTER_FILES)
             found.append((accessed, entry))
@@ -230,6 +294,17 @@ def _read_entry(folder: Path) -> DiskEntry | None:
     if folder.name != adapter.digest.removeprefix("sha256:"):
         return None
     return DiskEntry(adapter, nbytes)
+
+
+def _read_references(path: Path) -> dict[str, str]:
+    """The kept reference -> digest map; empty when there is none or it does not parse."""
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(loaded, dict):
+        return {}
+    return {str(ref): str(digest) for ref, digest in loaded.items()}
 
 
 def _listed(f: RemoteFile) -> dict[str, object]:

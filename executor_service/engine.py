@@ -30,8 +30,8 @@ from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel
 from executor_service.runner import Launch, Runner
 from kernels import MoELayerWeights, Routing
-from shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from shared.layer_set import format_layers
+from moelora.client.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from moelora.client.layer_set import format_layers
 from shared.refs import AdapterRef
 
 WIRE_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -37,7 +37,7 @@ from executor_service.batch import KernelFn
 from executor_service.staging import Staging
 from kernels import LoRAContext, LoRASlots, MoELayerWeights
 from kernels.host_copy import copy_bytes
-from shared.logs import log_event
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

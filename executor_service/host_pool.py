@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.logs import log_event
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

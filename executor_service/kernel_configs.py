@@ -18,7 +18,7 @@ from kernels import ConfigCache, ConfigSelector, layer_shape
 from kernels.autotune import autotune
 from kernels.config_select import HEURISTIC
 from kernels.configs import device_name
-from shared.logs import log_event
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

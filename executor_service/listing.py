@@ -1,10 +1,10 @@
 """What the registry lists of a version's files, and the check of a file's bytes against it.
 
-A file is known by its size and sha256, and, where the registry recorded them at upload, by
-the sha256 of its fixed-size pieces (``shared.part_digests.Pieces``): those can be checked by
-several threads at once and in any order, which is what lets a download check parts as they
-arrive (``arriving.py``) and the disk cache check an entry after a restart at the speed of the
-cores rather than of one.
+A file is known by its size and sha256, and, where the registry recorded them at upload, by the
+sha256 of its fixed-size pieces (``moelora.client.part_digests.Pieces``): those can be checked by
+several threads at once and in any order, which is what lets a download check parts as they arrive
+(``arriving.py``) and the disk cache check an entry after a restart at the speed of the cores rather
+than of one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.part_digests import Pieces
+from moelora.client.part_digests import Pieces
 
 
 @dataclass(frozen=True)

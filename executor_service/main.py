@@ -23,8 +23,8 @@ from executor_service.runtime import ExecutorRuntime, build_runtime
 from executor_service.serving.engine_host import EngineHost
 from executor_service.serving.frontends import FrontEnds, frontend_count, metrics_registry
 from executor_service.serving.shm import SHM_ROOT
+from moelora.client.logs import configure_logging, log_event
 from shared.config import parse_settings
-from shared.logs import configure_logging, log_event
 from shared.metrics import start_metrics_server
 from shared.startup import (
     StartupError,

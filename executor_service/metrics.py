@@ -225,6 +225,12 @@ class ExecutorMetrics:
             buckets=_STAGE_BUCKETS,
             registry=registry,
         )
+        self.registry_outage_start = Gauge(
+            "moelora_executor_registry_outage_start_timestamp_seconds",
+            "Unix time since when the registry has not answered and adapters are served from "
+            "what this executor had resolved (0 while the registry answers)",
+            registry=registry,
+        )
 
         # Every label value a dashboard or alert reads exists from the start (at 0), so that
         # rates and ratios are defined before the first event rather than absent.
@@ -249,6 +255,10 @@ class ExecutorMetrics:
         self.eager_runs = self.runs.labels("eager")
         self.lora_tokens = self.forward_tokens.labels("lora")
         self.base_tokens = self.forward_tokens.labels("base")
+
+    def set_registry_outage(self, since: float | None) -> None:
+        """Called by ``RegistryOutage`` when an outage starts (its Unix time) and ends (None)."""
+        self.registry_outage_start.set(since or 0)
 
     def set_lora_info(self, running: list[str], max_lora: int) -> None:
         """Replaces the one ``lora_requests_info`` series."""

@@ -1,8 +1,8 @@
 """Where a base checkpoint's MoE layers are loaded into the kernels' layout.
 
-``load_base_model`` checks the folder with ``shared.model_spec.read_checkpoint`` (config.json and
-the safetensors headers: a missing or misshaped tensor fails there, naming the tensor), then
-reads only the MoE layers' router, experts and shared experts through memory-mapped
+``load_base_model`` checks the folder with ``moelora.client.model_spec.read_checkpoint``
+(config.json and the safetensors headers: a missing or misshaped tensor fails there, naming the
+tensor), then reads only the MoE layers' router, experts and shared experts through memory-mapped
 ``safe_open`` and converts them to ``kernels.MoELayerWeights``:
 
 * w13 (E, 2I, H) rows [gate; up], w2 (E, H, I). Per-expert checkpoints are stacked; gpt_oss's
@@ -36,9 +36,15 @@ from kernels.types import (
     SharedExpertWeights,
     validate_layer,
 )
-from shared.errors import InvalidArgument
-from shared.layer_set import format_layers
-from shared.model_spec import Checkpoint, ExpertLayout, LayerTensors, ModelSpec, read_checkpoint
+from moelora.client.errors import InvalidArgument
+from moelora.client.layer_set import format_layers
+from moelora.client.model_spec import (
+    Checkpoint,
+    ExpertLayout,
+    LayerTensors,
+    ModelSpec,
+    read_checkpoint,
+)
 
 
 @dataclass(frozen=True)

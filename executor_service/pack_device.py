@@ -49,7 +49,7 @@ import torch
 from executor_service.bulk_copy import copy_in_pieces
 from executor_service.host_pool import HostPool
 from executor_service.page_cache_dma import WINDOW_BYTES, MappedFile, RegisterError, Window
-from shared.safetensors_header import SafetensorsHeader
+from moelora.client.safetensors_header import SafetensorsHeader
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from executor_service.adapters import PackSettings
 from executor_service.host_pool import HostPool
 from executor_service.packer import pack_adapter
 from executor_service.synthetic import SyntheticAdapter, write_adapter
-from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.adapter_format import AdapterFormat
 
 

@@ -52,19 +52,19 @@ from executor_service.pack_device import (
     pack_device,
 )
 from executor_service.page_cache_dma import MappedFile, open_for_dma
+from moelora.client.errors import InvalidArgument
+from moelora.client.model_spec import ModelSpec
+from moelora.client.safetensors_header import (
+    PREFIX_BYTES,
+    SafetensorsHeader,
+    header_length,
+    parse_bytes,
+)
 from shared.adapter_format import (
     LayerLayout,
     LoRAPair,
     Projection,
     inspect_adapter,
-)
-from shared.errors import InvalidArgument
-from shared.model_spec import ModelSpec
-from shared.safetensors_header import (
-    PREFIX_BYTES,
-    SafetensorsHeader,
-    header_length,
-    parse_bytes,
 )
 
 

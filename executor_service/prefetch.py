@@ -23,9 +23,9 @@ import time
 from executor_service.adapters import AdapterManager
 from executor_service.device_fault import DeviceWatch
 from executor_service.metrics import ExecutorMetrics
+from moelora.client.errors import MoeLoraError
+from moelora.client.logs import log_event
 from moelora.v1 import registry_pb2
-from shared.errors import MoeLoraError
-from shared.logs import log_event
 from shared.refs import AdapterRef
 
 log = logging.getLogger(__name__)

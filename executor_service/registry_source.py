@@ -3,11 +3,11 @@ the registry's change stream so that cached answers stay true.
 
 ``RegistrySource`` is the executor's ``AdapterSource`` when ``--registry-address`` is set.
 
-* References are resolved with GetAdapter and remembered. A version number or digest names an
-  immutable version, so its answer stays valid until the version is deleted. A bare name or an
-  alias may move: its answer is trusted only while ``RegistryWatcher`` is connected, which
-  drops it the moment the registry announces a new version, an alias move or a deletion;
-  without a connected watcher it is asked again on every use.
+* References are resolved with GetAdapter (deadline ``resolve_timeout``) and remembered
+  (``Resolutions``): an answer is trusted while ``RegistryWatcher`` is connected, which drops it
+  the moment the registry announces a new version, an alias move or a deletion, and for
+  ``staleness_seconds`` after the registry last gave it; past that it is asked again before
+  use. A Forward never waits on a registry known to be down.
 * Files are fetched by digest (``name@sha256:...``, so an alias moving mid-download cannot
   change the bytes) as parallel ranged reads (``--download-streams``): over presigned URLs
   when the blob store offers them, the registry's DownloadAdapter stream otherwise. Each file
@@ -15,9 +15,12 @@ the registry's change stream so that cached answers stay true.
   digests, else hashed in order), the packer reads the weights as they arrive, and
   ``finish`` (nothing is published before it) checks every file and keeps them in
   ``DiskCache``.
-* When the registry cannot be reached, what the executor already knows keeps serving: cached
-  resolutions and the disk cache (the host and GPU tiers above them too). Anything new fails
-  UNAVAILABLE with a message that says so. The watcher reconnects by itself with backoff.
+* When the registry cannot be reached, what the executor already knows keeps serving at full
+  speed: remembered resolutions, however stale (kept on disk too, for a restart during the
+  outage), and the disk cache (the host and GPU tiers above them too). ``RegistryOutage`` logs
+  the outage once, and a reference never resolved fails UNAVAILABLE at once, saying when to
+  retry. A call per second looks for the registry in the background (and refreshes what it
+  asked for); the watcher reconnects by itself with backoff and replays what it missed.
 """
 
 from __future__ import annotations
@@ -30,14 +33,22 @@ from collections.abc import Callable
 from http import HTTPStatus
 from http.client import HTTPException
 from pathlib import Path
+from typing import Any
 
 from executor_service.disk_cache import DiskCache
 from executor_service.listing import RemoteFile
 from executor_service.ranged_download import Part, RangedDownload, RangeReader
-from executor_service.sources import AdapterFiles, ResolvedAdapter, check_digest, parse_config
-from moelora.v1 import registry_pb2
-from shared.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
-from shared.errors import (
+from executor_service.registry_outage import RegistryOutage
+from executor_service.resolutions import DEFAULT_STALENESS_SECONDS, Resolutions
+from executor_service.sources import (
+    AdapterFiles,
+    AdapterSource,
+    ResolvedAdapter,
+    check_digest,
+    parse_config,
+)
+from moelora.client.adapter_files import ADAPTER_FILES, CONFIG_FILE, WEIGHTS_FILE, files_digest
+from moelora.client.errors import (
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
@@ -47,10 +58,11 @@ from shared.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from shared.logs import log_event
-from shared.part_digests import Pieces
+from moelora.client.logs import log_event
+from moelora.client.part_digests import Pieces
+from moelora.client.registry import RegistryClient, WatchStream
+from moelora.v1 import registry_pb2
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient, WatchStream
 from shared.url_ranges import HttpStatusError, UrlRangeReader, UrlUnreachable
 
 log = logging.getLogger(__name__)
@@ -67,6 +79,9 @@ _SLOWEST_STREAM_BYTES_PER_SECOND = 1 << 20
 #: names a host executors cannot reach), downloads take the DownloadAdapter stream this long
 #: before URLs are tried again.
 _URLS_RETRY_SECONDS = 300.0
+#: Default deadline of a resolution (GetAdapter) that a request waits on: a registry that
+#: accepts connections but does not answer (stopped, overloaded) costs at most this, once.
+DEFAULT_RESOLVE_TIMEOUT_SECONDS = 2.0
 
 
 class RegistrySource:
@@ -80,20 +95,29 @@ class RegistrySource:
         streams: int,
         nice: int,
         urls: UrlRangeReader | None = None,
+        *,
+        staleness_seconds: float = DEFAULT_STALENESS_SECONDS,
+        resolve_timeout: float = DEFAULT_RESOLVE_TIMEOUT_SECONDS,
+        outage: RegistryOutage | None = None,
     ) -> None:
         """``streams``: parallel ranged reads per download (``client`` should have as many
         connections); ``nice``: how much lower the download threads' CPU priority is;
-        ``urls``: reads presigned URLs (default: plain trust, ``client``'s timeout)."""
+        ``urls``: reads presigned URLs (default: plain trust, ``client``'s timeout);
+        ``staleness_seconds``: how long an answer the watch does not cover is trusted;
+        ``resolve_timeout``: deadline of a GetAdapter a request waits on; ``outage``: where
+        calls report whether the registry answered (the metric and GetExecutorInfo read it)."""
         self.client = client
         self.urls = urls or UrlRangeReader(timeout=client.timeout)
         self.address = address
+        self.outage = outage or RegistryOutage(address)
+        self.resolutions = Resolutions(disk, staleness_seconds)
+        self._resolve_timeout = min(resolve_timeout, client.timeout)
         self._disk = disk
         self._streams = streams
         self._nice = nice
         self._lock = threading.Lock()
-        self._resolved: dict[str, ResolvedAdapter] = {}
-        #: True while the watcher holds a live stream, so moving references are kept current.
-        self._watching = False
+        #: References a background call is asking the registry about.
+        self._probing: set[str] = set()
         #: None until we know whether the blob store presigns URLs.
         self._presign: bool | None = None
         #: Until when (time.monotonic) URLs are not used because they could not be reached.
@@ -103,29 +127,37 @@ class RegistrySource:
 
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
         key = str(ref)
-        with self._lock:
-            cached = self._resolved.get(key)
-            trusted = cached is not None and (ref.is_pinned_version or self._watching)
-        if cached is not None and trusted:
-            return cached
+        found = self.resolutions.lookup(key)
+        known = found.resolution
+        if known is not None and found.fresh:
+            return known.adapter
+        if self.outage.down:
+            # Never wait on a registry known to be gone: serve what is known, and let one call
+            # a second look for the registry in the background.
+            if self.outage.may_probe():
+                self._ask_in_background(key)
+            if known is not None:
+                return known.adapter
+            raise self._never_resolved(key, "it has not answered since")
         try:
-            version = self.client.get(key)
+            return self._ask(key, found.generation)
+        except _UNREACHABLE as exc:
+            if known is not None:
+                return known.adapter
+            raise self._never_resolved(key, exc.message) from None
+
+    def _ask(self, key: str, generation: tuple[int, int]) -> ResolvedAdapter:
+        """The registry's answer for ``key``, remembered; reports to ``outage``."""
+        try:
+            version = self.client.get(key, timeout=self._resolve_timeout)
         except NotFound:
-            with self._lock:
-                self._resolved.pop(key, None)
+            self.outage.answered()
+            self.resolutions.drop(key)
             raise
         except _UNREACHABLE as exc:
-            if cached is not None:
-                log_event(
-                    log, "registry_unreachable_serving_cached", logging.WARNING,
-                    ref=key, adapter=cached.label, error=exc.message,
-                )  # fmt: skip
-                return cached
-            raise Unavailable(
-                f"adapter {key}: the registry at {self.address} cannot be reached "
-                f"({exc.message}) and this executor has not resolved it before; retry once "
-                "the registry is back"
-            ) from None
+            self.outage.failed(f"GetAdapter {key}: {exc.message}")
+            raise
+        self.outage.answered()
         adapter = ResolvedAdapter(
             name=version.name,
             version=version.version,
@@ -133,9 +165,43 @@ class RegistrySource:
             base_model_fingerprint=version.base_model_fingerprint or None,
             rank=version.rank or None,
         )
-        with self._lock:
-            self._resolved[key] = adapter
+        self.resolutions.store(key, adapter, generation)
         return adapter
+
+    def _ask_in_background(self, key: str) -> None:
+        with self._lock:
+            if key in self._probing:
+                return
+            self._probing.add(key)
+
+        def ask() -> None:
+            try:
+                self._ask(key, self.resolutions.lookup(key).generation)
+            except MoeLoraError:
+                pass  # reported to the outage tracker; the next use tries again
+            finally:
+                with self._lock:
+                    self._probing.discard(key)
+
+        threading.Thread(target=ask, name="registry-probe", daemon=True).start()
+
+    def status(self) -> dict[str, Any]:
+        """What GetExecutorInfo says of the registry, as the engine sends it to its front ends
+        (``registry_status_message`` makes the message of it)."""
+        return {
+            "address": self.address,
+            "reachable": not self.outage.down,
+            "unreachable_since": self.outage.since,
+            "watching": self.resolutions.is_watching,
+            "staleness_seconds": self.resolutions.staleness_seconds,
+        }
+
+    def _never_resolved(self, key: str, why: str) -> Unavailable:
+        return Unavailable(
+            f"adapter {key}: the registry at {self.address} cannot be reached ({why}) and this "
+            f"executor has not resolved {key} before; retry in {self.outage.probe_seconds:g} s "
+            "or more (adapters it resolved before keep serving)"
+        )
 
     def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles:
         folder = self._disk.get(adapter.digest)
@@ -232,25 +298,15 @@ class RegistrySource:
 
     # -- the watcher's side --------------------------------------------------------------
 
-    def set_watching(self, watching: bool) -> None:
-        """Called by the watcher. A fresh stream that does not resume the last one may have
-        missed moves: forget every moving reference then."""
-        with self._lock:
-            self._watching = watching
-
-    def forget_moving_references(self) -> None:
-        with self._lock:
-            for key in [k for k in self._resolved if not AdapterRef.parse(k).is_pinned_version]:
-                del self._resolved[key]
+    def watching(self, connected: bool, *, resumed: bool = True) -> None:
+        """Called by the watcher when its stream connects (``resumed``: it carries on from
+        the last event seen, so no move was missed) or ends."""
+        self.resolutions.watching(connected, resumed=resumed)
 
     def apply(self, event: registry_pb2.WatchAdaptersResponse) -> None:
         """Drops the resolutions an event makes stale; a deleted version also leaves the
         disk cache."""
-        with self._lock:
-            for key, cached in list(self._resolved.items()):
-                ref = AdapterRef.parse(key)
-                if ref.name == event.name and _made_stale(ref, cached, event):
-                    del self._resolved[key]
+        self.resolutions.changed(event.name, lambda ref, cached: _made_stale(ref, cached, event))
         if event.type == EventType.ADAPTER_EVENT_TYPE_DELETED:
             self._disk.remove(event.digest)
 
@@ -323,10 +379,16 @@ class RegistrySource:
         return read
 
     def _unreachable(self, adapter: ResolvedAdapter, exc: MoeLoraError) -> Unavailable:
+        self.outage.failed(f"download of {adapter.label}: {exc.message}")
         return Unavailable(
             f"adapter {adapter.label}: the registry at {self.address} cannot be reached "
             f"({exc.message}) and the adapter is in none of this executor's caches"
         )
+
+
+def registry_status(source: AdapterSource | None) -> dict[str, Any] | None:
+    """GetExecutorInfo's registry detail; None when adapters do not come from a registry."""
+    return source.status() if isinstance(source, RegistrySource) else None
 
 
 def _remote(version: registry_pb2.AdapterVersion) -> list[RemoteFile]:
@@ -424,9 +486,9 @@ class RegistryWatcher:
                     if self._stop.is_set():
                         return
                     if not resumed:
-                        self._source.forget_moving_references()
                         self._last_sequence = stream.start_sequence
-                    self._source.set_watching(True)
+                    self._source.outage.answered()
+                    self._source.watching(True, resumed=resumed)
                     self.connected.set()
                     log_event(log, "registry_watch_connected", after=self._last_sequence)
                     delay = self._backoff[0]
@@ -440,13 +502,24 @@ class RegistryWatcher:
             except OutOfRange:
                 log_event(log, "registry_watch_history_lost", logging.WARNING)
                 self._last_sequence = 0
+            except _UNREACHABLE as exc:
+                # The outage is logged once, there; each reconnect attempt only at debug.
+                self._source.outage.failed(f"WatchAdapters: {exc.message}")
+                log_event(
+                    log, "registry_watch_failed", logging.DEBUG,
+                    error=exc.message, retry_seconds=round(delay, 2),
+                )  # fmt: skip
             except MoeLoraError as exc:
+                # Refused (say RESOURCE_EXHAUSTED: no watch capacity left): answers are
+                # asked again once stale instead of being trusted.
                 log_event(
                     log, "registry_watch_failed", logging.WARNING,
                     error=exc.message, retry_seconds=round(delay, 2),
+                    hint="without the watch, resolutions are re-checked every "
+                    f"{self._source.resolutions.staleness_seconds:g} s",
                 )  # fmt: skip
             finally:
-                self._source.set_watching(False)
+                self._source.watching(False)
                 self.connected.clear()
                 with self._stream_lock:
                     self._stream = None

@@ -26,6 +26,7 @@ from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.pack_warmup import warm_up_packing
 from executor_service.prefetch import Prefetcher
+from executor_service.registry_outage import RegistryOutage
 from executor_service.registry_source import RegistrySource, RegistryWatcher
 from executor_service.runner import Runner
 from executor_service.scheduler import Scheduler, SchedulerSettings
@@ -34,11 +35,11 @@ from executor_service.slots import LRUPolicy, SlotManager
 from executor_service.sources import AdapterSource, LocalFolderSource
 from executor_service.staging import Staging
 from kernels.forward import Backend
-from shared.errors import InvalidArgument, MoeLoraError
-from shared.layer_set import format_layers
-from shared.logs import log_event
+from moelora.client.errors import InvalidArgument, MoeLoraError
+from moelora.client.layer_set import format_layers
+from moelora.client.logs import log_event
+from moelora.client.registry import RegistryClient
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient
 from shared.url_ranges import UrlRangeReader, tls_context
 
 log = logging.getLogger(__name__)
@@ -135,9 +136,12 @@ def download_streams(settings: ExecutorSettings) -> int:
     return settings.download_streams or auto
 
 
-def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
+def adapter_source(
+    settings: ExecutorSettings, metrics: ExecutorMetrics | None = None
+) -> AdapterSource | None:
     """The local adapter folder when ``--adapter-dir`` is set, else the registry when
-    ``--registry-address`` is, else none (base model only)."""
+    ``--registry-address`` is (reporting outages to ``metrics``), else none (base model
+    only)."""
     if settings.adapter_dir is not None:
         return LocalFolderSource(settings.adapter_dir.expanduser())
     if settings.registry_address:
@@ -160,8 +164,20 @@ def adapter_source(settings: ExecutorSettings) -> AdapterSource | None:
         urls = UrlRangeReader(
             timeout=settings.registry_timeout_seconds, ssl_context=tls_context(root_certificates)
         )
+        outage = RegistryOutage(
+            settings.registry_address,
+            on_change=metrics.set_registry_outage if metrics is not None else None,
+        )
         return RegistrySource(
-            client, settings.registry_address, disk, streams, settings.load_nice, urls
+            client,
+            settings.registry_address,
+            disk,
+            streams,
+            settings.load_nice,
+            urls,
+            staleness_seconds=settings.registry_staleness_seconds,
+            resolve_timeout=settings.registry_resolve_timeout_seconds,
+            outage=outage,
         )
     return None
 
@@ -247,7 +263,7 @@ def build_runtime(
         seconds = warm_up_packing(pack, host.memory)
         log_event(log, "packing_warmed_up", seconds=round(seconds, 4))
     manager = AdapterManager(
-        source=source if source is not None else adapter_source(settings),
+        source=source if source is not None else adapter_source(settings, metrics),
         pack=pack,
         host=host,
         slots=SlotManager(buffers, LRUPolicy()),

@@ -31,7 +31,7 @@ from executor_service.batch import Prepared, batch_key
 from executor_service.device_fault import DeviceFaultError, DeviceWatch
 from executor_service.engine import ForwardOutput
 from executor_service.metrics import ExecutorMetrics
-from shared.errors import Overloaded
+from moelora.client.errors import Overloaded
 
 RunBatch = Callable[[Sequence[Prepared]], list[ForwardOutput]]
 Fits = Callable[[Iterable[str]], bool]

@@ -27,17 +27,17 @@ from executor_service.config import ExecutorSettings
 from executor_service.serving.arena import Arena, ArenaFull, Region
 from executor_service.serving.engine_link import EngineLink, raise_for
 from executor_service.serving.wire import ForwardDescriptor, TensorRef
-from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
-from shared import codec
-from shared.errors import (
+from moelora.client import tensors as codec
+from moelora.client.errors import (
     FailedPrecondition,
     InvalidArgument,
     MoeLoraError,
     Overloaded,
     ResourceExhausted,
 )
+from moelora.client.model_spec import ModelSpec
+from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 from shared.grpc_server import internal_error_message
-from shared.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,21 @@ _LOCATIONS = {
 
 #: How long a request waits for room in the front end's arena before RESOURCE_EXHAUSTED.
 _ARENA_WAIT_SECONDS = 5.0
+
+
+def registry_status_message(status: dict[str, Any] | None) -> executor_pb2.RegistryStatus | None:
+    """The engine's registry detail (``registry_source.registry_status``) as the message."""
+    if status is None:
+        return None
+    message = executor_pb2.RegistryStatus(
+        address=status["address"],
+        reachable=status["reachable"],
+        watching=status["watching"],
+        staleness_seconds=status["staleness_seconds"],
+    )
+    if status["unreachable_since"] is not None:
+        message.unreachable_since.FromNanoseconds(round(status["unreachable_since"] * 1e9))
+    return message
 
 
 def loaded_adapter(status: dict[str, Any]) -> executor_pb2.LoadedAdapter:
@@ -293,6 +308,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             server_version=info["server_version"],
             served_layers=info["served_layers"],
             replica_name=info["replica_name"],
+            registry=registry_status_message(info["registry"]),
             kernel_configs=[
                 executor_pb2.KernelConfigInfo(
                     rank=c["rank"], source=c["source"], shape=c["shape"],

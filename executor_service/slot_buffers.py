@@ -27,7 +27,7 @@ import torch
 from executor_service.bulk_copy import copy_in_pieces
 from executor_service.packer import PackedAdapter, PackedLayer
 from kernels import LoRASlots, MoELayerWeights
-from shared.logs import log_event
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Protocol
 from executor_service.packer import PackedAdapter
 from executor_service.slot_buffers import DeviceEvent, SlotBuffers
 from executor_service.sources import ResolvedAdapter
-from shared.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
+from moelora.client.errors import DeadlineExceeded, FailedPrecondition, NotFound, ResourceExhausted
 
 
 class SlotsBusy(ResourceExhausted):

@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from executor_service.packer import Arriving
-from shared.adapter_files import (
+from moelora.client.adapter_files import (
     ADAPTER_FILES,
     CONFIG_FILE,
     WEIGHTS_FILE,
     digest_of_files,
     files_digest,
 )
-from shared.errors import DataLoss, FailedPrecondition, NotFound
+from moelora.client.errors import DataLoss, FailedPrecondition, NotFound
 from shared.refs import AdapterRef
 
 

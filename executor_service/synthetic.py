@@ -24,14 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from shared.adapter_format import (
-    CONFIG_FILE,
-    KEY_PREFIX,
-    WEIGHTS_FILE,
-    AdapterFormat,
-    read_lora_settings,
-)
-from shared.model_spec import (
+from moelora.client.model_spec import (
     INDEX_FILE,
     SINGLE_FILE,
     ExpertLayout,
@@ -41,7 +34,14 @@ from shared.model_spec import (
     read_model_spec,
     spec_from_config,
 )
-from shared.model_types import MODEL_TYPES, ModelType, MoELayerRule
+from moelora.client.model_types import MODEL_TYPES, ModelType, MoELayerRule
+from shared.adapter_format import (
+    CONFIG_FILE,
+    KEY_PREFIX,
+    WEIGHTS_FILE,
+    AdapterFormat,
+    read_lora_settings,
+)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

@@ -7,6 +7,7 @@ import logging
 import ssl
 from dataclasses import dataclass
 
+from moelora.client.logs import log_event
 from registry_service.blob_http import BlobHttpServer, HttpLimits
 from registry_service.blobs import BlobStore, open_blob_store
 from registry_service.blobs.local import LocalBlobStore
@@ -19,7 +20,6 @@ from registry_service.gc import GarbageCollector, PeriodicGc
 from registry_service.service import Registry, RegistryLimits
 from registry_service.store import Store
 from registry_service.url_signing import UrlSigner
-from shared.logs import log_event
 from shared.tokens import TokenChecker, open_token_checker
 
 log = logging.getLogger(__name__)

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import select, update
 
+from moelora.client.errors import DataLoss
+from moelora.client.logs import log_event
+from moelora.client.part_digests import PartHasher
+from moelora.client.read_ahead import ReadAhead
 from registry_service.blobs import BlobStore
 from registry_service.db.engine import Database
 from registry_service.db.models import AdapterRow, FileRow, VersionRow
 from registry_service.domain import VersionStatus
-from shared.errors import DataLoss
-from shared.logs import log_event
-from shared.part_digests import PartHasher
-from shared.read_ahead import ReadAhead
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from moelora.client.model_spec import ModelSpec, spec_from_config
+from moelora.client.registry import RegistryClient
 from shared.bench_servers import moto_server, registry_server, write_adapter
-from shared.model_spec import ModelSpec, spec_from_config
-from shared.registry_client import RegistryClient
 
 BASE_NAME = "qwen3-30b-a3b-shape"
 CONFIG = {

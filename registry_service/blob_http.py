@@ -34,10 +34,10 @@ from urllib.parse import urlsplit
 import h11
 from prometheus_client import Counter, Gauge
 
+from moelora.client.logs import internal_error_message, log_event
 from registry_service.blob_reads import BlobRead, BlobReads, HttpRefusal, UrlMaker
 from registry_service.blobs.local import LocalBlobStore
 from registry_service.url_signing import UrlSigner
-from shared.logs import internal_error_message, log_event
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from shared.errors import quoted
+from moelora.client.errors import quoted
 
 # ASCII digits only (str.isdigit and \d take "²" and "٣"), at most 19 (int64).
 _ONE_RANGE = re.compile(r"([0-9]{0,19})-([0-9]{0,19})")

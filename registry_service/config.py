@@ -1,4 +1,4 @@
-"""Registry settings: each field is a flag and a MOELORA_* environment variable."""
+"""Registry settings: each field is a flag and a MOELORA_REGISTRY_* environment variable."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
+from moelora.client.part_digests import MIB
 from shared.config import ServerSettings
-from shared.part_digests import MIB
 
 DEFAULT_DATA_DIR = Path("~/.moelora/registry")
 
@@ -17,6 +18,7 @@ class RegistrySettings(ServerSettings):
     """The embedded defaults run a complete registry on one machine: SQLite and a
     local blob directory under ``data_dir``, on 127.0.0.1, without auth."""
 
+    model_config = SettingsConfigDict(env_prefix="MOELORA_REGISTRY_")
     prog_name: ClassVar[str] = "moelora-registry"
 
     listen: str = Field("127.0.0.1:50051", description="host:port the gRPC server listens on")

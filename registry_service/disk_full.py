@@ -16,8 +16,8 @@ import logging
 import os
 from pathlib import Path
 
-from shared.errors import ResourceExhausted
-from shared.logs import log_event
+from moelora.client.errors import ResourceExhausted
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ class EventType(enum.StrEnum):
 @dataclass(frozen=True)
 class FileInfo:
     """A stored file. ``part_sha256``: the sha256 of each ``part_size_bytes`` piece, in order
-    (see shared/part_digests.py); 0 and () for versions uploaded before pieces were recorded."""
+    (see moelora/client/part_digests.py); 0 and () for versions uploaded before pieces were
+    recorded."""
 
     path: str
     size_bytes: int

@@ -1,12 +1,12 @@
 """Where a version's bytes leave the registry (DownloadAdapter).
 
-Each file is read by a thread of its own a few chunks ahead of the sender and hashed as it is
-read (``shared.read_ahead``), so that reading and hashing the next chunk overlap sending this
-one (the gRPC thread waits for each message to go out). The stored bytes are read once: a file
-whose bytes do not match its sha256 fails the stream with DATA_LOSS after its last chunk. The
-client checks every file's sha256 as well, so a corrupt byte is never used either way. A byte
-range of one file (a part of a parallel ranged download) is sent unhashed: part of a file cannot
-be checked against the file's sha256; the client checks the whole file once every part arrived.
+Each file is read by a thread of its own a few chunks ahead of the sender and hashed as it is read
+(``moelora.client.read_ahead``), so that reading and hashing the next chunk overlap sending this one
+(the gRPC thread waits for each message to go out). The stored bytes are read once: a file whose
+bytes do not match its sha256 fails the stream with DATA_LOSS after its last chunk. The client
+checks every file's sha256 as well, so a corrupt byte is never used either way. A byte range of one
+file (a part of a parallel ranged download) is sent unhashed: part of a file cannot be checked
+against the file's sha256; the client checks the whole file once every part arrived.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 
+from moelora.client.errors import DataLoss, InvalidArgument
+from moelora.client.read_ahead import ReadAhead
 from registry_service import metrics
 from registry_service.blobs import BlobStore
 from registry_service.domain import ByteRange, Chunk, StoredFile, VersionInfo
-from shared.errors import DataLoss, InvalidArgument
-from shared.read_ahead import ReadAhead
 
 
 def check_range(byte_range: ByteRange, files: Sequence[StoredFile]) -> ByteRange:

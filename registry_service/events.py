@@ -15,8 +15,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from moelora.client.logs import log_event
 from registry_service.domain import Event
-from shared.logs import log_event
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from moelora.client.logs import log_event
 from registry_service.blobs.base import BlobStat, BlobStore
 from registry_service.db.engine import Database
 from registry_service.db.models import (
@@ -44,7 +45,6 @@ from registry_service.db.models import (
 )
 from registry_service.domain import GcReport, VersionStatus
 from registry_service.store import utcnow
-from shared.logs import log_event
 
 log = logging.getLogger(__name__)
 

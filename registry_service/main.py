@@ -1,14 +1,6 @@
-"""``moelora-registry [serve|migrate|gc|backfill-parts|hash-token]``: the registry server
-and its operator commands. Settings are flags with MOELORA_* twins (``--help``).
-
-serve (default)   run the gRPC server
-migrate           bring the database schema up to date; idempotent, exits 0
-gc                remove unreferenced blobs and dead versions, without a server
-                  (--grace-seconds N, --dry-run)
-backfill-parts    record per-piece sha256s (--part-size-bytes) for versions uploaded
-                  before the registry did; exits 1 if a blob failed its sha256
-hash-token N R    make a random token for name N with role R (read, write, admin)
-                  and print it with its token-file entry (--fleet: the executors' token)
+"""``moelora-registry [COMMAND] [OPTIONS]``: the registry server and its operator commands.
+Settings are flags with MOELORA_REGISTRY_* twins; ``moelora-registry COMMAND --help`` lists
+them.
 """
 
 from __future__ import annotations
@@ -21,6 +13,7 @@ from collections.abc import Sequence
 from prometheus_client import REGISTRY
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
+from moelora.client.logs import configure_logging
 from registry_service.app import open_database, open_registry
 from registry_service.backfill import backfill_parts
 from registry_service.config import RegistrySettings
@@ -28,12 +21,42 @@ from registry_service.db import migrate
 from registry_service.metrics import InventoryCollector
 from registry_service.server import create_server
 from shared.config import parse_settings
-from shared.logs import configure_logging
 from shared.metrics import start_metrics_server
 from shared.startup import StartupError, check_listen, exit_on_startup_error, setting_name
 from shared.tokens import Role, new_token_entry
 
-COMMANDS = ("serve", "migrate", "gc", "backfill-parts", "hash-token")
+#: Each command and what it does (its --help says it too).
+COMMANDS = {
+    "serve": "run the gRPC server (the default command)",
+    "migrate": "bring the database schema up to date; idempotent, exits 0",
+    "gc": "remove unreferenced blobs and dead versions without a server (--grace-seconds N, "
+    "--dry-run)",
+    "backfill-parts": "record per-piece sha256s (--part-size-bytes) for versions uploaded "
+    "before the registry did; exits 1 if a blob failed its sha256",
+    "hash-token": "make a random token for a name and role (read, write, admin) and print it "
+    "with its token-file entry",
+}
+_GC_OPTIONS = """gc's own options:
+  --grace-seconds N   spare unreferenced blobs younger than N seconds (default: the
+                      gc_grace_seconds setting)
+  --dry-run           say what would go, remove nothing"""
+
+
+def usage() -> str:
+    """``moelora-registry --help``: the commands, each with its own --help."""
+    width = max(map(len, COMMANDS))
+    lines = [
+        "usage: moelora-registry [COMMAND] [OPTIONS]",
+        "",
+        "The moe-lora-serve adapter registry.",
+        "",
+        "commands:",
+        *(f"  {name:{width}}  {text}" for name, text in COMMANDS.items()),
+        "",
+        "Without a command, serve. Options are the registry's settings (flags with "
+        "MOELORA_REGISTRY_* environment twins): moelora-registry COMMAND --help lists them.",
+    ]
+    return "\n".join(lines)
 
 
 def serve(settings: RegistrySettings) -> None:
@@ -113,6 +136,9 @@ def hash_token(args: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(usage())
+        return
     command = args.pop(0) if args and args[0] in COMMANDS else "serve"
     if command == "hash-token":
         hash_token(args)
@@ -125,7 +151,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         gc_parser.add_argument("--dry-run", action="store_true")
         gc_args, args = gc_parser.parse_known_args(args)
         grace, dry_run = gc_args.grace_seconds, gc_args.dry_run
-    settings = parse_settings(RegistrySettings, args)
+    description = COMMANDS[command] + (f"\n\n{_GC_OPTIONS}" if command == "gc" else "")
+    settings = parse_settings(
+        RegistrySettings, args, prog=f"moelora-registry {command}", description=description
+    )
     configure_logging(settings.log_level, settings.log_format)
     with exit_on_startup_error(f"moelora-registry {command}", SQLAlchemyError):
         try:

@@ -13,7 +13,7 @@ from prometheus_client import Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.logs import log_event
+from moelora.client.logs import log_event
 
 if TYPE_CHECKING:  # the store's engine counts database errors here: no import at run time
     from registry_service.store import Inventory

@@ -10,6 +10,9 @@ from typing import Any
 
 import grpc
 
+from moelora.client.errors import InvalidArgument, Unavailable
+from moelora.client.model_spec import ModelSpec
+from moelora.client.rpc_metadata import WATCH_START_METADATA
 from moelora.v1 import registry_pb2, registry_pb2_grpc
 from registry_service import messages, metrics
 from registry_service.app import RegistryApp
@@ -19,10 +22,7 @@ from registry_service.domain import Chunk, UploadTrailer
 from registry_service.service import Registry
 from registry_service.watch_quota import WatchQuota
 from shared.call_limits import Lane
-from shared.errors import InvalidArgument, Unavailable
 from shared.grpc_server import GrpcServer
-from shared.model_spec import ModelSpec
-from shared.rpc_metadata import WATCH_START_METADATA
 from shared.tokens import MethodAuthorizer, Principal, TokenChecker
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name

@@ -13,6 +13,10 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TypeVar
 
+from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE, files_digest
+from moelora.client.errors import DataLoss, InvalidArgument, MoeLoraError, OutOfRange
+from moelora.client.logs import log_event
+from moelora.client.model_spec import ModelSpec
 from registry_service import metrics
 from registry_service.blobs import BlobStore, blob_key
 from registry_service.disk_full import SpaceReserve, is_disk_full, storage_full
@@ -38,10 +42,6 @@ from registry_service.paging import PageTokens, page_size
 from registry_service.store import BaseModelRecord, BlobsMissing, Store
 from registry_service.upload import SpooledFile, UploadSpool, check_header, check_labels
 from registry_service.validation import HEAD_BYTES, check_stream_start, validate_adapter
-from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE, files_digest
-from shared.errors import DataLoss, InvalidArgument, MoeLoraError, OutOfRange
-from shared.logs import log_event
-from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef, validate_alias, validate_name
 
 log = logging.getLogger(__name__)

@@ -18,6 +18,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, aliased
 
+from moelora.client.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from moelora.client.model_spec import ModelSpec, spec_from_config
 from registry_service.db.engine import Database
 from registry_service.db.models import (
     AdapterRow,
@@ -43,8 +45,6 @@ from registry_service.domain import (
     VersionInfo,
     VersionStatus,
 )
-from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from shared.model_spec import ModelSpec, spec_from_config
 from shared.refs import AdapterRef
 
 VISIBLE = (VersionStatus.READY, VersionStatus.DELETED)

@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from moelora.client.adapter_files import ADAPTER_FILES
+from moelora.client.background_writer import BackgroundWriter
+from moelora.client.errors import InvalidArgument, ResourceExhausted
 from registry_service.domain import Chunk, DeclaredFile, FileInfo, UploadHeader, UploadTrailer
-from shared.adapter_files import ADAPTER_FILES
-from shared.background_writer import BackgroundWriter
-from shared.errors import InvalidArgument, ResourceExhausted
 from shared.refs import validate_alias, validate_name
 
 MAX_CHUNK_BYTES = 4 * 1024 * 1024

@@ -10,23 +10,23 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
+from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from moelora.client.errors import InvalidArgument
+from moelora.client.model_spec import ModelSpec
+from moelora.client.safetensors_header import (
+    DEFAULT_MAX_HEADER_BYTES,
+    PREFIX_BYTES,
+    header_length,
+    parse_header,
+    read_header,
+)
 from registry_service.domain import AdapterSummary
-from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.adapter_format import (
     AdapterFormat,
     check_finite,
     check_scaled,
     inspect_adapter,
     parse_adapter_config,
-)
-from shared.errors import InvalidArgument
-from shared.model_spec import ModelSpec
-from shared.safetensors_header import (
-    DEFAULT_MAX_HEADER_BYTES,
-    PREFIX_BYTES,
-    header_length,
-    parse_header,
-    read_header,
 )
 
 #: How much of a file's start the early check may need: the length prefix and

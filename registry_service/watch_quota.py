@@ -12,7 +12,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
-from shared.errors import Overloaded
+from moelora.client.errors import Overloaded
 from shared.tokens import Principal
 
 #: The retry hint of a refused watch: executors reconnect with backoff anyway.

@@ -41,10 +41,10 @@ from typing import Any, Protocol
 import numpy as np
 import re2
 
-from shared.errors import InvalidArgument
-from shared.json_fields import JsonFields, parse_json_object
-from shared.model_spec import ModelSpec
-from shared.safetensors_header import SafetensorsHeader
+from moelora.client.errors import InvalidArgument
+from moelora.client.json_fields import JsonFields, parse_json_object
+from moelora.client.model_spec import ModelSpec
+from moelora.client.safetensors_header import SafetensorsHeader
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

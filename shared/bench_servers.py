@@ -20,9 +20,9 @@ import boto3
 import grpc
 import numpy as np
 
-from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
-from shared.grpc_server import wait_until_serving
-from shared.model_spec import ModelSpec
+from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from moelora.client.health import wait_until_serving
+from moelora.client.model_spec import ModelSpec
 
 _CHUNK_ELEMENTS = 1 << 24
 

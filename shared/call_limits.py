@@ -46,8 +46,8 @@ from google.protobuf.message import DecodeError
 from grpc._cython import cygrpc
 from prometheus_client import Counter
 
-from shared.errors import RETRY_AFTER_METADATA, InvalidArgument, MoeLoraError
-from shared.logs import internal_error_message, log_event
+from moelora.client.errors import RETRY_AFTER_METADATA, InvalidArgument, MoeLoraError
+from moelora.client.logs import internal_error_message, log_event
 from shared.rpc_metrics import split_method
 
 log = logging.getLogger(__name__)

@@ -1,33 +1,51 @@
 """Settings with command-line flags and ``MOELORA_*`` environment twins.
 
 Each service declares a ``ServiceSettings`` subclass; every field becomes a flag
-(``num_slots`` -> ``--num-slots``) and an environment variable (``MOELORA_NUM_SLOTS``).
-Precedence: flag, then environment, then the embedded default.
+(``num_slots`` -> ``--num-slots``) and an environment variable with the service's prefix
+(``MOELORA_EXECUTOR_NUM_SLOTS``). Precedence: flag, then environment, then the embedded
+default. The names without a service prefix (``MOELORA_NUM_SLOTS``) still work, below the new
+ones, with a deprecation warning.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict, SettingsError
+from pydantic_settings import (
+    BaseSettings,
+    CliApp,
+    CliSettingsSource,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from shared.call_limits import CallLimits
 from shared.grpc_server import ServerOptions
 
-ENV_PREFIX = "MOELORA_"
+#: What every setting's environment variable was named before each service had a prefix of
+#: its own; still read, with a deprecation warning, below the new names.
+LEGACY_ENV_PREFIX = "MOELORA_"
 
 S = TypeVar("S", bound="ServiceSettings")
+_ENV_NOTE = re.compile(r" \[env: [A-Z0-9_]+\]$")
 
 
 class ServiceSettings(BaseSettings):
-    """Base of each service's settings."""
+    """Base of each service's settings. A service sets ``env_prefix`` in its model_config
+    (``MOELORA_REGISTRY_``, ``MOELORA_EXECUTOR_``), so that one environment can configure
+    both processes (and adapterctl) without a variable meaning two things."""
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX,
+        env_prefix=LEGACY_ENV_PREFIX,
         cli_kebab_case=True,
         cli_implicit_flags=True,
         extra="ignore",
@@ -40,18 +58,55 @@ class ServiceSettings(BaseSettings):
         super().__pydantic_init_subclass__(**kwargs)
         # Say each flag's environment twin in --help, so operators see both names.
         changed = False
-        for name, field in cls.model_fields.items():
-            env = f"{ENV_PREFIX}{name.upper()}"
-            if field.description and env not in field.description:
-                field.description = f"{field.description} [env: {env}]"
+        for name, env in cls.env_names().items():
+            field = cls.model_fields[name]
+            if field.description and not field.description.endswith(f"[env: {env}]"):
+                field.description = f"{_ENV_NOTE.sub('', field.description)} [env: {env}]"
                 changed = True
         if changed:
             cls.model_rebuild(force=True)
 
     @classmethod
+    def env_prefix(cls) -> str:
+        return str(cls.model_config.get("env_prefix", LEGACY_ENV_PREFIX))
+
+    @classmethod
     def env_names(cls) -> dict[str, str]:
         """Field name -> environment variable, for docs and the Helm chart."""
-        return {name: f"{ENV_PREFIX}{name.upper()}" for name in cls.model_fields}
+        return {name: f"{cls.env_prefix()}{name.upper()}" for name in cls.model_fields}
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        legacy = _LegacyEnvSource(settings_cls)
+        return init_settings, env_settings, legacy, dotenv_settings, file_secret_settings
+
+
+class _LegacyEnvSource(EnvSettingsSource):
+    """``MOELORA_<SETTING>``, the names from before the per-service prefixes: read below the
+    new names, each with a deprecation warning on stderr (logging is not set up yet)."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls, env_prefix=LEGACY_ENV_PREFIX)
+        self._settings_cls = settings_cls
+
+    def __call__(self) -> dict[str, Any]:
+        found = super().__call__()
+        cls = self._settings_cls
+        assert issubclass(cls, ServiceSettings)
+        if cls.env_prefix() == LEGACY_ENV_PREFIX:
+            return found
+        for name in found:
+            old, new = f"{LEGACY_ENV_PREFIX}{name.upper()}", cls.env_names()[name]
+            effect = f"ignored, {new} is set" if new in os.environ else f"rename it {new}"
+            print(f"{cls.prog_name}: {old} is deprecated ({effect})", file=sys.stderr)
+        return found
 
 
 class ServerSettings(ServiceSettings):
@@ -122,26 +177,43 @@ def settings_reference(cls: type[ServiceSettings]) -> str:
         shown = "(none)" if default is None or default == [] else f"`{default}`"
         meaning = (field.description or "").split(" [env: ")[0].replace("|", "\\|")
         flag = "--" + name.replace("_", "-")
-        rows.append(f"| `{flag}` | `{ENV_PREFIX}{name.upper()}` | {shown} | {meaning} |")
+        env = cls.env_names()[name]
+        rows.append(f"| `{flag}` | `{env}` | {shown} | {meaning} |")
     return "\n".join(rows) + "\n"
 
 
-def parse_settings(cls: type[S], argv: Sequence[str] | None = None) -> S:
+def parse_settings(
+    cls: type[S],
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str | None = None,
+    description: str | None = None,
+) -> S:
     """Parses flags (and the environment) into ``cls``; exits with status 2 and one
-    readable line per problem when a value is invalid."""
+    readable line per problem when a value is invalid. ``prog`` and ``description`` head
+    ``--help`` (default: the program's name and the settings class's doc)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog=prog or cls.prog_name,
+        description=description or cls.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source: CliSettingsSource[S] = CliSettingsSource(
+        cls, root_parser=parser, cli_hide_none_type=True
+    )
     try:
-        return CliApp.run(cls, cli_args=args, cli_settings_source=None)
+        return CliApp.run(cls, cli_args=args, cli_settings_source=source)
     except (ValidationError, SettingsError) as exc:
-        print(f"{cls.prog_name}: invalid configuration: {_describe(exc)}", file=sys.stderr)
+        print(f"{cls.prog_name}: invalid configuration: {_describe(cls, exc)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
-def _describe(exc: ValidationError | SettingsError) -> str:
+def _describe(cls: type[ServiceSettings], exc: ValidationError | SettingsError) -> str:
     if isinstance(exc, ValidationError):
         parts = []
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"])
-            parts.append(f"--{field.replace('_', '-')} / {ENV_PREFIX}{field.upper()}: {err['msg']}")
+            env = f"{cls.env_prefix()}{field.upper()}"
+            parts.append(f"--{field.replace('_', '-')} / {env}: {err['msg']}")
         return "; ".join(parts)
     return str(exc)

@@ -24,10 +24,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shared import keepalive, rpc_metrics
+from moelora.client import keepalive
+from moelora.client.errors import RETRY_AFTER_METADATA, MoeLoraError, Overloaded
+from moelora.client.logs import internal_error_message, log_event
+from shared import rpc_metrics
 from shared.call_limits import OPEN_PREFIXES, Admission, CallAuthorizer, CallLimits, Lane
-from shared.errors import RETRY_AFTER_METADATA, MoeLoraError, Overloaded
-from shared.logs import internal_error_message, log_event
 from shared.reflection import enable_reflection
 from shared.rpc_metrics import MethodMetrics
 
@@ -349,34 +350,8 @@ class GrpcServer:
             pass
 
 
-def health_check(channel: grpc.Channel, service: str = "", timeout: float = 5.0) -> str:
-    """Status name of ``service`` on a server ("SERVING", "NOT_SERVING", ...)."""
-    stub = health_pb2_grpc.HealthStub(channel)
-    response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
-
-
-def wait_until_serving(
-    channel: grpc.Channel, service: str = "", timeout: float = 60.0, poll: float = 0.1
-) -> None:
-    """Polls health until SERVING; raises TimeoutError naming the last status."""
-    deadline = time.monotonic() + timeout
-    last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            last = health_check(channel, service, timeout=max(0.5, poll * 5))
-            if last == "SERVING":
-                return
-        except grpc.RpcError as exc:
-            last = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.Call) else str(exc)
-        time.sleep(poll)
-    raise TimeoutError(f"server not SERVING after {timeout:.0f}s (last: {last})")
-
-
 __all__ = [
     "GrpcServer",
     "ServerOptions",
-    "health_check",
     "internal_error_message",
-    "wait_until_serving",
 ]

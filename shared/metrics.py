@@ -14,7 +14,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import REGISTRY, CollectorRegistry, Info, disable_created_metrics
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 
-from shared.logs import log_event
+from moelora.client.logs import log_event
 from shared.version import package_version, source_commit
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from shared.errors import InvalidArgument, quoted
+from moelora.client.errors import InvalidArgument, quoted
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ALIAS = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")

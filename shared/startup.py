@@ -13,8 +13,8 @@ import socket
 import sys
 from collections.abc import Iterator
 
+from moelora.client.errors import MoeLoraError
 from shared.config import ServiceSettings
-from shared.errors import MoeLoraError
 
 
 class StartupError(Exception):

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.auth import bearer_token
-from shared.errors import MoeLoraError, PermissionDenied, Unauthenticated
-from shared.logs import log_event
+from moelora.client.auth import bearer_token
+from moelora.client.errors import MoeLoraError, PermissionDenied, Unauthenticated
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

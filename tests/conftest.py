@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 
 # Every registry a test starts (in this process or as a child) serves blobs over HTTP on a port
 # of its own: the default port would collide between registries running at once.
-os.environ.setdefault("MOELORA_HTTP_LISTEN", "127.0.0.1:0")
+os.environ.setdefault("MOELORA_REGISTRY_HTTP_LISTEN", "127.0.0.1:0")
 
 REPO = Path(__file__).resolve().parent.parent
 POSTGRES_ENV = "MOELORA_TEST_POSTGRES_URL"

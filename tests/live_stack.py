@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 
-from executor_service.client import ExecutorClient, RetryPolicy
-from shared.grpc_server import wait_until_serving
-from shared.model_spec import read_model_spec
-from shared.registry_client import RegistryClient
+from moelora.client.executor import ExecutorClient, RetryPolicy
+from moelora.client.health import wait_until_serving
+from moelora.client.model_spec import read_model_spec
+from moelora.client.registry import RegistryClient
 from tests.conftest import ServerProcess, free_port
 from tests.executor.worlds import World
 

@@ -48,10 +48,10 @@ from executor_service.bench.answers import bf16_bytes, row_tolerance
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
 from executor_service.bench.stress_client import PoolRequest, write_pool
-from executor_service.client import ExecutorClient
 from executor_service.graphs import BUCKETS
 from executor_service.synthetic import SyntheticAdapter, write_adapter, write_base_checkpoint
-from shared.grpc_server import health_check
+from moelora.client.executor import ExecutorClient
+from moelora.client.health import health_check
 
 #: RESOURCE_EXHAUSTED answers allowed, as a share of all calls.
 MAX_EXHAUSTED_SHARE = 0.05

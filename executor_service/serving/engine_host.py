@@ -35,6 +35,7 @@ import torch
 from executor_service.adapters import AdapterStatus
 from executor_service.batch import Segment
 from executor_service.engine import ForwardInput
+from executor_service.registry_source import registry_status
 from executor_service.runtime import ExecutorRuntime, replica_name
 from executor_service.serving.regions import HeldRegion, SharedRegions
 from executor_service.serving.shm import Segment as ShmSegment
@@ -45,10 +46,10 @@ from executor_service.serving.wire import (
     Kind,
     TensorRef,
 )
-from shared.codec import WIRE_TYPES
-from shared.errors import InvalidArgument, MoeLoraError, Overloaded, Unavailable
+from moelora.client.errors import InvalidArgument, MoeLoraError, Overloaded, Unavailable
+from moelora.client.logs import log_event
+from moelora.client.tensors import WIRE_TYPES
 from shared.grpc_server import internal_error_message
-from shared.logs import log_event
 from shared.refs import AdapterRef
 from shared.version import package_version
 
@@ -391,6 +392,7 @@ def _info(runtime: ExecutorRuntime, _args: dict[str, Any]) -> dict[str, Any]:
         "served_layers": sorted(runtime.model.layers),
         "replica_name": replica_name(settings),
         "kernel_configs": [dataclasses.asdict(c) for c in runtime.kernel_configs],
+        "registry": registry_status(runtime.adapters.source),
     }
 
 

@@ -22,8 +22,8 @@ import grpc
 
 from executor_service.serving.arena import Arena
 from executor_service.serving.wire import Connection, ForwardDescriptor, ForwardResult, Kind
-from shared.errors import Overloaded, Unavailable, error_for_code
-from shared.logs import log_event
+from moelora.client.errors import Overloaded, Unavailable, error_for_code
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from executor_service.config import ExecutorSettings
 from executor_service.server import ExecutorServicer
 from executor_service.serving.arena import Arena
 from executor_service.serving.engine_link import EngineLink
+from moelora.client.logs import configure_logging, log_event
 from moelora.v1 import executor_pb2, executor_pb2_grpc
 from shared.grpc_server import GrpcServer
-from shared.logs import configure_logging, log_event
 
 log = logging.getLogger(__name__)
 

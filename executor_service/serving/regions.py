@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_service.serving.shm import SHM_ROOT, Segment, valid_name
-from shared.errors import (
+from moelora.client.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,

@@ -17,8 +17,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import BinaryIO
 
+from moelora.client.errors import FailedPrecondition
 from registry_service.blobs.base import KEY_PREFIX, BlobStat, is_blob_key
-from shared.errors import FailedPrecondition
 
 _TMP = ".tmp"
 

@@ -26,9 +26,9 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from moelora.client.errors import Unavailable
 from registry_service import metrics
 from registry_service.blobs.base import KEY_PREFIX, BlobStat, is_blob_key
-from shared.errors import Unavailable
 
 _MIB = 1024 * 1024
 #: Files above this go up in parts of this size, 8 at a time.

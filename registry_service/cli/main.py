@@ -1,56 +1,61 @@
-"""``adapterctl``: the operators' command line for the registry.
+"""``adapterctl``: the operators' command line for the registry, made for people and scripts.
 
     adapterctl base-model register PATH [--name N]
     adapterctl base-model list | show NAME
     adapterctl upload PATH --name N --base-model B [--alias A] [--description D] [--label k=v]...
+                     [--allow-duplicate]
     adapterctl list [--name N] [--base-model B] [--label k=v]... [--include-deleted] [--latest]
-    adapterctl show REF
-    adapterctl download REF -o DIR [--presigned]
+    adapterctl get REF                    (also: show REF)
+    adapterctl download REF DIR [--presigned]
     adapterctl alias set NAME ALIAS VERSION | alias rm NAME ALIAS
-    adapterctl delete REF
+    adapterctl delete REF [--force]
     adapterctl gc [--grace-seconds N] [--dry-run]
     adapterctl watch [--name N] [--base-model B] [--after SEQUENCE]
+    adapterctl completion bash|zsh|tcsh
+    adapterctl --version
 
 Global options (before or after the command): --address (MOELORA_REGISTRY_ADDRESS),
 --token (MOELORA_REGISTRY_TOKEN), --tls (MOELORA_REGISTRY_TLS=1), --ca-file
-(MOELORA_REGISTRY_CA_FILE), --timeout, --json.
+(MOELORA_REGISTRY_CA_FILE), --timeout, -o/--output table|wide|name|json|yaml (--json is
+-o json). Output conventions: ``registry_service/cli/output.py``.
 
 Exit codes: 0 ok, 1 other error, 2 usage, 3 not found, 4 invalid argument,
-5 failed precondition or conflict (already exists), 6 unauthenticated or
-permission denied, 7 unavailable or deadline exceeded, 8 too large (resource
-exhausted), 9 data loss (checksum mismatch). Errors are one line on stderr.
+5 failed precondition or conflict (already exists; a delete an alias guards), 6
+unauthenticated or permission denied, 7 unavailable or deadline exceeded, 8 too large
+(resource exhausted), 9 data loss (checksum mismatch), 141 stdout closed (``| head``).
+Errors are one line on stderr, a JSON object with -o json or yaml.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
+import shtab
 from google.protobuf.message import Message
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
 
+from moelora.client.adapter_files import ADAPTER_FILES, files_digest
+from moelora.client.errors import FailedPrecondition, InvalidArgument, MoeLoraError
+from moelora.client.model_spec import read_model_spec
+from moelora.client.registry import RegistryClient, describe_folder
 from moelora.v1 import registry_pb2
-from shared.errors import InvalidArgument, MoeLoraError
-from shared.model_spec import read_model_spec
-from shared.refs import validate_name
-from shared.registry_client import RegistryClient, describe_folder
+from registry_service.cli.output import (
+    FORMATS,
+    Output,
+    fields_text,
+    message_dict,
+    render_table,
+    size_text,
+)
+from shared.refs import AdapterRef, validate_name
+from shared.version import package_version
 
 PROG = "adapterctl"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -69,111 +74,65 @@ EXIT_CODES = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 8,
     grpc.StatusCode.DATA_LOSS: 9,
 }
+#: 128 + SIGPIPE, as a shell reports a process a closed pipe ended.
+EXIT_BROKEN_PIPE = 141
+
+_VERSION_COLUMNS = ("NAME", "VERSION", "STATUS", "BASE-MODEL", "RANK", "SIZE", "ALIASES", "DIGEST")
+_WIDE_COLUMNS = ("FORMAT", "LAYERS", "LABELS", "CREATED", "CREATED-BY")
 
 
-#: Smaller transfers take a blink: no bar.
-_PROGRESS_MIN_BYTES = 4 * 1000**2
+def _ref(v: registry_pb2.AdapterVersion) -> str:
+    return f"{v.name}:{v.version}"
 
 
-class Output:
-    """Results on stdout (tables or JSON), progress and notes on stderr."""
-
-    def __init__(self, as_json: bool) -> None:
-        self.as_json = as_json
-        self.out = Console(highlight=False, soft_wrap=True)
-        self.err = Console(stderr=True, highlight=False)
-
-    def json(self, value: Any) -> None:
-        print(json.dumps(value, indent=2, sort_keys=True))
-
-    def message(self, message: Message) -> dict[str, Any]:
-        return MessageToDict(message, preserving_proto_field_name=True)
-
-    @contextmanager
-    def progress(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
-        """A bar with bytes/s on stderr when it is a terminal and the transfer is over a few
-        MB; silent otherwise."""
-        bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=self.err,
-            transient=True,
-            disable=self.as_json or not self.err.is_terminal or total < _PROGRESS_MIN_BYTES,
-        )
-        with bar:
-            task = bar.add_task(label, total=total)
-            yield lambda n: bar.advance(task, n)
-
-
-def _versions_table(versions: Sequence[registry_pb2.AdapterVersion]) -> Table:
-    table = Table(box=None, pad_edge=False)
-    for column in ("NAME", "VERSION", "STATUS", "BASE MODEL", "RANK", "SIZE", "ALIASES", "DIGEST"):
-        table.add_column(column)
+def _versions_table(
+    versions: Sequence[registry_pb2.AdapterVersion], wide: bool, full_digest: bool
+) -> str:
+    rows = []
     for v in versions:
-        table.add_row(
+        fields = message_dict(v)
+        row = [
             v.name,
             str(v.version),
-            registry_pb2.AdapterStatus.Name(v.status).removeprefix("ADAPTER_STATUS_"),
+            fields["status"],
             v.base_model,
             str(v.rank),
-            _size(v.size_bytes),
+            size_text(v.size_bytes),
             ",".join(v.aliases),
-            v.digest[:19],
-        )
-    return table
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+            v.digest if full_digest or wide else v.digest[:19],
+        ]
+        if wide:
+            row += [
+                fields["format"],
+                str(len(v.layers)),
+                ",".join(f"{k}={x}" for k, x in sorted(v.labels.items())),
+                fields["create_time"] or "",
+                v.created_by,
+            ]
+        rows.append(row)
+    headers = _VERSION_COLUMNS + (_WIDE_COLUMNS if wide else ())
+    return render_table(headers, rows)
 
 
 def _show_version(out: Output, v: registry_pb2.AdapterVersion) -> None:
-    fields = out.message(v)
-    if out.as_json:
-        out.json(fields)
-        return
-    for key in (
-        "name",
-        "version",
-        "digest",
-        "status",
-        "base_model",
-        "base_model_fingerprint",
-        "format",
-        "rank",
-        "lora_alpha",
-        "use_rslora",
-        "target_parameters",
-        "layers",
-        "dtype",
-        "size_bytes",
-        "aliases",
-        "labels",
-        "description",
-        "created_by",
-        "create_time",
-        "delete_time",
-    ):
-        if key in fields:
-            value = fields[key]
-            text = ", ".join(map(str, value)) if isinstance(value, list) else value
-            out.out.print(f"{key + ':':24} {text}")
-    for f in v.files:
-        # Piece digests (checked by executors as parts arrive): how many, not each one.
-        pieces = (
-            f"  {len(f.part_sha256)} pieces of {_size(f.part_size_bytes)} sha256-checked"
-            if f.part_size_bytes
-            else ""
-        )
-        out.out.print(f"{'file:':24} {f.path}  {_size(f.size_bytes)}  sha256:{f.sha256}{pieces}")
+    fields = message_dict(v)
+
+    def human(wide: bool) -> str:
+        shown = {k: x for k, x in fields.items() if k != "files" and x not in (None, "", [], {})}
+        lines = [fields_text(shown)]
+        for f in v.files:
+            # Piece digests (checked by executors as parts arrive): how many, not each one.
+            pieces = (
+                f"  {len(f.part_sha256)} pieces of {size_text(f.part_size_bytes)} sha256-checked"
+                if f.part_size_bytes
+                else ""
+            )
+            lines.append(
+                f"{'file:':24} {f.path}  {size_text(f.size_bytes)}  sha256:{f.sha256}{pieces}"
+            )
+        return "\n".join(lines)
+
+    out.emit(fields, human, [_ref(v)])
 
 
 def _labels(pairs: Sequence[str]) -> dict[str, str]:
@@ -186,66 +145,97 @@ def _labels(pairs: Sequence[str]) -> dict[str, str]:
     return labels
 
 
+def _folder(path: str) -> Path:
+    """The adapter or checkpoint folder ``path``, or an error that names it."""
+    folder = Path(path)
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise InvalidArgument(f"{path} {what}: give the folder that holds the files")
+    return folder
+
+
 # -- commands ----------------------------------------------------------------------------------
 
 
 def cmd_base_model_register(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
-    folder = Path(args.path)
+    folder = _folder(args.path)
     name = validate_name(args.name or folder.resolve().name, "--name")
     response = client.register_base_model(read_model_spec(folder).to_proto(name))
-    if out.as_json:
-        out.json(
-            {"created": response.created, "base_model": _base_model_dict(out, response.base_model)}
-        )
-        return
     bm = response.base_model
     verb = "registered" if response.created else "already registered (same fingerprint)"
-    out.out.print(f"base model {bm.name} {verb}: {bm.model_type}, fingerprint {bm.fingerprint}")
+    out.emit(
+        {"created": response.created, "base_model": _base_model_dict(bm)},
+        lambda wide: f"base model {bm.name} {verb}: {bm.model_type}, fingerprint {bm.fingerprint}",
+        [bm.name],
+    )
 
 
-def _base_model_dict(out: Output, message: Message) -> dict[str, Any]:
-    fields = out.message(message)
+def _base_model_dict(message: Message) -> dict[str, Any]:
+    fields = message_dict(message)
     fields.pop("config_json", None)  # verbatim config.json: `show` prints it
     return fields
 
 
 def cmd_base_model_list(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
     models = list(client.list_base_models())
-    if out.as_json:
-        out.json([_base_model_dict(out, m) for m in models])
-        return
-    table = Table(box=None, pad_edge=False)
-    for column in ("NAME", "TYPE", "H", "I", "E", "TOP-K", "MOE LAYERS", "FINGERPRINT"):
-        table.add_column(column)
-    for m in models:
-        table.add_row(
-            m.name,
-            m.model_type,
-            str(m.hidden_size),
-            str(m.moe_intermediate_size),
-            str(m.num_experts),
-            str(m.top_k),
-            str(len(m.moe_layers)),
-            m.fingerprint[:19],
-        )
-    out.out.print(table)
+
+    def human(wide: bool) -> str:
+        headers = ("NAME", "TYPE", "H", "I", "E", "TOP-K", "MOE-LAYERS", "FINGERPRINT")
+        rows = [
+            [
+                m.name,
+                m.model_type,
+                str(m.hidden_size),
+                str(m.moe_intermediate_size),
+                str(m.num_experts),
+                str(m.top_k),
+                str(len(m.moe_layers)),
+                m.fingerprint if wide or not out.terminal else m.fingerprint[:19],
+            ]
+            for m in models
+        ]
+        return render_table(headers, rows)
+
+    out.emit([_base_model_dict(m) for m in models], human, [m.name for m in models])
 
 
 def cmd_base_model_show(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
-    fields = out.message(client.get_base_model(args.name))
-    if out.as_json:
-        out.json(fields)
-        return
-    for key, value in fields.items():
-        if key != "config_json":
-            out.out.print(f"{key + ':':34} {value}")
-    out.out.print("config_json:")
-    out.out.print(fields.get("config_json", ""))
+    fields = message_dict(client.get_base_model(args.name))
+
+    def human(wide: bool) -> str:
+        shown = {k: v for k, v in fields.items() if k != "config_json"}
+        return f"{fields_text(shown, 34)}\nconfig_json:\n{fields.get('config_json', '')}"
+
+    out.emit(fields, human, [fields["name"]])
+
+
+def _local_digest(folder: Path) -> str:
+    """The version digest the registry will give the folder's files."""
+    hashes = {}
+    for name in ADAPTER_FILES:
+        with (folder / name).open("rb") as handle:
+            hashes[name] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return files_digest(hashes)
 
 
 def cmd_upload(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
-    folder = Path(args.path)
+    folder = _folder(args.path)
     total = sum(f.size_bytes for f in describe_folder(folder))
+    if not args.allow_duplicate:
+        digest = _local_digest(folder)
+        same = [v for v in client.list_versions(name=args.name) if v.digest == digest]
+        if same:
+            version = same[-1]
+            out.note(
+                f"{_ref(version)} already holds these bytes ({digest}): nothing uploaded "
+                "(--allow-duplicate uploads them as a new version)"
+            )
+            if args.alias:
+                client.set_alias(version.name, args.alias, version.version)
+                version = client.get(_ref(version))
+                out.note(f"{version.name}@{args.alias} -> {version.version}")
+            _show_uploaded(out, version, created=False)
+            return
     with out.progress(f"upload {args.name}", total) as advance:
         version = client.upload(
             folder,
@@ -257,10 +247,16 @@ def cmd_upload(client: RegistryClient, args: argparse.Namespace, out: Output) ->
             progress=advance,
             timeout=None,
         )
-    if out.as_json:
-        out.json(out.message(version))
-    else:
-        out.out.print(f"uploaded {version.name}:{version.version} {version.digest}")
+    _show_uploaded(out, version, created=True)
+
+
+def _show_uploaded(out: Output, version: registry_pb2.AdapterVersion, created: bool) -> None:
+    verb = "uploaded" if created else "already uploaded as"
+    out.emit(
+        message_dict(version),
+        lambda wide: f"{verb} {_ref(version)} {version.digest}",
+        [_ref(version)],
+    )
 
 
 def cmd_list(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
@@ -273,88 +269,118 @@ def cmd_list(client: RegistryClient, args: argparse.Namespace, out: Output) -> N
             latest_only=args.latest,
         )
     )
-    if out.as_json:
-        out.json([out.message(v) for v in versions])
-    else:
-        out.out.print(_versions_table(versions))
+    out.emit(
+        [message_dict(v) for v in versions],
+        lambda wide: _versions_table(versions, wide, full_digest=not out.terminal),
+        [_ref(v) for v in versions],
+    )
 
 
-def cmd_show(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
+def cmd_get(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
     _show_version(out, client.get(args.ref))
 
 
 def cmd_download(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
-    target = Path(args.output)
+    target = Path(args.dir)
     version = client.get(args.ref)
-    with out.progress(f"download {version.name}:{version.version}", version.size_bytes) as advance:
+    with out.progress(f"download {_ref(version)}", version.size_bytes) as advance:
         pinned = f"{version.name}@{version.digest}"  # the version just shown, whatever moves
         if args.presigned:
             version = client.download_presigned(pinned, target, progress=advance)
         else:
             version = client.download(pinned, target, progress=advance)
-    if out.as_json:
-        out.json({"version": out.message(version), "directory": str(target)})
-    else:
-        out.out.print(f"downloaded {version.name}:{version.version} to {target} (sha256 verified)")
+    out.emit(
+        {"version": message_dict(version), "directory": str(target)},
+        lambda wide: f"downloaded {_ref(version)} to {target} (sha256 verified)",
+        [str(target)],
+    )
 
 
 def cmd_alias_set(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
     response = client.set_alias(args.name, args.alias, args.version)
-    if out.as_json:
-        out.json(
-            {
-                "version": out.message(response.version),
-                "previous_version": response.previous_version,
-            }
-        )
-        return
     before = f" (was {response.previous_version})" if response.previous_version else ""
-    out.out.print(f"{args.name}@{args.alias} -> {args.version}{before}")
+    out.emit(
+        {"version": message_dict(response.version), "previous_version": response.previous_version},
+        lambda wide: f"{args.name}@{args.alias} -> {args.version}{before}",
+        [f"{args.name}@{args.alias}"],
+    )
 
 
 def cmd_alias_rm(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
     previous = client.delete_alias(args.name, args.alias)
-    if out.as_json:
-        out.json({"previous_version": previous})
-    else:
-        out.out.print(f"removed {args.name}@{args.alias} (pointed at {previous})")
+    out.emit(
+        {"previous_version": previous},
+        lambda wide: f"removed {args.name}@{args.alias} (pointed at {previous})",
+        [f"{args.name}@{args.alias}"],
+    )
 
 
 def cmd_delete(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
-    version = client.delete(args.ref)
-    if out.as_json:
-        out.json(out.message(version))
-    else:
-        out.out.print(
-            f"deleted {version.name}:{version.version}; still downloadable as "
-            f"{version.name}@{version.digest} until gc"
+    if not AdapterRef.parse(args.ref, "REF").is_pinned_version:
+        raise InvalidArgument(
+            f"REF {args.ref!r} names no one version: delete NAME:VERSION or NAME@sha256:HEX"
         )
+    target = client.get(args.ref)
+    aliases = [f"{target.name}@{alias}" for alias in target.aliases]
+    if aliases and not args.force:
+        raise FailedPrecondition(
+            f"{_ref(target)} is what {', '.join(aliases)} point{'s' if len(aliases) == 1 else ''} "
+            "at: deleting it would fail every request for "
+            f"{'it' if len(aliases) == 1 else 'them'}. Point the alias elsewhere first "
+            f"(adapterctl alias set {target.name} ALIAS VERSION), or pass --force to delete "
+            "the version and the aliases with it"
+        )
+    version = client.delete(f"{target.name}@{target.digest}")
+    removed = f"; removed {', '.join(aliases)}" if aliases else ""
+    out.emit(
+        message_dict(version) | {"removed_aliases": aliases},
+        lambda wide: (
+            f"deleted {_ref(version)}{removed}; still downloadable as "
+            f"{version.name}@{version.digest} until gc"
+        ),
+        [_ref(version)],
+    )
 
 
 def cmd_gc(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
     report = client.gc(args.grace_seconds or 0, args.dry_run)
-    if out.as_json:
-        out.json(out.message(report) | {"dry_run": args.dry_run})
-        return
-    verb = "would remove" if args.dry_run else "removed"
-    out.out.print(
-        f"{verb} {len(report.removed_blobs)} blobs ({_size(report.removed_bytes)}), "
-        f"purged {report.purged_versions} versions"
-    )
-    for key in report.removed_blobs:
-        out.out.print(f"  {key}")
+
+    def human(wide: bool) -> str:
+        verb = "would remove" if args.dry_run else "removed"
+        lines = [
+            f"{verb} {len(report.removed_blobs)} blobs ({size_text(report.removed_bytes)}), "
+            f"purged {report.purged_versions} versions"
+        ]
+        return "\n".join(lines + [f"  {key}" for key in report.removed_blobs])
+
+    out.emit(message_dict(report) | {"dry_run": args.dry_run}, human, list(report.removed_blobs))
 
 
 def cmd_watch(client: RegistryClient, args: argparse.Namespace, out: Output) -> None:
     with client.watch(
         name=args.name or "", base_model=args.base_model or "", after_sequence=args.after
     ) as stream:
-        out.err.print(f"watching events after sequence {stream.start_sequence}")
+        out.note(f"watching events after sequence {stream.start_sequence}")
         for event in stream:
-            print(json.dumps(out.message(event), sort_keys=True), flush=True)
+            # One JSON object a line whatever -o says: a stream has no table to align.
+            out.line(json.dumps(message_dict(event), sort_keys=True))
+            out.stdout.flush()
 
 
 # -- parsing -----------------------------------------------------------------------------------
+
+EXAMPLES = """examples:
+  adapterctl base-model register ./Qwen3-30B-A3B --name qwen3-30b
+  adapterctl upload ./sql-expert --name sql-expert --base-model qwen3-30b --alias prod
+  adapterctl list                               # every version, a table
+  adapterctl list -o name | xargs -n1 adapterctl get -o json
+  adapterctl get sql-expert@prod -o yaml
+  adapterctl alias set sql-expert prod 2        # move the alias live traffic follows
+  adapterctl delete sql-expert:1                # refused while an alias names it
+  source <(adapterctl completion bash)
+
+exit codes: 0 ok, 1 other, 2 usage, 3 not found, 4 invalid argument, 5 precondition or
+conflict, 6 auth, 7 registry unreachable, 8 too large, 9 data loss, 141 stdout closed"""
 
 
 def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
@@ -367,115 +393,205 @@ def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
     parser.add_argument(
         "--address",
         default=default(env.get("MOELORA_REGISTRY_ADDRESS", DEFAULT_ADDRESS)),
-        help="registry host:port [env: MOELORA_REGISTRY_ADDRESS]",
+        metavar="HOST:PORT",
+        help=f"the registry [env: MOELORA_REGISTRY_ADDRESS; default {DEFAULT_ADDRESS}]",
     )
     parser.add_argument(
         "--token",
         default=default(env.get("MOELORA_REGISTRY_TOKEN")),
-        help="bearer token [env: MOELORA_REGISTRY_TOKEN]",
+        help="bearer token (moelora-registry hash-token makes one) [env: MOELORA_REGISTRY_TOKEN]",
     )
     parser.add_argument(
         "--tls",
         action="store_true",
         default=default(env.get("MOELORA_REGISTRY_TLS", "") in ("1", "true", "yes")),
-        help="use TLS with the system roots [env: MOELORA_REGISTRY_TLS]",
+        help="use TLS with the system roots [env: MOELORA_REGISTRY_TLS=1]",
     )
     parser.add_argument(
         "--ca-file",
         default=default(env.get("MOELORA_REGISTRY_CA_FILE")),
-        help="PEM roots to trust; implies --tls [env: MOELORA_REGISTRY_CA_FILE]",
+        metavar="PEM",
+        help="roots to trust; implies --tls [env: MOELORA_REGISTRY_CA_FILE]",
     )
     parser.add_argument(
-        "--timeout", type=float, default=default(30.0), help="seconds per call (not transfers)"
+        "--timeout",
+        type=float,
+        default=default(30.0),
+        metavar="SECONDS",
+        help="deadline of each call, transfers excepted (default 30)",
     )
-    parser.add_argument("--json", action="store_true", default=default(False), help="JSON output")
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=FORMATS,
+        default=default("table"),
+        help="table (default), wide (more columns), name (one reference a line), json or "
+        "yaml (every field; errors as JSON on stderr)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_const",
+        const="json",
+        dest="output",
+        default=argparse.SUPPRESS,
+        help="the same as -o json",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Manage adapters in a moe-lora-serve registry.",
-        epilog="Exit codes: 0 ok, 1 other, 2 usage, 3 not found, 4 invalid argument, "
-        "5 precondition/conflict, 6 auth, 7 unavailable, 8 too large, 9 data loss.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {package_version()}")
     _common(parser, top=True)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(sub: Any, name: str, handler: Callable[..., None], help_text: str) -> Any:
-        p = sub.add_parser(name, help=help_text, description=help_text)
+    def add(
+        sub: Any, name: str, handler: Callable[..., None], help_text: str, **kwargs: Any
+    ) -> Any:
+        p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
         _common(p, top=False)
         p.set_defaults(handler=handler)
         return p
 
-    base = commands.add_parser("base-model", help="register and inspect base models")
-    base_commands = base.add_subparsers(dest="base_command", required=True, metavar="COMMAND")
+    def group(name: str, help_text: str) -> Any:
+        p = commands.add_parser(name, help=help_text, description=help_text)
+        return p.add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
+
+    labels = {"action": "append", "default": [], "metavar": "KEY=VALUE"}
+
+    base = group("base-model", "register and inspect base models")
     p = add(
-        base_commands,
+        base,
         "register",
         cmd_base_model_register,
         "register a checkpoint folder (config.json + *.safetensors) as a base model",
     )
-    p.add_argument("path")
-    p.add_argument("--name", help="registry name; default: the folder's name")
-    add(base_commands, "list", cmd_base_model_list, "list base models")
-    p = add(base_commands, "show", cmd_base_model_show, "show one base model")
-    p.add_argument("name")
+    p.add_argument("path", help="the checkpoint folder").complete = shtab.DIRECTORY
+    p.add_argument("--name", help="the base model's registry name; default: the folder's name")
+    add(base, "list", cmd_base_model_list, "list base models")
+    p = add(base, "show", cmd_base_model_show, "show one base model with its config.json")
+    p.add_argument("name", help="the base model's registry name")
 
     p = add(commands, "upload", cmd_upload, "upload an adapter folder as a new version")
-    p.add_argument("path", help="folder with adapter_config.json and adapter_model.safetensors")
-    p.add_argument("--name", required=True)
-    p.add_argument("--base-model", required=True)
+    p.add_argument(
+        "path", help="folder with adapter_config.json and adapter_model.safetensors"
+    ).complete = shtab.DIRECTORY
+    p.add_argument("--name", required=True, help="the adapter's name (new or existing)")
+    p.add_argument(
+        "--base-model", required=True, help="registry name of the base model it was trained on"
+    )
     p.add_argument("--alias", help="point NAME@ALIAS at the new version")
-    p.add_argument("--description")
-    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--description", help="free text kept with the version")
+    p.add_argument("--label", help="a label to filter by (repeatable)", **labels)
+    p.add_argument(
+        "--allow-duplicate",
+        action="store_true",
+        help="upload even when a version of NAME already holds these exact bytes (by "
+        "default nothing is created then, and --alias moves to that version)",
+    )
 
-    p = add(commands, "list", cmd_list, "list adapter versions")
-    p.add_argument("--name")
-    p.add_argument("--base-model")
-    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--include-deleted", action="store_true")
+    p = add(commands, "list", cmd_list, "list adapter versions (every value whole in a pipe)")
+    p.add_argument("--name", help="only versions of this adapter")
+    p.add_argument("--base-model", help="only adapters of this base model")
+    p.add_argument("--label", help="only versions with this label (repeatable: all)", **labels)
+    p.add_argument(
+        "--include-deleted", action="store_true", help="soft-deleted versions too (until gc)"
+    )
     p.add_argument("--latest", action="store_true", help="only the newest version of each name")
 
-    p = add(
-        commands, "show", cmd_show, "show one version (name, name:V, name@alias, name@sha256:...)"
-    )
-    p.add_argument("ref")
+    ref_help = "name (newest), name:VERSION, name@ALIAS or name@sha256:HEX"
+    for name in ("get", "show"):
+        p = add(commands, name, cmd_get, f"show one version ({ref_help})")
+        p.add_argument("ref", help=ref_help)
 
     p = add(commands, "download", cmd_download, "download a version's files, sha256-verified")
-    p.add_argument("ref")
-    p.add_argument("-o", "--output", required=True, metavar="DIR")
+    p.add_argument("ref", help=ref_help)
     p.add_argument(
-        "--presigned", action="store_true", help="fetch straight from S3 over presigned URLs"
+        "dir", metavar="DIR", help="folder to write the files into"
+    ).complete = shtab.DIRECTORY
+    p.add_argument(
+        "--presigned",
+        action="store_true",
+        help="fetch straight from the blob store over presigned URLs",
     )
 
-    alias = commands.add_parser("alias", help="move or remove NAME@ALIAS")
-    alias_commands = alias.add_subparsers(dest="alias_command", required=True, metavar="COMMAND")
-    p = add(alias_commands, "set", cmd_alias_set, "point NAME@ALIAS at VERSION")
-    p.add_argument("name")
-    p.add_argument("alias")
-    p.add_argument("version", type=int)
-    p = add(alias_commands, "rm", cmd_alias_rm, "remove NAME@ALIAS")
-    p.add_argument("name")
-    p.add_argument("alias")
+    alias = group("alias", "move or remove NAME@ALIAS")
+    p = add(alias, "set", cmd_alias_set, "point NAME@ALIAS at VERSION")
+    p.add_argument("name", help="the adapter's name")
+    p.add_argument("alias", help="the alias, e.g. prod")
+    p.add_argument("version", type=int, help="the version number it points at from now on")
+    p = add(alias, "rm", cmd_alias_rm, "remove NAME@ALIAS")
+    p.add_argument("name", help="the adapter's name")
+    p.add_argument("alias", help="the alias to remove")
 
-    p = add(commands, "delete", cmd_delete, "soft-delete NAME:VERSION or NAME@sha256:HEX")
-    p.add_argument("ref")
+    p = add(
+        commands,
+        "delete",
+        cmd_delete,
+        "soft-delete a version (refused while an alias points at it, unless --force)",
+    )
+    p.add_argument("ref", help=ref_help)
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="delete even when aliases point at the version; they are removed with it",
+    )
 
     p = add(commands, "gc", cmd_gc, "remove unreferenced blobs and purge deleted versions")
-    p.add_argument("--grace-seconds", type=int, help="default: the server's gc_grace_seconds")
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument(
+        "--grace-seconds",
+        type=int,
+        metavar="N",
+        help="spare what is younger than this; default: the server's gc_grace_seconds",
+    )
+    p.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
 
     p = add(commands, "watch", cmd_watch, "print change events as JSON lines until interrupted")
-    p.add_argument("--name")
-    p.add_argument("--base-model")
-    p.add_argument("--after", type=int, default=0, metavar="SEQUENCE")
+    p.add_argument("--name", help="only events of this adapter")
+    p.add_argument("--base-model", help="only events of adapters of this base model")
+    p.add_argument(
+        "--after",
+        type=int,
+        default=0,
+        metavar="SEQUENCE",
+        help="replay the events after this sequence first (default: only new ones)",
+    )
+
+    p = commands.add_parser(
+        "completion",
+        help="print a shell completion script",
+        description="Print a completion script: source <(adapterctl completion bash), or "
+        "write it into your shell's completion folder.",
+    )
+    p.add_argument("shell", choices=("bash", "zsh", "tcsh"), help="the shell")
+    p.set_defaults(handler=None)
     return parser
 
 
+def _fix(exc: MoeLoraError, address: str) -> str:
+    """The error's message, with what to do when the registry could not be reached."""
+    if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return (
+            f"{exc.message} (no registry answered at {address}: start it, or point "
+            "--address / MOELORA_REGISTRY_ADDRESS at it)"
+        )
+    if exc.code is grpc.StatusCode.UNAUTHENTICATED:
+        return f"{exc.message} (pass --token or set MOELORA_REGISTRY_TOKEN)"
+    return exc.message
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    out = Output(args.json)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    out = Output(args.output)
     try:
+        if args.handler is None:
+            out.line(shtab.complete(parser, args.shell))
+            return
         root_certificates = Path(args.ca_file).read_bytes() if args.ca_file else None
         with RegistryClient(
             args.address,
@@ -485,12 +601,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             timeout=args.timeout,
         ) as client:
             args.handler(client, args, out)
+        sys.stdout.flush()
     except MoeLoraError as exc:
         code = EXIT_CODES.get(exc.code, 1)
-        print(f"{PROG}: {exc.code.name}: {exc.message}", file=sys.stderr)
+        out.error(PROG, exc.code.name, _fix(exc, args.address), code)
         raise SystemExit(code) from None
+    except BrokenPipeError:
+        # The reader went away (| head): no traceback, and no second error at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(EXIT_BROKEN_PIPE) from None
     except OSError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+        out.error(PROG, "OS_ERROR", str(exc), 1)
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None

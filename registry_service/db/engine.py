@@ -22,9 +22,9 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
+from moelora.client.logs import log_event
 from registry_service import metrics
 from registry_service.disk_full import is_disk_full, storage_full
-from shared.logs import log_event
 
 log = logging.getLogger(__name__)
 

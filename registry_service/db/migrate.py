@@ -16,9 +16,9 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, text
 
+from moelora.client.errors import FailedPrecondition
+from moelora.client.logs import log_event
 from registry_service.db.engine import Database
-from shared.errors import FailedPrecondition
-from shared.logs import log_event
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shared.errors import MoeLoraError
+from moelora.client.errors import MoeLoraError
 from tests.chaos.conftest import mounted_tmpfs
 from tests.executor.worlds import Recipe, World, build_world
 from tests.live_stack import BASE, Stack

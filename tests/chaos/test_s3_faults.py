@@ -14,7 +14,7 @@ import boto3
 import grpc
 import pytest
 
-from shared.errors import MoeLoraError
+from moelora.client.errors import MoeLoraError
 from tests.chaos.fault_proxy import FaultProxy, Mode
 from tests.registry.conftest import (
     BASE,

@@ -15,13 +15,13 @@ from typing import IO
 import pytest
 import torch
 
-from executor_service.client import ExecutorClient
 from executor_service.synthetic import (
     SyntheticAdapter,
     SyntheticBase,
     write_adapter,
     write_base_checkpoint,
 )
+from moelora.client.executor import ExecutorClient
 from tests.conftest import free_port
 
 #: The routing world: a synthetic qwen3_moe base and this many adapters.

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from executor_service.client import ExecutorClient
-from executor_service.cluster import AsyncClusterClient, ClusterSettings
-from shared.errors import Unavailable
+from moelora.client.cluster import AsyncClusterClient, ClusterSettings
+from moelora.client.errors import Unavailable
+from moelora.client.executor import ExecutorClient
 from tests.cluster.conftest import RoutingWorld, StartReplicas
 
 

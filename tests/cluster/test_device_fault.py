@@ -13,11 +13,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from executor_service.client import ExecutorClient
-from executor_service.cluster import ClusterClient, ClusterSettings
 from executor_service.device_fault import DEVICE_FAULT_EXIT_CODE
 from kernels.synthetic import relative_error
-from shared.errors import Unavailable
+from moelora.client.cluster import ClusterClient, ClusterSettings
+from moelora.client.errors import Unavailable
+from moelora.client.executor import ExecutorClient
 from tests.cluster.conftest import RoutingWorld, StartReplicas
 from tests.executor.faults import FAULT_TOKENS
 

@@ -9,8 +9,8 @@ import threading
 
 import torch
 
-from executor_service.client import ExecutorClient
-from executor_service.cluster import ClusterClient, ClusterSettings
+from moelora.client.cluster import ClusterClient, ClusterSettings
+from moelora.client.executor import ExecutorClient
 from tests.cluster.conftest import RoutingWorld, StartReplicas
 from tests.conftest import free_port
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_service.cluster import ClusterClient
-from executor_service.cluster.hf import attach_remote_experts
+from moelora.client.cluster import ClusterClient
+from moelora.client.cluster.hf import attach_remote_experts
 from tests.cluster.conftest import StartReplicas
 from tests.formats.hf_models import build_model, save_model
 from tests.formats.peft_adapters import load_peft_adapter, make_peft_adapter

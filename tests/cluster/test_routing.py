@@ -16,8 +16,8 @@ import random
 
 import torch
 
-from executor_service.client import ExecutorClient
-from executor_service.cluster import ClusterClient, ClusterSettings
+from moelora.client.cluster import ClusterClient, ClusterSettings
+from moelora.client.executor import ExecutorClient
 from tests.cluster.conftest import RoutingWorld, StartReplicas
 
 REQUESTS = 400

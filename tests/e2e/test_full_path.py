@@ -20,10 +20,10 @@ import grpc
 import pytest
 import torch
 
-from executor_service.client import ExecutorClient, ForwardResult, RetryPolicy
+from moelora.client.errors import NotFound, Unavailable
+from moelora.client.executor import ExecutorClient, ForwardResult, RetryPolicy
+from moelora.client.health import wait_until_serving
 from moelora.v1 import executor_pb2
-from shared.errors import NotFound, Unavailable
-from shared.grpc_server import wait_until_serving
 from tests.conftest import ServerProcess, free_port, wait_for
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import Recipe, World, build_world
@@ -118,7 +118,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         assert code == 0, executor.log()
 
 
-def forward(cluster: Cluster, segments: list[tuple[int, str | None]]) -> ForwardResult:
+def forward(
+    cluster: Cluster, segments: list[tuple[int, str | None]]
+) -> ForwardResult[torch.Tensor]:
     layer = cluster.world.moe_layers[0]
     hidden = cluster.world.inputs[layer][: sum(n for n, _ in segments)]
     return cluster.executor.forward(layer, hidden, segments)

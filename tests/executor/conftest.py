@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry
 
 from executor_service.app import ExecutorApp
 from executor_service.batch import KernelFn
-from executor_service.client import ExecutorClient, RetryPolicy
 from executor_service.config import ExecutorSettings
 from executor_service.metrics import ExecutorMetrics
 from executor_service.sources import AdapterFiles, AdapterSource, ResolvedAdapter
@@ -30,11 +29,12 @@ from executor_service.synthetic import (
 )
 from kernels import LoRAContext, MoELayerWeights, Routing, moe_forward
 from kernels.synthetic import relative_error, worst_row_error
+from moelora.client.executor import ExecutorClient, RetryPolicy
+from moelora.client.model_spec import ModelSpec
+from moelora.client.registry import RegistryClient
 from shared.bench_servers import registry_server
 from shared.bench_servers import write_adapter as write_bench_adapter
-from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient
 from tests.executor.worlds import LEGACY_2D, Recipe, World, build_world
 
 #: The base model's name in the registry of ``registry_setup``.

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from executor_service.client import ExecutorClient
+from moelora.client.errors import FailedPrecondition, NotFound, ResourceExhausted
+from moelora.client.executor import ExecutorClient
+from moelora.client.model_spec import read_model_spec
 from moelora.v1 import executor_pb2, tensor_pb2
-from shared.errors import FailedPrecondition, NotFound, ResourceExhausted
-from shared.model_spec import read_model_spec
 from tests.conftest import wait_for
 from tests.executor.conftest import MULTI, StartExecutor, assert_close, slowed_kernel
 from tests.executor.worlds import TOKENS, World

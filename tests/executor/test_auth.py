@@ -15,12 +15,12 @@ import pytest
 
 from executor_service.app import ExecutorApp
 from executor_service.auth import METHOD_ROLES
-from executor_service.client import ExecutorClient, ForwardCall, RetryPolicy
 from executor_service.config import ExecutorSettings
 from executor_service.metrics import ExecutorMetrics
+from moelora.client.errors import MoeLoraError
+from moelora.client.executor import ExecutorClient, ForwardCall, RetryPolicy
+from moelora.client.health import health_check
 from moelora.v1 import executor_pb2
-from shared.errors import MoeLoraError
-from shared.grpc_server import health_check
 from shared.tokens import Role
 from tests.conftest import wait_for
 from tests.executor.conftest import Placement, StartExecutor

@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 
-from executor_service.client import forward_request
+from moelora.client import torch_tensors as torch_codec
+from moelora.client.executor import forward_request
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
-from shared import torch_codec
 from tests.executor.conftest import FOREIGN, Running, assert_close, running_executor
 from tests.executor.worlds import TOKENS, World
 

@@ -9,10 +9,11 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+import torch
 
-from executor_service.client import ExecutorClient, ForwardResult, forward_request
+from moelora.client.errors import FailedPrecondition, MoeLoraError, Overloaded
+from moelora.client.executor import ExecutorClient, ForwardResult, forward_request
 from moelora.v1 import executor_pb2_grpc
-from shared.errors import FailedPrecondition, MoeLoraError, Overloaded
 from tests.executor.conftest import (
     FOREIGN,
     Placement,
@@ -79,14 +80,14 @@ def test_merged_requests_equal_each_alone_bit_for_bit(
         qwen_world, num_slots=5, batch_window_us=WINDOW_US, **placement.settings
     )
 
-    def call(client: ExecutorClient, index: int) -> ForwardResult:
+    def call(client: ExecutorClient, index: int) -> ForwardResult[torch.Tensor]:
         segments = _segments(index)
         tokens = sum(n for n, _ in segments)
         return client.forward(layer, hidden[:tokens] * (1 + index / 10), segments)
 
     alone = [call(running.client, i) for i in range(6)]
     assert _merged(running) == 1.0
-    results: dict[int, ForwardResult] = {}
+    results: dict[int, ForwardResult[torch.Tensor]] = {}
 
     def work(index: int) -> None:
         with ExecutorClient(running.app.address, timeout=60) as client:
@@ -107,7 +108,7 @@ def test_a_request_whose_adapter_fails_to_load_fails_alone(
 ) -> None:
     layer = qwen_world.moe_layers[0]
     running = start_executor(qwen_world, batch_window_us=WINDOW_US, **placement.settings)
-    outcomes: dict[int, ForwardResult | MoeLoraError] = {}
+    outcomes: dict[int, ForwardResult[torch.Tensor] | MoeLoraError] = {}
 
     def work(index: int) -> None:
         adapter = FOREIGN if index == 0 else ["alpha", "beta", None][index % 3]
@@ -193,7 +194,7 @@ def test_a_full_queue_refuses_with_a_retry_hint(
 def test_forward_stream_requests_join_the_batches(
     qwen_world: World, start_executor: StartExecutor, window_us: int, placement: Placement
 ) -> None:
-    from executor_service.client import ForwardCall
+    from moelora.client.executor import ForwardCall
 
     layer = qwen_world.moe_layers[0]
     running = start_executor(qwen_world, batch_window_us=window_us, **placement.settings)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 import threading
 
-from executor_service.client import ExecutorClient
 from executor_service.sources import LocalFolderSource
+from moelora.client.executor import ExecutorClient
 from tests.executor.conftest import (
     GatedSource,
     StartExecutor,

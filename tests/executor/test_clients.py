@@ -8,13 +8,14 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
-from executor_service.aio_client import AsyncExecutorClient
-from executor_service.client import ExecutorClient, ForwardCall, ForwardResult, RetryPolicy
 from executor_service.sources import LocalFolderSource
-from shared.errors import InvalidArgument, NotFound, Unavailable
+from moelora.client.errors import InvalidArgument, NotFound, Unavailable
+from moelora.client.executor import ExecutorClient, ForwardCall, ForwardResult, RetryPolicy
+from moelora.client.executor_aio import AsyncExecutorClient
 from tests.executor.conftest import (
     GatedSource,
     StartExecutor,
@@ -75,7 +76,7 @@ def test_retries_unavailable_while_loading_but_not_without_attempts(
     running = start_executor(qwen_world, source=source, wait=False, preload_adapters=["alpha"])
     layer = qwen_world.moe_layers[0]
 
-    async def main() -> ForwardResult:
+    async def main() -> ForwardResult[torch.Tensor]:
         async with AsyncExecutorClient(
             running.app.address, timeout=30, retry=RetryPolicy(attempts=1)
         ) as impatient:
@@ -103,7 +104,7 @@ def test_overloaded_is_retried_after_its_hint(
     running = start_executor(qwen_world, kernel=slowed_kernel(0.05), max_queued_requests=1)
     layer = qwen_world.moe_layers[0]
 
-    async def main() -> list[ForwardResult]:
+    async def main() -> list[ForwardResult[torch.Tensor]]:
         async with AsyncExecutorClient(
             running.app.address, timeout=30, retry=RetryPolicy(attempts=50)
         ) as client:
@@ -132,7 +133,7 @@ def test_a_stream_over_a_connection_gone_silent_fails_in_seconds(
     proxy = CuttingProxy(running.app.address)
     silent = threading.Event()
 
-    def calls() -> Iterator[ForwardCall]:
+    def calls() -> Iterator[ForwardCall[torch.Tensor]]:
         yield ForwardCall(layer, hidden, [(TOKENS, "alpha")])
         assert silent.wait(30)
         yield ForwardCall(layer, hidden, [(TOKENS, "alpha")])
@@ -152,3 +153,22 @@ def test_a_stream_over_a_connection_gone_silent_fails_in_seconds(
     finally:
         silent.set()
         proxy.close()
+
+
+def test_numpy_in_numpy_out_the_same_answers_as_torch(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    running = start_executor(qwen_world)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer]
+    segments: list[tuple[int, str | None]] = [(4, None), (8, "alpha")]
+    with ExecutorClient(running.app.address, timeout=30) as client:
+        with_torch = client.forward(layer, hidden, segments)
+        with_numpy = client.forward(layer, hidden.numpy(), segments)
+        streamed = list(client.forward_stream([ForwardCall(layer, hidden.numpy(), segments)]))
+    assert isinstance(with_numpy.output, np.ndarray) and with_numpy.output.dtype == np.float32
+    assert with_numpy.output.flags.writeable
+    np.testing.assert_array_equal(with_numpy.output, with_torch.output.numpy())
+    assert with_numpy.resolved_adapters == with_torch.resolved_adapters == ["", "alpha:1"]
+    assert isinstance(streamed[0], ForwardResult) and isinstance(streamed[0].output, np.ndarray)
+    np.testing.assert_array_equal(streamed[0].output, with_numpy.output)

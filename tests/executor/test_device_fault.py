@@ -14,10 +14,10 @@ import grpc
 import pytest
 import torch
 
-from executor_service.client import ExecutorClient
 from executor_service.device_fault import is_sticky_device_error
-from shared.errors import MoeLoraError, Unavailable
-from shared.grpc_server import health_check
+from moelora.client.errors import MoeLoraError, Unavailable
+from moelora.client.executor import ExecutorClient
+from moelora.client.health import health_check
 from tests.executor.conftest import StartExecutor, assert_close
 from tests.executor.faults import FAULT_TOKENS, POISON, faulting_kernel, poisoned_kernel
 from tests.executor.worlds import TOKENS, World

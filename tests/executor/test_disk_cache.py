@@ -12,8 +12,8 @@ import pytest
 from executor_service.disk_cache import DiskCache
 from executor_service.listing import RemoteFile
 from executor_service.sources import ResolvedAdapter
-from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE, digest_of_files
-from shared.part_digests import Pieces
+from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE, digest_of_files
+from moelora.client.part_digests import Pieces
 
 
 def _files(seed: int, size: int = 100) -> dict[str, bytes]:

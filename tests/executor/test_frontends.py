@@ -18,10 +18,10 @@ import grpc
 import pytest
 import torch
 
-from executor_service.client import ExecutorClient, RetryPolicy
 from executor_service.serving.frontends import ENGINE_GONE_EXIT_CODE
-from shared.errors import MoeLoraError, Unavailable
-from shared.grpc_server import health_check
+from moelora.client.errors import MoeLoraError, Unavailable
+from moelora.client.executor import ExecutorClient, RetryPolicy
+from moelora.client.health import health_check
 from tests.conftest import free_port, wait_for
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import TOKENS, World

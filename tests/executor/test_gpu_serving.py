@@ -19,7 +19,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from executor_service.app import ExecutorApp
-from executor_service.client import ExecutorClient, ForwardCall, ForwardResult, RetryPolicy
 from executor_service.config import ExecutorSettings
 from executor_service.graphs import GraphCache
 from executor_service.metrics import ExecutorMetrics
@@ -32,6 +31,7 @@ from executor_service.synthetic import (
 )
 from kernels import LoRAContext, MoELayerWeights, Routing, moe_forward
 from kernels.synthetic import random_slots, relative_error, worst_row_error
+from moelora.client.executor import ExecutorClient, ForwardCall, ForwardResult, RetryPolicy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -172,7 +172,7 @@ def test_merged_requests_match_each_alone_on_the_gpu(world: World, running: Runn
         [(TOKENS, None)],
     ]
     alone = [running.client.forward(layer, hidden, m) for m in mixes]
-    merged: dict[int, ForwardResult] = {}
+    merged: dict[int, ForwardResult[torch.Tensor]] = {}
     barrier = threading.Barrier(len(mixes))
 
     def work(index: int) -> None:

@@ -32,7 +32,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from executor_service.app import ExecutorApp
-from executor_service.client import ExecutorClient, RetryPolicy
 from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
 from executor_service.metrics import ExecutorMetrics
@@ -40,13 +39,14 @@ from executor_service.packer import pack_adapter
 from executor_service.registry_source import RegistrySource, RegistryWatcher
 from executor_service.sources import AdapterFiles, ResolvedAdapter
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
+from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from moelora.client.errors import FailedPrecondition, InvalidArgument, MoeLoraError
+from moelora.client.executor import ExecutorClient, RetryPolicy
+from moelora.client.model_spec import ModelSpec
+from moelora.client.registry import RegistryClient
 from moelora.v1 import registry_pb2
-from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.bench_servers import registry_server, write_adapter
-from shared.errors import FailedPrecondition, InvalidArgument, MoeLoraError
-from shared.model_spec import ModelSpec
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient
 from shared.url_ranges import UrlRangeReader
 from tests.conftest import free_port, wait_for
 from tests.proxy import CuttingProxy
@@ -224,14 +224,14 @@ _CHILD = """
 import sys
 from pathlib import Path
 from executor_service.app import ExecutorApp
-from executor_service.client import ExecutorClient, RetryPolicy
+from moelora.client.executor import ExecutorClient, RetryPolicy
 from executor_service.config import ExecutorSettings
 from executor_service.disk_cache import DiskCache
 from executor_service.metrics import ExecutorMetrics
 from executor_service.registry_source import RegistrySource, RegistryWatcher
 from executor_service.sources import AdapterFiles, ResolvedAdapter
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient
+from moelora.client.registry import RegistryClient
 from shared.url_ranges import UrlRangeReader
 address, root = sys.argv[1], Path(sys.argv[2])
 with RegistryClient(address, timeout=60, connections=2) as client:

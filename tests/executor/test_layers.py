@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.errors import FailedPrecondition, InvalidArgument
+from moelora.client.errors import FailedPrecondition, InvalidArgument
 from tests.executor.conftest import StartExecutor, assert_close
 from tests.executor.worlds import World
 

@@ -11,10 +11,10 @@ from typing import Any
 import grpc
 import pytest
 
-from executor_service.client import ExecutorClient, ForwardCall, RetryPolicy
 from executor_service.sources import LocalFolderSource
-from shared.errors import InvalidArgument, MoeLoraError, NotFound, Unavailable
-from shared.grpc_server import health_check, wait_until_serving
+from moelora.client.errors import InvalidArgument, MoeLoraError, NotFound, Unavailable
+from moelora.client.executor import ExecutorClient, ForwardCall, RetryPolicy
+from moelora.client.health import health_check, wait_until_serving
 from tests.conftest import free_port, wait_for
 from tests.executor.conftest import GatedSource, StartExecutor, assert_close, slowed_kernel
 from tests.executor.worlds import TOKENS, World

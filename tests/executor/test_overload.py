@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from executor_service.client import forward_request
+from moelora.client.errors import DeadlineExceeded
+from moelora.client.executor import forward_request
 from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared.errors import DeadlineExceeded
 from tests.executor.conftest import Placement, StartExecutor, assert_close, slowed_kernel
 from tests.executor.worlds import World
 

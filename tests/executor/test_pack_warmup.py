@@ -12,7 +12,7 @@ from executor_service.adapters import PackSettings
 from executor_service.host_pool import HostPool
 from executor_service.pack_warmup import warm_up_packing
 from executor_service.synthetic import SyntheticBase, write_base_checkpoint
-from shared.model_types import SUPPORTED_MODEL_TYPES
+from moelora.client.model_types import SUPPORTED_MODEL_TYPES
 
 CPU = torch.device("cpu")
 

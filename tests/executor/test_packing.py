@@ -39,10 +39,10 @@ from executor_service.synthetic import (
     write_adapter,
     write_base_checkpoint,
 )
+from moelora.client.errors import InvalidArgument
+from moelora.client.model_spec import ModelSpec
+from moelora.client.safetensors_header import parse_bytes
 from shared.adapter_format import AdapterFormat, Projection, inspect_adapter
-from shared.errors import InvalidArgument
-from shared.model_spec import ModelSpec
-from shared.safetensors_header import parse_bytes
 
 CUDA = pytest.param(
     "cuda",

@@ -21,9 +21,9 @@ from executor_service.metrics import ExecutorMetrics
 from executor_service.prefetch import QUEUE_PER_WORKER, Prefetcher
 from executor_service.runtime import ExecutorRuntime
 from executor_service.sources import LocalFolderSource
+from moelora.client.registry import RegistryClient
 from moelora.v1 import registry_pb2
 from shared.refs import AdapterRef
-from shared.registry_client import RegistryClient
 from tests.conftest import wait_for
 from tests.executor.conftest import BASE, GatedSource, RegistrySetup, running_executor
 from tests.executor.worlds import World

@@ -18,8 +18,8 @@ import pytest
 from executor_service.arriving import ArrivingFile
 from executor_service.listing import RemoteFile
 from executor_service.ranged_download import Part, RangedDownload, RangeReader, _parts
-from shared.errors import DataLoss, Unavailable
-from shared.part_digests import Pieces
+from moelora.client.errors import DataLoss, Unavailable
+from moelora.client.part_digests import Pieces
 
 MIB = 1 << 20
 

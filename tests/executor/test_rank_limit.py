@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from shared.errors import FailedPrecondition
-from shared.registry_client import RegistryClient
+from moelora.client.errors import FailedPrecondition
+from moelora.client.registry import RegistryClient
 from tests.executor.conftest import BASE, RegistrySetup, running_executor
 
 

@@ -17,9 +17,9 @@ import torch
 from executor_service.server import _on_this_host
 from executor_service.serving.shm import Segment
 from kernels import LoRAContext, MoELayerWeights, Routing, moe_forward
+from moelora.client.tensors import from_numpy
 from moelora.v1 import executor_pb2 as ex
 from moelora.v1 import executor_pb2_grpc, tensor_pb2
-from shared.codec import from_numpy
 from tests.executor.conftest import Running, StartExecutor
 from tests.executor.worlds import TOKENS, World
 

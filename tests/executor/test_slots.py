@@ -14,7 +14,7 @@ from executor_service.slot_buffers import DeviceSync, SlotBuffers
 from executor_service.slots import LRUPolicy, SlotLease, SlotManager, Wanted
 from executor_service.sources import ResolvedAdapter
 from kernels import MoELayerWeights, RouterKind, RouterSpec
-from shared.errors import FailedPrecondition, ResourceExhausted
+from moelora.client.errors import FailedPrecondition, ResourceExhausted
 
 E, H, INTER, R = 3, 8, 5, 4
 LAYERS = (1, 3)

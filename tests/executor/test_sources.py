@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from executor_service.sources import LocalFolderSource
-from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE, files_digest
-from shared.errors import DataLoss, FailedPrecondition, NotFound
+from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE, files_digest
+from moelora.client.errors import DataLoss, FailedPrecondition, NotFound
 from shared.refs import AdapterRef
 
 

@@ -18,8 +18,8 @@ from peft import PeftModel
 from transformers import PreTrainedModel
 
 from executor_service.synthetic import SyntheticAdapter, write_adapter
+from moelora.client.model_spec import read_model_spec
 from shared.adapter_format import AdapterFormat
-from shared.model_spec import read_model_spec
 from tests.formats.hf_models import HIDDEN, build_model, moe_block, run_block
 from tests.formats.peft_adapters import load_peft_adapter, make_peft_adapter
 

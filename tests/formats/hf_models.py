@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from shared.model_types import MODEL_TYPES as MODEL_TYPES_TABLE
-from shared.model_types import SUPPORTED_MODEL_TYPES
+from moelora.client.model_types import MODEL_TYPES as MODEL_TYPES_TABLE
+from moelora.client.model_types import SUPPORTED_MODEL_TYPES
 
 HIDDEN = 48
 INTERMEDIATE = 16

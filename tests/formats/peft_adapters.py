@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from shared.model_types import MODEL_TYPES
+from moelora.client.model_types import MODEL_TYPES
 from tests.formats.hf_models import build_model
 
 #: Adapter variants the parity tests cover, as LoraConfig arguments.

@@ -20,6 +20,9 @@ from executor_service.synthetic import (
     write_adapter,
     write_base_checkpoint,
 )
+from moelora.client.errors import InvalidArgument
+from moelora.client.model_spec import ModelSpec, read_model_spec
+from moelora.client.safetensors_header import parse_bytes, read_header
 from shared.adapter_format import (
     AdapterFormat,
     AdapterLayout,
@@ -28,9 +31,6 @@ from shared.adapter_format import (
     inspect_adapter,
     parse_adapter_config,
 )
-from shared.errors import InvalidArgument
-from shared.model_spec import ModelSpec, read_model_spec
-from shared.safetensors_header import parse_bytes, read_header
 from tests.formats.conftest import HFCheckpoint
 from tests.formats.peft_adapters import make_peft_adapter
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.errors import InvalidArgument
-from shared.model_spec import ExpertLayout, ModelSpec, read_checkpoint, read_model_spec
+from moelora.client.errors import InvalidArgument
+from moelora.client.model_spec import ExpertLayout, ModelSpec, read_checkpoint, read_model_spec
 from tests.formats.conftest import HFCheckpoint
 from tests.formats.hf_models import HIDDEN, INTERMEDIATE, MODEL_TYPES, build_model, save_model
 

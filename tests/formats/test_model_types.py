@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kernels.types import Activation, RouterKind
-from shared.model_types import (
+from moelora.client.model_types import (
     MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
     ExpertActivation,
@@ -20,7 +20,7 @@ from tests.formats.test_model_spec import EXPECTED
 ROOT = Path(__file__).resolve().parents[2]
 #: Modules that once branched on the type's name and now read the table.
 CONSUMERS = (
-    "shared/model_spec.py",
+    "moelora/client/model_spec.py",
     "shared/adapter_format.py",
     "executor_service/model_loader.py",
     "executor_service/packer.py",

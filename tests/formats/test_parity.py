@@ -26,8 +26,8 @@ from executor_service.synthetic import (
     write_base_checkpoint,
 )
 from kernels import LoRAContext, LoRASlots, moe_forward
+from moelora.client.errors import InvalidArgument
 from shared.adapter_format import AdapterFormat
-from shared.errors import InvalidArgument
 from tests.formats.conftest import HFCheckpoint
 from tests.formats.hf_models import HIDDEN, MODEL_TYPES, moe_block, run_block
 from tests.formats.peft_adapters import load_peft_adapter, make_peft_adapter

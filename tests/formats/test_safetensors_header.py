@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save, save_file
 
-from shared.errors import InvalidArgument
-from shared.safetensors_header import (
+from moelora.client.errors import InvalidArgument
+from moelora.client.safetensors_header import (
     TensorInfo,
     header_length,
     parse_bytes,

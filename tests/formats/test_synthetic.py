@@ -25,9 +25,9 @@ from executor_service.synthetic import (
     write_base_checkpoint,
 )
 from kernels import LoRAContext, moe_forward
+from moelora.client.model_spec import ExpertLayout, read_checkpoint
+from moelora.client.model_types import SUPPORTED_MODEL_TYPES
 from shared.adapter_format import AdapterFormat
-from shared.model_spec import ExpertLayout, read_checkpoint
-from shared.model_types import SUPPORTED_MODEL_TYPES
 from tests.formats.hf_models import moe_block, run_block
 from tests.formats.test_parity import assert_close, slots_for
 

@@ -22,10 +22,10 @@ import grpc
 import pytest
 import torch
 
-from executor_service.client import forward_request
+from moelora.client import torch_tensors as torch_codec
+from moelora.client.executor import forward_request
+from moelora.client.health import health_check
 from moelora.v1 import executor_pb2, executor_pb2_grpc, registry_pb2, registry_pb2_grpc, tensor_pb2
-from shared import torch_codec
-from shared.grpc_server import health_check
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import Recipe, World, build_world
 from tests.live_stack import BASE, Stack, rss_bytes

@@ -15,13 +15,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from moelora.client import tensors as codec
+from moelora.client import torch_tensors as torch_codec
+from moelora.client.errors import InvalidArgument, MoeLoraError
+from moelora.client.model_spec import read_model_spec
+from moelora.client.safetensors_header import DTYPE_ITEMSIZE, parse_bytes
 from moelora.v1 import tensor_pb2
-from shared import codec, torch_codec
 from shared.adapter_format import inspect_adapter, parse_adapter_config
-from shared.errors import InvalidArgument, MoeLoraError
-from shared.model_spec import read_model_spec
 from shared.refs import AdapterRef
-from shared.safetensors_header import DTYPE_ITEMSIZE, parse_bytes
 from tests.registry.fixtures import write_adapter, write_base_model
 
 #: Error messages travel in the grpc-message trailer: they must stay short whatever the input.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import helm_python as helm
-import yaml  # type: ignore[import-untyped]
+import yaml
 
 from tests.conftest import REPO
 

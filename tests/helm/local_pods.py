@@ -30,11 +30,15 @@ def relocate(env: dict[str, str], tmp: Path) -> dict[str, str]:
     """The pod's environment, runnable here: free loopback ports, volumes under tmp."""
     moved = {}
     for name, value in env.items():
-        if name in ("MOELORA_LISTEN", "MOELORA_METRICS_LISTEN", "MOELORA_HTTP_LISTEN") and value:
+        if name.startswith("MOELORA_") and name.endswith("_LISTEN") and value:
             value = f"127.0.0.1:{free_port()}"
         moved[name] = relocate_path(value, tmp)
-    if moved.get("MOELORA_HTTP_PUBLIC_URL"):  # the Service's name resolves in the cluster only
-        moved["MOELORA_HTTP_PUBLIC_URL"] = f"http://{moved['MOELORA_HTTP_LISTEN']}"
+    if moved.get(
+        "MOELORA_REGISTRY_HTTP_PUBLIC_URL"
+    ):  # the Service's name resolves in the cluster only
+        moved["MOELORA_REGISTRY_HTTP_PUBLIC_URL"] = (
+            f"http://{moved['MOELORA_REGISTRY_HTTP_LISTEN']}"
+        )
     return moved
 
 
@@ -69,7 +73,8 @@ def start_serving(
     sees it SERVING; checks its metrics endpoint when it has one."""
     script, *args = command
     server = start_server(script, *args, env=env)
-    address = env["MOELORA_LISTEN"]
+    prefix = next(p for p in ("MOELORA_REGISTRY_", "MOELORA_EXECUTOR_") if f"{p}LISTEN" in env)
+    address = env[f"{prefix}LISTEN"]
     try:
         wait_for(
             lambda: server.proc.poll() is not None or probe_serving(address, service),
@@ -78,8 +83,8 @@ def start_serving(
     except TimeoutError:
         pytest.fail(f"{script} not SERVING:\n{server.log()}")
     assert server.proc.poll() is None, server.log()
-    if env["MOELORA_METRICS_LISTEN"]:
-        metrics_url = f"http://{env['MOELORA_METRICS_LISTEN']}/metrics"
+    if env[f"{prefix}METRICS_LISTEN"]:
+        metrics_url = f"http://{env[f'{prefix}METRICS_LISTEN']}/metrics"
         metrics = urllib.request.urlopen(metrics_url).read()
         # The probe's health checks went through the server's RPC metrics.
         health_ok = (

@@ -9,7 +9,7 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-import yaml  # type: ignore[import-untyped]
+import yaml
 
 from tests.helm.chart import CHART_DIR, Release, component_of, pod_template, render
 

@@ -10,8 +10,8 @@ import helm_python as helm
 import pytest
 
 from executor_service.config import ExecutorSettings
+from moelora.client.layer_set import parse_layers
 from shared.config import parse_settings
-from shared.layer_set import parse_layers
 from tests.helm.chart import (
     Obj,
     Release,
@@ -78,8 +78,8 @@ def test_group_pods_serve_their_layers_under_their_pod_names(
     for group in GROUPS:
         statefulset = grouped.named("StatefulSet", f"{EXECUTOR}-{group['name']}")
         executor = container(statefulset, "executor")
-        assert env_of(executor)["MOELORA_LAYERS"] == {
-            "name": "MOELORA_LAYERS",
+        assert env_of(executor)["MOELORA_EXECUTOR_LAYERS"] == {
+            "name": "MOELORA_EXECUTOR_LAYERS",
             "value": group["layers"],
         }
         pod = f"{statefulset['metadata']['name']}-1"
@@ -120,14 +120,14 @@ def test_no_groups_renders_the_single_executor(chart: helm.Chart, defaults: Rele
     assert statefulset["spec"]["serviceName"] == f"{EXECUTOR}-headless"
     assert GROUP_LABEL not in pod_labels(statefulset)
     env = env_of(container(statefulset, "executor"))
-    assert "MOELORA_LAYERS" not in env and "MOELORA_REPLICA_NAME" not in env
+    assert "MOELORA_EXECUTOR_LAYERS" not in env and "MOELORA_EXECUTOR_REPLICA_NAME" not in env
 
 
 def test_qwen3_235b_groups_cover_every_moe_layer_once(chart: helm.Chart) -> None:
     release = render(chart, ci_values("qwen3-235b"))
     served: list[int] = []
     for statefulset in release.all("StatefulSet"):
-        layers = env_of(container(statefulset, "executor"))["MOELORA_LAYERS"]["value"]
+        layers = env_of(container(statefulset, "executor"))["MOELORA_EXECUTOR_LAYERS"]["value"]
         served += parse_layers(layers)
     assert sorted(served) == list(range(94))
     assert len(release.all("PodDisruptionBudget")) == 4

@@ -26,8 +26,8 @@ from tests.helm.chart import (
 GPU = "nvidia.com/gpu"
 # Names whose value must come from a Secret, never from the chart's text.
 SECRET_ENV = (
-    "MOELORA_DATABASE_URL",
-    "MOELORA_REGISTRY_TOKEN",
+    "MOELORA_REGISTRY_DATABASE_URL",
+    "MOELORA_EXECUTOR_REGISTRY_TOKEN",
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
 )
@@ -64,7 +64,7 @@ def test_executor_probes_are_native_grpc_health_checks(release: Release) -> None
         assert executor[probe]["grpc"] == {"port": port, "service": EXECUTOR_SERVICE}
     # Liveness asks about the server as a whole.
     assert executor["livenessProbe"]["grpc"] == {"port": port}
-    assert configmap_env(release, executor)["MOELORA_LISTEN"] == f"0.0.0.0:{port}"
+    assert configmap_env(release, executor)["MOELORA_EXECUTOR_LISTEN"] == f"0.0.0.0:{port}"
 
 
 def test_startup_probe_budget_covers_model_loading(defaults: Release, production: Release) -> None:
@@ -82,7 +82,7 @@ def test_registry_probes_are_native_grpc_health_checks(release: Release) -> None
     for probe in ("startupProbe", "readinessProbe"):
         assert registry[probe]["grpc"] == {"port": port, "service": REGISTRY_SERVICE}
     assert registry["livenessProbe"]["grpc"] == {"port": port}
-    assert configmap_env(release, registry)["MOELORA_LISTEN"] == f"0.0.0.0:{port}"
+    assert configmap_env(release, registry)["MOELORA_REGISTRY_LISTEN"] == f"0.0.0.0:{port}"
 
 
 # --- services -----------------------------------------------------------------------
@@ -128,7 +128,7 @@ def test_cpu_executors_ask_for_no_gpu(cpu: Release) -> None:
     executor = container(cpu.one("StatefulSet"), "executor")
     assert GPU not in executor["resources"].get("limits", {})
     assert GPU not in executor["resources"].get("requests", {})
-    assert configmap_env(cpu, executor)["MOELORA_DEVICE"] == "cpu"
+    assert configmap_env(cpu, executor)["MOELORA_EXECUTOR_DEVICE"] == "cpu"
     assert "tolerations" not in pod_template(cpu.one("StatefulSet"))["spec"]
 
 
@@ -171,7 +171,7 @@ def test_services_get_writable_tmp_and_home_volumes(release: Release) -> None:
     executor = container(release.one("StatefulSet"), "executor")
     env = configmap_env(release, executor)
     cache_paths = {m["mountPath"] for m in executor["volumeMounts"]}
-    assert env["MOELORA_DISK_CACHE_DIR"].startswith("/var/cache/moelora/")
+    assert env["MOELORA_EXECUTOR_DISK_CACHE_DIR"].startswith("/var/cache/moelora/")
     assert env["TRITON_CACHE_DIR"].startswith("/var/cache/moelora/")
     assert "/var/cache/moelora" in cache_paths
 
@@ -194,22 +194,24 @@ def test_secrets_are_referenced_never_inlined(release: Release) -> None:
 def test_production_secrets_come_from_the_named_secrets(production: Release) -> None:
     registry = container(production.one("Deployment", "registry"), "registry")
     env = env_of(registry)
-    assert env["MOELORA_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {
+    assert env["MOELORA_REGISTRY_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {
         "name": "moelora-database",
         "key": "database-url",
     }
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "moelora-s3"
-    token = env_of(container(production.one("StatefulSet"), "executor"))["MOELORA_REGISTRY_TOKEN"]
+    token = env_of(container(production.one("StatefulSet"), "executor"))[
+        "MOELORA_EXECUTOR_REGISTRY_TOKEN"
+    ]
     assert token["valueFrom"]["secretKeyRef"] == {"name": "moelora-executor-token", "key": "token"}
-    # The hashed token file is mounted from its Secret, where MOELORA_AUTH_TOKENS_FILE says.
+    # The hashed token file is mounted from its Secret, where ..._AUTH_TOKENS_FILE says.
     spec = pod_template(production.one("Deployment", "registry"))["spec"]
     volume = next(v for v in spec["volumes"] if "secret" in v)
     assert volume["secret"]["secretName"] == "moelora-registry-tokens"
     mount = next(m for m in registry["volumeMounts"] if m["name"] == volume["name"])
     assert mount["readOnly"] is True
-    tokens_file = configmap_env(production, registry)["MOELORA_AUTH_TOKENS_FILE"]
+    tokens_file = configmap_env(production, registry)["MOELORA_REGISTRY_AUTH_TOKENS_FILE"]
     assert tokens_file == f"{mount['mountPath']}/tokens.json"
-    assert configmap_env(production, registry)["MOELORA_AUTH"] == "on"
+    assert configmap_env(production, registry)["MOELORA_REGISTRY_AUTH"] == "on"
 
 
 # --- settings the services read -----------------------------------------------------
@@ -234,18 +236,18 @@ def test_every_moelora_variable_is_a_setting_of_its_service(release: Release) ->
 
 def test_executor_settings_follow_the_values(production: Release) -> None:
     env = configmap_env(production, container(production.one("StatefulSet"), "executor"))
-    assert env["MOELORA_BASE_MODEL_NAME"] == "qwen3-30b-a3b"
-    assert env["MOELORA_NUM_SLOTS"] == "32"
-    assert env["MOELORA_MAX_RANK"] == "64"
-    assert env["MOELORA_HOST_CACHE_BYTES"] == str(32 * 1024**3)
-    assert env["MOELORA_DISK_CACHE_BYTES"] == str(100 * 1024**3)
-    assert env["MOELORA_PRELOAD_ADAPTERS"] == '["support-bot@prod","sql-writer@prod"]'
-    assert env["MOELORA_REGISTRY_ADDRESS"] == "demo-moe-lora-serve-registry.ml.svc:50051"
+    assert env["MOELORA_EXECUTOR_BASE_MODEL_NAME"] == "qwen3-30b-a3b"
+    assert env["MOELORA_EXECUTOR_NUM_SLOTS"] == "32"
+    assert env["MOELORA_EXECUTOR_MAX_RANK"] == "64"
+    assert env["MOELORA_EXECUTOR_HOST_CACHE_BYTES"] == str(32 * 1024**3)
+    assert env["MOELORA_EXECUTOR_DISK_CACHE_BYTES"] == str(100 * 1024**3)
+    assert env["MOELORA_EXECUTOR_PRELOAD_ADAPTERS"] == '["support-bot@prod","sql-writer@prod"]'
+    assert env["MOELORA_EXECUTOR_REGISTRY_ADDRESS"] == "demo-moe-lora-serve-registry.ml.svc:50051"
     # The adapter disk cache fits its volume.
     statefulset = production.one("StatefulSet")
     cache = next(v for v in pod_template(statefulset)["spec"]["volumes"] if v["name"] == "cache")
     assert int(cache["emptyDir"]["sizeLimit"].removesuffix("Gi")) * 1024**3 > int(
-        env["MOELORA_DISK_CACHE_BYTES"]
+        env["MOELORA_EXECUTOR_DISK_CACHE_BYTES"]
     )
 
 
@@ -257,7 +259,10 @@ def test_termination_grace_outlasts_the_pause_and_the_drain(release: Release) ->
     for workload in (release.one("StatefulSet"), release.one("Deployment", "registry")):
         spec = pod_template(workload)["spec"]
         main = spec["containers"][0]
-        drain = float(configmap_env(release, main)["MOELORA_DRAIN_SECONDS"])
+        env = configmap_env(release, main)
+        drain = float(
+            env.get("MOELORA_EXECUTOR_DRAIN_SECONDS") or env["MOELORA_REGISTRY_DRAIN_SECONDS"]
+        )
         pause = main["lifecycle"]["preStop"]["sleep"]["seconds"]
         assert spec["terminationGracePeriodSeconds"] > pause + drain
         liveness = main["livenessProbe"]
@@ -275,8 +280,8 @@ def test_sqlite_registry_is_one_pod_on_a_kept_volume_migrating_at_start(
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
     assert defaults.all("Job") == []
     env = configmap_env(defaults, container(deployment, "registry"))
-    assert env["MOELORA_MIGRATE_ON_START"] == "true"
-    assert env["MOELORA_BLOB_URL"] == "file:///data/blobs"
+    assert env["MOELORA_REGISTRY_MIGRATE_ON_START"] == "true"
+    assert env["MOELORA_REGISTRY_BLOB_URL"] == "file:///data/blobs"
     claim = defaults.one("PersistentVolumeClaim")
     assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     data = next(v for v in pod_template(deployment)["spec"]["volumes"] if v["name"] == "data")
@@ -295,18 +300,18 @@ def test_postgresql_registry_migrates_in_a_hook_job_before_pods_roll(production:
     # Hooks run before the release's own objects exist: nothing from the chart is used.
     assert "envFrom" not in migrate
     assert "serviceAccountName" not in pod_template(job)["spec"]
-    assert "secretKeyRef" in env_of(migrate)["MOELORA_DATABASE_URL"]["valueFrom"]
+    assert "secretKeyRef" in env_of(migrate)["MOELORA_REGISTRY_DATABASE_URL"]["valueFrom"]
     deployment = production.one("Deployment", "registry")
     env = configmap_env(production, container(deployment, "registry"))
-    assert env["MOELORA_MIGRATE_ON_START"] == "false"
-    assert env["MOELORA_BLOB_URL"] == "s3://moelora-adapters/prod"
+    assert env["MOELORA_REGISTRY_MIGRATE_ON_START"] == "false"
+    assert env["MOELORA_REGISTRY_BLOB_URL"] == "s3://moelora-adapters/prod"
     assert deployment["spec"]["replicas"] == 3
     assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     assert production.all("PersistentVolumeClaim") == []
     # /data then holds only the upload spool: a sized emptyDir.
     volumes = {v["name"]: v for v in pod_template(deployment)["spec"]["volumes"]}
     assert volumes["data"]["emptyDir"] == {"sizeLimit": "20Gi"}
-    assert env["MOELORA_DATA_DIR"] == "/data"
+    assert env["MOELORA_REGISTRY_DATA_DIR"] == "/data"
 
 
 # --- disruption budgets and autoscaling ---------------------------------------------
@@ -348,14 +353,17 @@ def test_model_from_s3_is_fetched_by_an_init_container_onto_a_pod_volume(
     fetch = container(statefulset, "fetch-model")
     assert fetch["args"] == ["s3://moelora-models/qwen3-30b-a3b", "/models"]
     assert fetch["image"].startswith("moelora/registry:")  # boto3 lives there
-    assert env_of(fetch)["MOELORA_S3_ENDPOINT_URL"]["value"] == "https://minio.storage.svc:9000"
+    assert (
+        env_of(fetch)["MOELORA_REGISTRY_S3_ENDPOINT_URL"]["value"]
+        == "https://minio.storage.svc:9000"
+    )
     claim = statefulset["spec"]["volumeClaimTemplates"][0]
     assert claim["metadata"]["name"] == "model"
     assert claim["spec"]["resources"]["requests"]["storage"] == "120Gi"
     executor = container(statefulset, "executor")
     model_mount = next(m for m in executor["volumeMounts"] if m["name"] == "model")
     assert model_mount == {"name": "model", "mountPath": "/models", "readOnly": True}
-    assert configmap_env(production, executor)["MOELORA_BASE_MODEL_PATH"] == "/models"
+    assert configmap_env(production, executor)["MOELORA_EXECUTOR_BASE_MODEL_PATH"] == "/models"
 
 
 def test_model_from_s3_without_persistence_uses_a_sized_empty_dir(cpu: Release) -> None:
@@ -371,7 +379,7 @@ def test_model_from_host_path_is_read_only(autoscaling: Release) -> None:
     assert volumes["model"]["hostPath"] == {"path": "/mnt/models", "type": "Directory"}
     executor = container(statefulset, "executor")
     env = configmap_env(autoscaling, executor)
-    assert env["MOELORA_BASE_MODEL_PATH"] == "/models/Mixtral-8x7B-v0.1"
+    assert env["MOELORA_EXECUTOR_BASE_MODEL_PATH"] == "/models/Mixtral-8x7B-v0.1"
     assert not [c for c in containers(statefulset) if c["name"] == "fetch-model"]
 
 
@@ -448,18 +456,18 @@ def test_local_blobs_serve_signed_urls_to_executors_through_the_service(
         if r["ports"][0]["port"] == "grpc"
     )
     executor_egress = egress_ports(policy_for(release, "executor"))
-    if not env["MOELORA_BLOB_URL"].startswith("file://"):  # S3: executors go to the bucket
-        assert env["MOELORA_HTTP_LISTEN"] == ""
+    if not env["MOELORA_REGISTRY_BLOB_URL"].startswith("file://"):  # S3: executors go to the bucket
+        assert env["MOELORA_REGISTRY_HTTP_LISTEN"] == ""
         assert "http" not in service_ports
         assert [p["name"] for p in registry["ports"]] == ["grpc", "metrics"]
         assert "http" not in {p["port"] for p in registry_rule["ports"]}
         assert 50053 not in executor_egress
         return
     port = port_number(registry, "http")
-    assert port == 50053 and env["MOELORA_HTTP_LISTEN"] == f"0.0.0.0:{port}"
+    assert port == 50053 and env["MOELORA_REGISTRY_HTTP_LISTEN"] == f"0.0.0.0:{port}"
     assert service_ports["http"]["port"] == port and service_ports["http"]["targetPort"] == "http"
     name, namespace = service["metadata"]["name"], service["metadata"]["namespace"]
-    assert env["MOELORA_HTTP_PUBLIC_URL"] == f"http://{name}.{namespace}.svc:{port}"
+    assert env["MOELORA_REGISTRY_HTTP_PUBLIC_URL"] == f"http://{name}.{namespace}.svc:{port}"
     assert {"port": "http", "protocol": "TCP"} in registry_rule["ports"]
     assert admitted(registry_rule, pod_labels(release.one("StatefulSet")))
     assert port in executor_egress
@@ -528,12 +536,15 @@ def test_pod_monitors_scrape_the_pods_metrics_ports(autoscaling: Release) -> Non
         main = pod_template(workload)["spec"]["containers"][0]
         metrics_port = port_number(main, "metrics")
         env = configmap_env(autoscaling, main)
-        assert env["MOELORA_METRICS_LISTEN"] == f"0.0.0.0:{metrics_port}"
+        listen = (
+            env.get("MOELORA_EXECUTOR_METRICS_LISTEN") or env["MOELORA_REGISTRY_METRICS_LISTEN"]
+        )
+        assert listen == f"0.0.0.0:{metrics_port}"
 
 
 def test_metrics_off_turns_the_endpoint_off(cpu: Release) -> None:
     executor = container(cpu.one("StatefulSet"), "executor")
-    assert configmap_env(cpu, executor)["MOELORA_METRICS_LISTEN"] == ""
+    assert configmap_env(cpu, executor)["MOELORA_EXECUTOR_METRICS_LISTEN"] == ""
     assert [p["name"] for p in executor["ports"]] == ["grpc"]
 
 
@@ -570,7 +581,7 @@ def test_notes_tell_how_to_upload_an_adapter_and_call_forward(
     notes = defaults.notes
     assert "kubectl -n ml port-forward svc/demo-moe-lora-serve-registry 50051:50051" in notes
     assert "adapterctl upload" in notes and "adapterctl base-model register" in notes
-    assert "stub.Forward(" in notes
+    assert "pip install moelora-client" in notes and "client.forward(" in notes
     assert "dns:///demo-moe-lora-serve-executor-headless.ml.svc:50052" in notes
     assert "admits only client pods labelled moelora.io/executor-client=true" in notes
     assert "WARNING: auth is off" in notes

@@ -52,7 +52,7 @@ def test_executor_fetches_its_model_loads_an_adapter_and_answers_forward(
     fetch = container(statefulset, "fetch-model")
     assert fetch["command"] == ["python", "/opt/moelora/fetch_model.py"]
     fetch_env = relocate(container_env(cpu, fetch, s3_secrets), tmp_path)
-    fetch_env["MOELORA_S3_ENDPOINT_URL"] = s3_endpoint
+    fetch_env["MOELORA_REGISTRY_S3_ENDPOINT_URL"] = s3_endpoint
     fetched = subprocess.run(
         [sys.executable, str(REPO / "docker" / "fetch_model.py")]
         + [relocate_path(arg, tmp_path) for arg in fetch["args"]],
@@ -73,8 +73,8 @@ def test_executor_fetches_its_model_loads_an_adapter_and_answers_forward(
         start_server, ["moelora-registry", *registry_pod["args"]], REGISTRY_SERVICE, registry_env
     )
     executor_pod = container(statefulset, "executor")
-    model_name = configmap_env(cpu, executor_pod)["MOELORA_BASE_MODEL_NAME"]
-    operator_env = clean_env({"MOELORA_REGISTRY_ADDRESS": registry_env["MOELORA_LISTEN"]})
+    model_name = configmap_env(cpu, executor_pod)["MOELORA_EXECUTOR_BASE_MODEL_NAME"]
+    operator_env = clean_env({"MOELORA_REGISTRY_ADDRESS": registry_env["MOELORA_REGISTRY_LISTEN"]})
     adapter = write_adapter(tmp_path / "my-adapter")
     for args in (
         ["base-model", "register", str(tmp_path / "models"), "--name", model_name],
@@ -94,15 +94,17 @@ def test_executor_fetches_its_model_loads_an_adapter_and_answers_forward(
 
     # The executor, from the StatefulSet's environment.
     env = relocate(container_env(cpu, executor_pod, {}), tmp_path)
-    env["MOELORA_REGISTRY_ADDRESS"] = registry_env["MOELORA_LISTEN"]
+    env["MOELORA_EXECUTOR_REGISTRY_ADDRESS"] = registry_env["MOELORA_REGISTRY_LISTEN"]
     env = clean_env(env)
     command = ["moelora-executor", *executor_pod.get("args", [])]
     executor = start_serving(start_server, command, EXECUTOR_SERVICE, env, timeout=120)
 
     # NOTES.txt's Forward call: first with the base model in every segment, then as
     # written, with the uploaded adapter.
-    program = notes_forward_snippet(cpu.notes).replace("127.0.0.1:50052", env["MOELORA_LISTEN"])
-    base_only = run_python(program.replace('adapter="my-adapter@prod"', 'adapter=""'))
+    program = notes_forward_snippet(cpu.notes).replace(
+        "127.0.0.1:50052", env["MOELORA_EXECUTOR_LISTEN"]
+    )
+    base_only = run_python(program.replace('"my-adapter@prod"', "None"))
     assert base_only.returncode == 0, base_only.stderr + executor.log()
     assert base_only.stdout.startswith("['', ''] (4, 16)"), base_only.stdout
     with_adapter = run_python(program)

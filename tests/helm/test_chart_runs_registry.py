@@ -73,13 +73,13 @@ def test_production_registry_migrates_in_the_job_then_serves_with_auth(
 
     pod = container(production.one("Deployment", "registry"), "registry")
     env = relocate(container_env(production, pod, secrets), tmp_path)
-    env["MOELORA_S3_ENDPOINT_URL"] = s3_endpoint  # the only address moved off the cluster
+    env["MOELORA_REGISTRY_S3_ENDPOINT_URL"] = s3_endpoint  # the only address moved off the cluster
     env = clean_env(env)
-    assert env["MOELORA_MIGRATE_ON_START"] == "false"
+    assert env["MOELORA_REGISTRY_MIGRATE_ON_START"] == "false"
     server = start_serving(start_server, ["moelora-registry", *pod["args"]], REGISTRY_SERVICE, env)
 
     def adapterctl(token: str | None) -> subprocess.CompletedProcess[str]:
-        args = [str(BIN / "adapterctl"), "--address", env["MOELORA_LISTEN"], "list"]
+        args = [str(BIN / "adapterctl"), "--address", env["MOELORA_REGISTRY_LISTEN"], "list"]
         extra = {"MOELORA_REGISTRY_TOKEN": token} if token else {}
         return subprocess.run(
             args, env=clean_env(extra), capture_output=True, text=True, timeout=60

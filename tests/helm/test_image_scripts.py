@@ -78,15 +78,15 @@ def test_probe_fails_for_a_service_the_server_lacks(health_server: GrpcServer) -
 
 
 def test_probe_defaults_to_its_own_container_server(health_server: GrpcServer) -> None:
-    # As in the image's HEALTHCHECK: MOELORA_LISTEN says 0.0.0.0, the probe uses loopback.
+    # As in the image's HEALTHCHECK: MOELORA_EXECUTOR_LISTEN says 0.0.0.0, the probe uses loopback.
     health_server.set_serving(True)
-    env = {"MOELORA_LISTEN": f"0.0.0.0:{health_server.port}"}
+    env = {"MOELORA_EXECUTOR_LISTEN": f"0.0.0.0:{health_server.port}"}
     result = run(PROBE, env=env)
     assert result.returncode == 0
     assert f"127.0.0.1:{health_server.port} (server): SERVING" in result.stdout
-    broken = run(PROBE, env={"MOELORA_LISTEN": "nonsense"})
+    broken = run(PROBE, env={"MOELORA_REGISTRY_LISTEN": "nonsense"})
     assert broken.returncode != 0
-    assert "MOELORA_LISTEN='nonsense' is not host:port" in broken.stderr
+    assert "MOELORA_REGISTRY_LISTEN='nonsense' is not host:port" in broken.stderr
 
 
 # --- the model fetcher --------------------------------------------------------------
@@ -98,9 +98,9 @@ def s3_env() -> Iterator[dict[str, str]]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {
-        "MOELORA_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "MOELORA_S3_REGION": "us-east-1",
-        "MOELORA_S3_PATH_STYLE": "true",
+        "MOELORA_REGISTRY_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "MOELORA_REGISTRY_S3_REGION": "us-east-1",
+        "MOELORA_REGISTRY_S3_PATH_STYLE": "true",
         "AWS_ACCESS_KEY_ID": "test",
         "AWS_SECRET_ACCESS_KEY": "test",
     }
@@ -111,8 +111,8 @@ def s3_env() -> Iterator[dict[str, str]]:
 def s3_client(env: dict[str, str]) -> Any:
     return boto3.client(
         "s3",
-        endpoint_url=env["MOELORA_S3_ENDPOINT_URL"],
-        region_name=env["MOELORA_S3_REGION"],
+        endpoint_url=env["MOELORA_REGISTRY_S3_ENDPOINT_URL"],
+        region_name=env["MOELORA_REGISTRY_S3_REGION"],
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
     )

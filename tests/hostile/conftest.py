@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from shared.grpc_server import health_check
+from moelora.client.health import health_check
 from shared.tokens import Role, new_token_entry
 from tests.executor.worlds import Recipe, World, build_world
 from tests.live_stack import Stack

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import InvalidArgument
-from shared.model_spec import read_model_spec
+from moelora.client.errors import InvalidArgument
+from moelora.client.model_spec import read_model_spec
 from tests.hostile.conftest import HealthWatch
 from tests.live_stack import BASE, Stack, rss_bytes
 

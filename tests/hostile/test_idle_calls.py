@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from shared.auth import bearer_metadata
+from moelora.client.auth import bearer_metadata
 from shared.call_limits import HEALTH_CALLS_PER_PEER
 from tests.hostile.conftest import MESSAGE_TIMEOUT_SECONDS, HealthWatch, Tokens, long_run
 from tests.live_stack import Stack, open_fds

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from executor_service.client import forward_request
+from moelora.client.auth import bearer_metadata
+from moelora.client.executor import forward_request
 from moelora.v1 import executor_pb2, executor_pb2_grpc, registry_pb2, registry_pb2_grpc
-from shared.auth import bearer_metadata
 from shared.call_limits import RECHECK_SECONDS
 from shared.tokens import Role, new_token_entry
 from tests.hostile.conftest import Tokens

@@ -9,9 +9,9 @@ import time
 import grpc
 import pytest
 
+from moelora.client.auth import bearer_metadata
+from moelora.client.rpc_metadata import WATCH_START_METADATA
 from moelora.v1 import registry_pb2, registry_pb2_grpc
-from shared.auth import bearer_metadata
-from shared.rpc_metadata import WATCH_START_METADATA
 from tests.hostile.conftest import HealthWatch, Tokens, long_run
 from tests.live_stack import Stack, rss_bytes
 

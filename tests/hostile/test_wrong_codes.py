@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from moelora.client.auth import bearer_metadata
+from moelora.client.errors import InvalidArgument
 from moelora.v1 import executor_pb2, registry_pb2, registry_pb2_grpc
-from shared.auth import bearer_metadata
-from shared.errors import InvalidArgument
 from tests.executor.worlds import World
 from tests.hostile.conftest import Tokens
 from tests.live_stack import BASE, Stack

@@ -9,8 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from shared.errors import FailedPrecondition, InvalidArgument, NotFound
-from shared.grpc_server import GrpcServer, ServerOptions, health_check
+from moelora.client.errors import FailedPrecondition, InvalidArgument, NotFound
+from moelora.client.health import health_check
+from shared.grpc_server import GrpcServer, ServerOptions
 
 SERVICE = "test.v1.Probe"
 

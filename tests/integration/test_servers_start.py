@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2
 
-from shared.grpc_server import health_check, wait_until_serving
+from moelora.client.health import health_check, wait_until_serving
 from tests.conftest import free_port
 
 REGISTRY = "moelora.v1.AdapterRegistry"
@@ -97,14 +97,26 @@ def test_reflection_answers_in_both_protocol_versions(
 def test_invalid_flag_exits_2_with_one_readable_line(start_server: Any) -> None:
     server = start_server("moelora-executor", "--num-slots", "0")
     assert server.proc.wait(60) == 2
-    assert "--num-slots / MOELORA_NUM_SLOTS" in server.log()
+    assert "--num-slots / MOELORA_EXECUTOR_NUM_SLOTS" in server.log()
 
 
 @pytest.mark.parametrize("script", ["moelora-registry", "moelora-executor"])
 def test_env_twin_is_read(start_server: Any, script: str) -> None:
-    server = start_server(script, env={"MOELORA_LOG_FORMAT": "yaml"})
+    prefix = "MOELORA_REGISTRY_" if script == "moelora-registry" else "MOELORA_EXECUTOR_"
+    server = start_server(script, env={f"{prefix}LOG_FORMAT": "yaml"})
     assert server.proc.wait(60) == 2
-    assert "MOELORA_LOG_FORMAT" in server.log()
+    assert f"{prefix}LOG_FORMAT" in server.log()
+
+
+@pytest.mark.parametrize("script", ["moelora-registry", "moelora-executor"])
+def test_old_env_names_still_work_with_a_deprecation_warning(
+    start_server: Any, script: str
+) -> None:
+    new = "MOELORA_REGISTRY_" if script == "moelora-registry" else "MOELORA_EXECUTOR_"
+    server = start_server(script, env={"MOELORA_LOG_FORMAT": "yaml"})
+    assert server.proc.wait(60) == 2  # the old name was read: its value is refused
+    log = server.log()
+    assert f"MOELORA_LOG_FORMAT is deprecated (rename it {new}LOG_FORMAT)" in log
 
 
 BUF = Path(__file__).resolve().parents[2] / ".tools/node_modules/.bin/buf"

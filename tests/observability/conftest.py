@@ -18,13 +18,13 @@ import grpc
 import helm_python as helm
 import pytest
 import torch
-import yaml  # type: ignore[import-untyped]
+import yaml
 
-from executor_service.client import ExecutorClient, ForwardCall, RetryPolicy
-from shared.errors import MoeLoraError
-from shared.grpc_server import wait_until_serving
-from shared.model_spec import ModelSpec, read_model_spec
-from shared.registry_client import RegistryClient
+from moelora.client.errors import MoeLoraError
+from moelora.client.executor import ExecutorClient, ForwardCall, RetryPolicy
+from moelora.client.health import wait_until_serving
+from moelora.client.model_spec import ModelSpec, read_model_spec
+from moelora.client.registry import RegistryClient
 from tests.conftest import ServerProcess, free_port
 from tests.helm.chart import CHART_DIR, render
 from tests.observability.prometheus import Prometheus
@@ -108,7 +108,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "--data-dir", str(tmp / "registry"), "--metrics-listen", metrics["registry"],
                 "--drain-seconds", "1",
             ],
-            {**_env(), "MOELORA_HTTP_LISTEN": "127.0.0.1:0"},
+            {**_env(), "MOELORA_REGISTRY_HTTP_LISTEN": "127.0.0.1:0"},
             tmp / "registry.log",
         )  # fmt: skip
         with grpc.insecure_channel(registry_address) as channel:

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import yaml  # type: ignore[import-untyped]
+import yaml
 
 from tests.observability.conftest import Monitoring
 from tests.observability.prometheus import Prometheus, promtool

@@ -17,12 +17,13 @@ import boto3
 import grpc
 import pytest
 
+from moelora.client.health import wait_until_serving
+from moelora.client.model_spec import read_model_spec
+from moelora.client.registry import RegistryClient
 from registry_service.app import RegistryApp, open_registry
 from registry_service.config import RegistrySettings
 from registry_service.server import SERVICE_NAME, create_server
-from shared.grpc_server import GrpcServer, wait_until_serving
-from shared.model_spec import read_model_spec
-from shared.registry_client import RegistryClient
+from shared.grpc_server import GrpcServer
 from tests.conftest import free_port
 from tests.registry.fixtures import write_base_model
 

@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import pytest
 
-from shared.auth import bearer_metadata, bearer_token
-from shared.errors import MoeLoraError
+from moelora.client.auth import bearer_metadata, bearer_token
+from moelora.client.errors import MoeLoraError
 from shared.tokens import Role
 from tests.conftest import free_port, wait_for
 from tests.registry.conftest import BASE, Served, register_base

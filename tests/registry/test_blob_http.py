@@ -18,10 +18,10 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import grpc
 import pytest
 
+from moelora.client.errors import MoeLoraError
 from registry_service import blob_reads
 from registry_service.byte_ranges import RangeNotSatisfiable, parse_range
 from registry_service.url_signing import SignatureRejected, UrlSigner
-from shared.errors import MoeLoraError
 from shared.url_ranges import STEP_BYTES, HttpStatusError, UrlRangeReader
 from tests.conftest import wait_for
 from tests.registry.conftest import BASE, Served, register_base

@@ -13,10 +13,10 @@ from pathlib import Path
 import boto3
 import pytest
 
+from moelora.client.errors import FailedPrecondition
 from registry_service.blobs import BlobStore, blob_key, open_blob_store
 from registry_service.blobs.local import LocalBlobStore
 from registry_service.blobs.s3 import S3BlobStore
-from shared.errors import FailedPrecondition
 from tests.registry.conftest import new_bucket
 
 MIB = 1024 * 1024

@@ -16,13 +16,13 @@ import grpc
 import pytest
 from sqlalchemy import select
 
+from moelora.client.errors import MoeLoraError
+from moelora.client.registry import RegistryClient
 from moelora.v1 import registry_pb2, registry_pb2_grpc
 from registry_service.blobs.local import LocalBlobStore
 from registry_service.db.engine import Database, sqlite_url
 from registry_service.db.models import VersionRow
 from registry_service.store import Store
-from shared.errors import MoeLoraError
-from shared.registry_client import RegistryClient
 from tests.conftest import wait_for
 from tests.registry.conftest import BASE, launch_registry, register_base
 from tests.registry.fixtures import write_adapter

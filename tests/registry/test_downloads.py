@@ -11,10 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from moelora.client.errors import MoeLoraError
+from moelora.client.registry import RegistryClient
 from moelora.v1 import registry_pb2, registry_pb2_grpc
 from registry_service.domain import ByteRange
-from shared.errors import MoeLoraError
-from shared.registry_client import RegistryClient
 from tests.registry.conftest import BASE, BlobSetting, Served, register_base
 from tests.registry.fixtures import write_adapter
 

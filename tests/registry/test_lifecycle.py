@@ -10,10 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from moelora.client.errors import MoeLoraError
+from moelora.client.model_spec import read_model_spec
 from registry_service.domain import Chunk, DeclaredFile, ListFilter, UploadHeader
 from registry_service.service import Registry
-from shared.errors import MoeLoraError
-from shared.model_spec import read_model_spec
 from tests.registry.conftest import BASE, Served, register_base
 from tests.registry.fixtures import write_adapter, write_base_model
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shared.errors import MoeLoraError
-from shared.registry_client import RegistryClient
+from moelora.client.errors import MoeLoraError
+from moelora.client.registry import RegistryClient
 from shared.url_ranges import UrlRangeReader, UrlUnreachable, tls_context
 from tests.registry.conftest import BASE, Served, register_base
 from tests.registry.fixtures import Collect, write_adapter

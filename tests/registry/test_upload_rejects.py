@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
+from moelora.client.errors import MoeLoraError
 from moelora.v1 import registry_pb2, registry_pb2_grpc
 from registry_service.db.models import VersionRow
 from registry_service.domain import VersionStatus
-from shared.errors import MoeLoraError
 from tests.registry.conftest import BASE, Served, register_base
 from tests.registry.fixtures import TinyShape, adapter_tensors, write_adapter, write_raw_weights
 

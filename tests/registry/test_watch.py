@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from moelora.client.errors import MoeLoraError
+from moelora.client.registry import RegistryClient, WatchStream
 from moelora.v1 import registry_pb2
-from shared.errors import MoeLoraError
-from shared.registry_client import RegistryClient, WatchStream
 from tests.registry.conftest import BASE, Served, register_base
 from tests.registry.fixtures import write_adapter
 

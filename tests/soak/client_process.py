@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor_service.client import ExecutorClient, RetryPolicy
-from shared.errors import MoeLoraError
+from moelora.client.errors import MoeLoraError
+from moelora.client.executor import ExecutorClient, RetryPolicy
 from tests.executor.worlds import World
 
 ATOL, RTOL = 1e-5, 1e-4

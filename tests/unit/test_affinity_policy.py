@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from executor_service.cluster.policy import AffinityTable, batch_key, rendezvous
+from moelora.client.cluster.policy import AffinityTable, batch_key, rendezvous
 
 REPLICAS = ["10.0.0.1:50052", "10.0.0.2:50052", "10.0.0.3:50052"]
 ADAPTERS = [f"adapter-{i}" for i in range(30)]

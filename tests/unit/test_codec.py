@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from moelora.client import tensors as codec
+from moelora.client import torch_tensors as torch_codec
+from moelora.client.errors import InvalidArgument
 from moelora.v1 import tensor_pb2
-from shared import codec, torch_codec
-from shared.errors import InvalidArgument
 
 DT = tensor_pb2.DataType
 TORCH_DTYPES = [

@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from executor_service.config import ExecutorSettings
-from shared.errors import InvalidArgument
-from shared.layer_set import format_layers, parse_layers
+from moelora.client.errors import InvalidArgument
+from moelora.client.layer_set import format_layers, parse_layers
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.background_writer import BackgroundWriter
-from shared.part_digests import PartHasher
+from moelora.client.background_writer import BackgroundWriter
+from moelora.client.part_digests import PartHasher
 
 
 def _slices(data: bytes, part_size: int) -> tuple[str, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.errors import InvalidArgument
+from moelora.client.errors import InvalidArgument
 from shared.refs import AdapterRef, validate_alias, validate_name
 
 DIGEST = "sha256:" + "ab" * 32

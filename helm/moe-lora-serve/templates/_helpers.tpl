@@ -92,7 +92,7 @@ annotations:
 
 {{/* The registry's SQLAlchemy URL, from the existing Secret; never inlined. */}}
 {{- define "moelora.databaseUrlEnv" -}}
-- name: MOELORA_DATABASE_URL
+- name: MOELORA_REGISTRY_DATABASE_URL
   valueFrom:
     secretKeyRef:
       name: {{ .Values.registry.database.existingSecret }}
@@ -102,16 +102,16 @@ annotations:
 {{/* S3 connection settings and credentials (for the registry's blobs and the model fetch). */}}
 {{- define "moelora.s3Env" -}}
 {{- with .Values.s3.endpointUrl }}
-- name: MOELORA_S3_ENDPOINT_URL
+- name: MOELORA_REGISTRY_S3_ENDPOINT_URL
   value: {{ . | quote }}
 {{- end }}
 {{- with .Values.s3.region }}
-- name: MOELORA_S3_REGION
+- name: MOELORA_REGISTRY_S3_REGION
   value: {{ . | quote }}
 - name: AWS_DEFAULT_REGION
   value: {{ . | quote }}
 {{- end }}
-- name: MOELORA_S3_PATH_STYLE
+- name: MOELORA_REGISTRY_S3_PATH_STYLE
   value: {{ .Values.s3.pathStyle | quote }}
 {{- with .Values.s3.credentials.existingSecret }}
 - name: AWS_ACCESS_KEY_ID
@@ -230,17 +230,17 @@ matchExpressions:
 the registry token and extraEnv. */}}
 {{- define "moelora.executor.env" -}}
 {{- with .g.layers }}
-- name: MOELORA_LAYERS
+- name: MOELORA_EXECUTOR_LAYERS
   value: {{ . | quote }}
 {{- end }}
 {{- if .g.group }}
-- name: MOELORA_REPLICA_NAME
+- name: MOELORA_EXECUTOR_REPLICA_NAME
   valueFrom:
     fieldRef:
       fieldPath: metadata.name
 {{- end }}
 {{- if .root.Values.auth.enabled }}
-- name: MOELORA_REGISTRY_TOKEN
+- name: MOELORA_EXECUTOR_REGISTRY_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ .root.Values.auth.executorTokenSecret }}

@@ -848,6 +848,7 @@ class GetExecutorInfoResponse(_message.Message):
     KERNEL_CONFIGS_FIELD_NUMBER: _builtins.int
     SERVED_LAYERS_FIELD_NUMBER: _builtins.int
     REPLICA_NAME_FIELD_NUMBER: _builtins.int
+    REGISTRY_FIELD_NUMBER: _builtins.int
     compute_dtype: _tensor_pb2.DataType.ValueType
     """Element type the expert weights and adapters are computed in."""
     num_slots: _builtins.int
@@ -887,6 +888,12 @@ class GetExecutorInfoResponse(_message.Message):
         Forward on another MoE layer fails with FAILED_PRECONDITION.
         """
 
+    @_builtins.property
+    def registry(self) -> Global___RegistryStatus:
+        """The registry adapters come from, as this executor sees it; unset when they come from a
+        local folder or nowhere.
+        """
+
     def __init__(
         self,
         *,
@@ -904,14 +911,59 @@ class GetExecutorInfoResponse(_message.Message):
         kernel_configs: _abc.Iterable[Global___KernelConfigInfo] | None = ...,
         served_layers: _abc.Iterable[_builtins.int] | None = ...,
         replica_name: _builtins.str = ...,
+        registry: Global___RegistryStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "registry", b"registry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "compute_dtype", b"compute_dtype", "device", b"device", "host_cache_bytes", b"host_cache_bytes", "kernel_configs", b"kernel_configs", "max_message_bytes", b"max_message_bytes", "max_rank", b"max_rank", "max_tokens_per_request", b"max_tokens_per_request", "num_slots", b"num_slots", "replica_name", b"replica_name", "served_layers", b"served_layers", "server_version", b"server_version", "slot_memory_bytes", b"slot_memory_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "compute_dtype", b"compute_dtype", "device", b"device", "host_cache_bytes", b"host_cache_bytes", "kernel_configs", b"kernel_configs", "max_message_bytes", b"max_message_bytes", "max_rank", b"max_rank", "max_tokens_per_request", b"max_tokens_per_request", "num_slots", b"num_slots", "registry", b"registry", "replica_name", b"replica_name", "served_layers", b"served_layers", "server_version", b"server_version", "slot_memory_bytes", b"slot_memory_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetExecutorInfoResponse: _TypeAlias = GetExecutorInfoResponse  # noqa: Y015
+
+@_typing.final
+class RegistryStatus(_message.Message):
+    """Whether the executor's registry answers, and how far the executor trusts what it resolved."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    REACHABLE_FIELD_NUMBER: _builtins.int
+    UNREACHABLE_SINCE_FIELD_NUMBER: _builtins.int
+    WATCHING_FIELD_NUMBER: _builtins.int
+    STALENESS_SECONDS_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """The registry's host:port."""
+    reachable: _builtins.bool
+    """False during an outage: adapters are then served from what this executor had resolved
+    (however stale) and holds, and references it never resolved fail UNAVAILABLE.
+    """
+    watching: _builtins.bool
+    """True while the registry's change stream is connected (moves reach the executor at once)."""
+    staleness_seconds: _builtins.float
+    """How long a resolution the change stream does not vouch for is trusted while the
+    registry answers (--registry-staleness-seconds).
+    """
+    @_builtins.property
+    def unreachable_since(self) -> _timestamp_pb2.Timestamp:
+        """When the current outage started (serving from cache since); unset while reachable."""
+
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        reachable: _builtins.bool = ...,
+        unreachable_since: _timestamp_pb2.Timestamp | None = ...,
+        watching: _builtins.bool = ...,
+        staleness_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["unreachable_since", b"unreachable_since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "reachable", b"reachable", "staleness_seconds", b"staleness_seconds", "unreachable_since", b"unreachable_since", "watching", b"watching"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegistryStatus: _TypeAlias = RegistryStatus  # noqa: Y015
 
 @_typing.final
 class KernelConfigInfo(_message.Message):

@@ -7,7 +7,7 @@ import logging
 import socket
 from collections.abc import Callable, Iterable
 
-from shared.logs import log_event
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 

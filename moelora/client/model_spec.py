@@ -42,13 +42,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from moelora.client.errors import InvalidArgument
+from moelora.client.json_fields import JsonFields, parse_json_object
+from moelora.client.model_types import MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelType, MoELayerRule
+from moelora.client.model_types import ExpertLayout as ExpertLayout  # re-exported: part of this API
+from moelora.client.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+from moelora.client.tensors import dtype_from_name, dtype_name
 from moelora.v1 import model_pb2
-from shared.codec import dtype_from_name, dtype_name
-from shared.errors import InvalidArgument
-from shared.json_fields import JsonFields, parse_json_object
-from shared.model_types import MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelType, MoELayerRule
-from shared.model_types import ExpertLayout as ExpertLayout  # re-exported: part of this API
-from shared.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 #: The largest config.json accepted (the BaseModel message carries it verbatim).
 MAX_CONFIG_BYTES = 1024 * 1024

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from shared.errors import InvalidArgument
+from moelora.client.errors import InvalidArgument
 
 
 def parse_layers(text: str, field: str = "layers") -> tuple[int, ...]:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from shared.errors import DataLoss
+from moelora.client.errors import DataLoss
 
 #: Chunks read ahead of the one being sent.
 _DEPTH = 4

@@ -11,12 +11,12 @@ from types import TracebackType
 
 import torch
 
-from executor_service.aio_client import AsyncExecutorClient
-from executor_service.client import ForwardResult, RetryPolicy, RoutingTensors
-from executor_service.cluster.endpoints import Resolver, system_resolver
-from executor_service.cluster.router import ClusterSettings, ClusterStats, Router, Segments
-from shared.errors import MoeLoraError, Unavailable
-from shared.logs import log_event
+from moelora.client.cluster.endpoints import Resolver, system_resolver
+from moelora.client.cluster.router import ClusterSettings, ClusterStats, Router, Segments
+from moelora.client.errors import MoeLoraError, Unavailable
+from moelora.client.executor import ForwardResult, RetryPolicy, RoutingTensors
+from moelora.client.executor_aio import AsyncExecutorClient
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,9 @@ class AsyncClusterClient:
         layer: int,
         hidden: torch.Tensor,
         segments: Segments | None = None,
-        routing: RoutingTensors | None = None,
+        routing: RoutingTensors[torch.Tensor] | None = None,
         timeout: float | None = None,
-    ) -> ForwardResult:
+    ) -> ForwardResult[torch.Tensor]:
         """As ``ClusterClient.forward``."""
         deadline = time.monotonic() + (timeout or self.settings.timeout)
         try:

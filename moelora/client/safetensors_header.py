@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import InvalidArgument
+from moelora.client.errors import InvalidArgument
 
 #: Bytes of the length prefix.
 PREFIX_BYTES = 8

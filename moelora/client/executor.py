@@ -1,5 +1,6 @@
-"""A Python client of the Executor for backends: torch tensors in and out, deadlines on every
-call, retries only where they are safe, errors as ``shared.errors`` classes.
+"""A Python client of the Executor for backends: numpy arrays or torch tensors in, the same
+kind out (torch is needed only for torch tensors, bfloat16 among them), deadlines on every
+call, retries only where they are safe, errors as ``moelora.client.errors`` classes.
 
 Retries: a call is retried only on UNAVAILABLE (the server drains, is still loading, or the
 connection failed) and on ``Overloaded`` (RESOURCE_EXHAUSTED with a retry hint: too many
@@ -12,7 +13,7 @@ have run).
 
     with ExecutorClient("127.0.0.1:50052") as client:
         result = client.forward(layer=3, hidden=h, segments=[(5, "sql:2"), (3, None)])
-        result.output  # (8, H) torch tensor, h's dtype
+        result.output  # (8, H), h's kind (numpy array or torch tensor) and dtype
 """
 
 from __future__ import annotations
@@ -22,33 +23,42 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import grpc
-import torch
+import numpy as np
 
-from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared import keepalive, torch_codec
-from shared.auth import open_channel
-from shared.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
-from shared.grpc_server import wait_until_serving
+from moelora.client import keepalive
+from moelora.client import tensors as codec
+from moelora.client.auth import open_channel
+from moelora.client.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
+from moelora.client.health import wait_until_serving
+from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
+#: What Forward takes and gives back: numpy arrays, or torch tensors (any device, bfloat16 too).
+#: A bound rather than constraints: where torch is not installed, its half is Any, and the
+#: answer's type must still follow the argument's.
+Array = TypeVar("Array", bound="np.ndarray[Any, Any] | torch.Tensor")
 
 #: (num_tokens, adapter reference or None for the base model), in token order.
 Segments = Sequence[tuple[int, str | None]]
 #: Precomputed routing: topk_ids (T, k) int32/int64 and topk_weights (T, k) float32.
-RoutingTensors = tuple[torch.Tensor, torch.Tensor]
+RoutingTensors = tuple[Array, Array]
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 @dataclass(frozen=True)
-class ForwardResult:
-    """Forward's answer: output (T, H) on the CPU in the input's dtype; ``name:VERSION`` per
-    segment ("" for base segments); time spent in the executor."""
+class ForwardResult(Generic[Array]):
+    """Forward's answer: output (T, H) on the CPU, of the input's kind and dtype (writable,
+    owning its memory); ``name:VERSION`` per segment ("" for base segments); time spent in the
+    executor."""
 
-    output: torch.Tensor
+    output: Array
     resolved_adapters: list[str]
     server_time_us: int
     #: Every adapter was already in a GPU slot; how many this request loaded.
@@ -57,13 +67,13 @@ class ForwardResult:
 
 
 @dataclass(frozen=True)
-class ForwardCall:
+class ForwardCall(Generic[Array]):
     """One request of ``ExecutorClient.forward_stream``."""
 
     layer: int
-    hidden: torch.Tensor
+    hidden: Array
     segments: Segments | None = None
-    routing: RoutingTensors | None = None
+    routing: RoutingTensors[Array] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,31 +104,49 @@ def stream_error(error: executor_pb2.RequestError) -> MoeLoraError:
     return error_for_code(code, error.message)
 
 
+def encode(array: np.ndarray[Any, Any] | torch.Tensor) -> tensor_pb2.Tensor:
+    """A numpy array or torch tensor on the wire (torch imported only for torch tensors)."""
+    if isinstance(array, np.ndarray):
+        return codec.from_numpy(array)
+    from moelora.client import torch_tensors as torch_codec
+
+    return torch_codec.from_torch(array)
+
+
+def decode(message: tensor_pb2.Tensor, like: Array) -> Array:
+    """``message`` as ``like``'s kind, writable and owning its memory."""
+    if isinstance(like, np.ndarray):
+        return cast(Array, codec.to_numpy(message, "output").copy())
+    from moelora.client import torch_tensors as torch_codec
+
+    return cast(Array, torch_codec.to_torch(message, "output").clone())
+
+
 def forward_request(
     layer: int,
-    hidden: torch.Tensor,
+    hidden: Array,
     segments: Segments | None = None,
-    routing: RoutingTensors | None = None,
+    routing: RoutingTensors[Array] | None = None,
 ) -> executor_pb2.ForwardRequest:
-    """The ForwardRequest message for torch inputs."""
+    """The ForwardRequest message for numpy or torch inputs."""
     request = executor_pb2.ForwardRequest(
         layer=layer,
-        hidden_states=torch_codec.from_torch(hidden),
+        hidden_states=encode(hidden),
         segments=[
             executor_pb2.Segment(num_tokens=n, adapter=ref or "") for n, ref in segments or ()
         ],
     )
     if routing is not None:
         ids, weights = routing
-        request.routing.topk_ids.CopyFrom(torch_codec.from_torch(ids))
-        request.routing.topk_weights.CopyFrom(torch_codec.from_torch(weights))
+        request.routing.topk_ids.CopyFrom(encode(ids))
+        request.routing.topk_weights.CopyFrom(encode(weights))
     return request
 
 
 def channel_options(max_message_bytes: int, keepalive_seconds: float) -> list[tuple[str, int]]:
     """gRPC channel options that let messages up to ``max_message_bytes`` through both ways
     and find a connection gone silent within twice ``keepalive_seconds`` while a call is open
-    (``shared/keepalive.py``)."""
+    (``moelora/client/keepalive.py``)."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -126,10 +154,9 @@ def channel_options(max_message_bytes: int, keepalive_seconds: float) -> list[tu
     ]
 
 
-def forward_result(response: executor_pb2.ForwardResponse) -> ForwardResult:
-    output = torch_codec.to_torch(response.output, "output").clone()  # writable, owns its memory
+def forward_result(response: executor_pb2.ForwardResponse, like: Array) -> ForwardResult[Array]:
     return ForwardResult(
-        output=output,
+        output=decode(response.output, like),
         resolved_adapters=list(response.resolved_adapters),
         server_time_us=response.server_time_us,
         adapters_resident=response.adapters_resident,
@@ -192,24 +219,31 @@ class ExecutorClient:
     def forward(
         self,
         layer: int,
-        hidden: torch.Tensor,
+        hidden: Array,
         segments: Segments | None = None,
-        routing: RoutingTensors | None = None,
+        routing: RoutingTensors[Array] | None = None,
         timeout: float | None = None,
-    ) -> ForwardResult:
-        """One MoE layer for ``hidden`` (T, H), float32/float16/bfloat16. ``segments`` cover
+    ) -> ForwardResult[Array]:
+        """One MoE layer for ``hidden`` (T, H): a numpy array (float32/float16) or a torch
+        tensor (bfloat16 too); the output is of the same kind and dtype. ``segments`` cover
         the T tokens in order; None = all tokens on the base model."""
         request = forward_request(layer, hidden, segments, routing)
-        return forward_result(self._call(self._stub.Forward, request, timeout, idempotent=True))
+        response: executor_pb2.ForwardResponse = self._call(
+            self._stub.Forward, request, timeout, idempotent=True
+        )
+        return forward_result(response, hidden)
 
     def forward_stream(
-        self, calls: Iterable[ForwardCall], timeout: float | None = None
-    ) -> Iterator[ForwardResult | MoeLoraError]:
+        self, calls: Iterable[ForwardCall[Array]], timeout: float | None = None
+    ) -> Iterator[ForwardResult[Array] | MoeLoraError]:
         """Pipelines ``calls`` over one stream; yields, in order, each call's result or the
         error that failed only that call. ``timeout`` bounds the whole stream."""
 
+        likes: list[Array] = []  # each call's input, to answer in its kind
+
         def requests() -> Iterator[executor_pb2.ForwardStreamRequest]:
             for request_id, call in enumerate(calls):
+                likes.append(call.hidden)
                 forward = forward_request(call.layer, call.hidden, call.segments, call.routing)
                 yield executor_pb2.ForwardStreamRequest(request_id=request_id, forward=forward)
 
@@ -218,7 +252,7 @@ class ExecutorClient:
                 if answer.HasField("error"):
                     yield stream_error(answer.error)
                 else:
-                    yield forward_result(answer.forward)
+                    yield forward_result(answer.forward, likes[answer.request_id])
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 

@@ -11,11 +11,11 @@ from types import TracebackType
 
 import torch
 
-from executor_service.client import ExecutorClient, ForwardResult, RetryPolicy, RoutingTensors
-from executor_service.cluster.endpoints import Resolver, system_resolver
-from executor_service.cluster.router import ClusterSettings, ClusterStats, Router, Segments
-from shared.errors import MoeLoraError, Unavailable
-from shared.logs import log_event
+from moelora.client.cluster.endpoints import Resolver, system_resolver
+from moelora.client.cluster.router import ClusterSettings, ClusterStats, Router, Segments
+from moelora.client.errors import MoeLoraError, Unavailable
+from moelora.client.executor import ExecutorClient, ForwardResult, RetryPolicy, RoutingTensors
+from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,9 @@ class ClusterClient:
         layer: int,
         hidden: torch.Tensor,
         segments: Segments | None = None,
-        routing: RoutingTensors | None = None,
+        routing: RoutingTensors[torch.Tensor] | None = None,
         timeout: float | None = None,
-    ) -> ForwardResult:
+    ) -> ForwardResult[torch.Tensor]:
         """As ``ExecutorClient.forward``, on a replica that serves ``layer``; fails over to
         the next replica on UNAVAILABLE and on busy slots, within one deadline."""
         deadline = time.monotonic() + (timeout or self.settings.timeout)

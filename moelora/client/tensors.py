@@ -1,11 +1,12 @@
-"""Tensors on the wire: ``moelora.v1.Tensor`` <-> numpy arrays (torch: ``shared.torch_codec``).
+"""Tensors on the wire: ``moelora.v1.Tensor`` <-> numpy arrays (torch:
+``moelora.client.torch_tensors``).
 
 The wire form is dtype + shape + raw little-endian row-major bytes. Decoding
 checks that the byte length matches the shape and dtype and names the field
 when it does not. Decoding is zero-copy (the result views the message's bytes
 and is read-only); encoding copies once, into the ``bytes`` protobuf needs.
 
-numpy has no bfloat16, so bfloat16 decodes only to torch, in ``shared.torch_codec``; this
+numpy has no bfloat16, so bfloat16 decodes only to torch, in ``moelora.client.torch_tensors``; this
 module imports no torch, so the registry (which has none) can use it.
 """
 
@@ -18,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moelora.client.errors import InvalidArgument
 from moelora.v1 import tensor_pb2
-from shared.errors import InvalidArgument
 
 DataType = tensor_pb2.DataType
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 # torch views the wire bytes in place, which is only right on little-endian hosts
 # (x86-64 and aarch64, everything we run on).
 if sys.byteorder != "little":
-    raise ImportError("shared.codec supports little-endian hosts only")
+    raise ImportError("moelora.client.tensors supports little-endian hosts only")
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ def to_numpy(message: tensor_pb2.Tensor, field: str = "tensor") -> np.ndarray:
     shape, wire = checked_shape(message, field)
     if wire.numpy is None:
         raise InvalidArgument(
-            f"{field}.dtype: {wire.name} has no numpy type; decode with shared.torch_codec.to_torch"
+            f"{field}.dtype: {wire.name} has no numpy type; decode with "
+            "moelora.client.torch_tensors.to_torch"
         )
     return np.frombuffer(message.data, dtype=np.dtype(wire.numpy)).reshape(shape)
 

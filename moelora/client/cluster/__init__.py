@@ -8,8 +8,8 @@
 behind a Hugging Face model's MoE blocks. See docs/cluster.md.
 """
 
-from executor_service.cluster.aio import AsyncClusterClient
-from executor_service.cluster.router import ClusterSettings, ClusterStats
-from executor_service.cluster.sync import ClusterClient
+from moelora.client.cluster.aio import AsyncClusterClient
+from moelora.client.cluster.router import ClusterSettings, ClusterStats
+from moelora.client.cluster.sync import ClusterClient
 
 __all__ = ["AsyncClusterClient", "ClusterClient", "ClusterSettings", "ClusterStats"]

@@ -1,7 +1,7 @@
 """A typed client of the AdapterRegistry API: what adapterctl and the executor call.
 
 Every call has a deadline except the streams, which move gigabytes; errors come
-back as shared.errors classes. Uploads hash each file as they send it and send the
+back as moelora.client.errors classes. Uploads hash each file as they send it and send the
 sha256s in a trailer, so the server checks end to end what it received; downloads
 verify every file before it is renamed into place.
 """
@@ -19,14 +19,14 @@ from typing import Any, TypeVar
 
 import grpc
 
+from moelora.client import keepalive
+from moelora.client.adapter_files import ADAPTER_FILES
+from moelora.client.auth import open_channel
+from moelora.client.background_writer import BackgroundWriter
+from moelora.client.errors import DataLoss, InvalidArgument, from_rpc_error
+from moelora.client.read_ahead import ReadAhead
+from moelora.client.rpc_metadata import WATCH_START_METADATA
 from moelora.v1 import model_pb2, registry_pb2, registry_pb2_grpc
-from shared import keepalive
-from shared.adapter_files import ADAPTER_FILES
-from shared.auth import open_channel
-from shared.background_writer import BackgroundWriter
-from shared.errors import DataLoss, InvalidArgument, from_rpc_error
-from shared.read_ahead import ReadAhead
-from shared.rpc_metadata import WATCH_START_METADATA
 
 #: Upload and download chunks. Measured with grpcio over 127.0.0.1, 512 KiB-1 MiB messages
 #: stream 2-3x faster than 4 MiB ones (large messages are reassembled and copied again).
@@ -105,7 +105,7 @@ class RegistryClient:
         one HTTP/2 connection is served by one thread at each end, so parallel ranged reads
         need connections of their own to run in parallel. ``keepalive_seconds``: while a
         call is open, a connection silent this long is pinged, and closed when the ping is not
-        answered within as long again (``shared/keepalive.py``): a connection that died
+        answered within as long again (``moelora/client/keepalive.py``): a connection that died
         without a word cannot hold a download or the watch stream forever."""
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -237,11 +237,13 @@ class RegistryClient:
         )
         return response.version
 
-    def get(self, ref: str) -> registry_pb2.AdapterVersion:
+    def get(self, ref: str, *, timeout: float | None = None) -> registry_pb2.AdapterVersion:
+        """``timeout``: this call's deadline (default: the client's)."""
         return self._call(
             self._stub.GetAdapter,
             registry_pb2.GetAdapterRequest(ref=ref),
             registry_pb2.GetAdapterResponse,
+            timeout=timeout or self.timeout,
         ).version
 
     def list_versions(

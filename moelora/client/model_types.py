@@ -1,10 +1,10 @@
 """Every supported model type's facts in one table: adding a model type is one entry here.
 
-Each consumer branches on these fields, never on the type's name: ``shared.model_spec`` (config
-keys, MoE layers, checkpoint tensor names and layout), ``shared.adapter_format`` (PEFT 2D key
-names), ``executor_service.model_loader`` (router, activation, gate/up interleaving),
-``executor_service.packer`` (the same interleaving for LoRA B), ``executor_service.synthetic``
-(the config.json transformers writes) and the test models. No torch here: the registry reads it.
+Each consumer branches on these fields, never on the type's name: ``moelora.client.model_spec``
+(config keys, MoE layers, checkpoint tensor names and layout), ``shared.adapter_format`` (PEFT 2D
+key names), ``executor_service.model_loader`` (router, activation, gate/up interleaving),
+``executor_service.packer`` (the same interleaving for LoRA B), ``executor_service.synthetic`` (the
+config.json transformers writes) and the test models. No torch here: the registry reads it.
 docs/adapter-formats.md ("Adding a model type") lists what else a new type needs.
 """
 

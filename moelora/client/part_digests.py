@@ -8,7 +8,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from shared.errors import DataLoss
+from moelora.client.errors import DataLoss
 
 MIB = 1024 * 1024
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")

@@ -23,9 +23,9 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from executor_service.client import ForwardResult
-from shared.layer_set import format_layers
-from shared.model_spec import spec_from_config
+from moelora.client.executor import ForwardResult
+from moelora.client.layer_set import format_layers
+from moelora.client.model_spec import spec_from_config
 
 #: (num_tokens, adapter or None), as the executor clients take them.
 SegmentList = list[tuple[int, str | None]]
@@ -36,7 +36,7 @@ class ForwardClient(Protocol):
 
     def forward(
         self, layer: int, hidden: torch.Tensor, segments: SegmentList | None = None
-    ) -> ForwardResult: ...
+    ) -> ForwardResult[torch.Tensor]: ...
 
 
 class RowAdapters:

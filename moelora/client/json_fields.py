@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from shared.errors import InvalidArgument
+from moelora.client.errors import InvalidArgument
 
 
 def parse_json_object(data: bytes, where: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
-"""Tensors on the wire <-> torch tensors (the executor's side of ``shared.codec``).
+"""Tensors on the wire <-> torch tensors (the executor's side of ``moelora.client.tensors``).
 
-Apart from ``shared.codec`` so that the registry, which has no torch, imports none. Decoding
-views the message's bytes (read-only, zero-copy); encoding copies once.
+Apart from ``moelora.client.tensors`` so that the registry, which has no torch, imports none.
+Decoding views the message's bytes (read-only, zero-copy); encoding copies once.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import warnings
 
 import torch
 
+from moelora.client.tensors import WIRE_TYPES, checked_shape, dtype_from_name
 from moelora.v1 import tensor_pb2
-from shared.codec import WIRE_TYPES, checked_shape, dtype_from_name
 
 
 def to_torch(

@@ -16,16 +16,20 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
-from executor_service.client import ForwardResult
-from executor_service.cluster.endpoints import Resolver, resolve_endpoints
-from executor_service.cluster.policy import AffinityTable, batch_key
+from moelora.client.cluster.endpoints import Resolver, resolve_endpoints
+from moelora.client.cluster.policy import AffinityTable, batch_key
+from moelora.client.errors import MoeLoraError, Unavailable
+from moelora.client.executor import ForwardResult
+from moelora.client.layer_set import format_layers
+from moelora.client.logs import log_event
 from moelora.v1 import executor_pb2
-from shared.errors import MoeLoraError, Unavailable
-from shared.layer_set import format_layers
-from shared.logs import log_event
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +240,9 @@ class Router:
                 return True
             return False
 
-    def answered(self, address: str, segments: Segments | None, result: ForwardResult) -> None:
+    def answered(
+        self, address: str, segments: Segments | None, result: ForwardResult[torch.Tensor]
+    ) -> None:
         with self._lock:
             replica = self._replicas.get(address)
             if replica is not None:

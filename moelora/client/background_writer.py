@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from shared.part_digests import FileDigests, PartHasher
+from moelora.client.part_digests import FileDigests, PartHasher
 
 _DEPTH = 16  # chunks in flight per thread: 16 MiB with 1 MiB chunks
 
@@ -22,7 +22,7 @@ class BackgroundWriter:
     def __init__(self, path: Path, sync_every: int = 0, part_size: int = 0) -> None:
         """``sync_every``: bytes after which the writer flushes what it wrote to disk
         (fdatasync), so that a final ``close(sync=True)`` has only the tail left; 0: never.
-        ``part_size``: also hash each piece of this many bytes (see shared/part_digests.py);
+        ``part_size``: also hash each piece of this many bytes (see moelora/client/part_digests.py);
         0: no pieces."""
         self.path = path
         self._sync_every = sync_every

@@ -2,7 +2,7 @@
 in flight from one event loop (for example two micro-batches ping-ponging between attention
 and the MoE executor).
 
-The same calls, results, errors and retry rules as ``executor_service.client.ExecutorClient``:
+The same calls, results, errors and retry rules as ``moelora.client.executor.ExecutorClient``:
 only UNAVAILABLE and ``Overloaded`` (after its hint) are retried, with jittered exponential
 backoff inside the call's deadline, and only for calls that are safe to run twice.
 
@@ -22,9 +22,12 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
-import torch
 
-from executor_service.client import (
+from moelora.client import keepalive
+from moelora.client.auth import bearer_metadata
+from moelora.client.errors import MoeLoraError, Unavailable, from_rpc_error
+from moelora.client.executor import (
+    Array,
     ForwardCall,
     ForwardResult,
     RetryPolicy,
@@ -37,9 +40,6 @@ from executor_service.client import (
     stream_error,
 )
 from moelora.v1 import executor_pb2, executor_pb2_grpc
-from shared import keepalive
-from shared.auth import bearer_metadata
-from shared.errors import MoeLoraError, Unavailable, from_rpc_error
 
 T = TypeVar("T")
 
@@ -102,28 +102,29 @@ class AsyncExecutorClient:
     async def forward(
         self,
         layer: int,
-        hidden: torch.Tensor,
+        hidden: Array,
         segments: Segments | None = None,
-        routing: RoutingTensors | None = None,
+        routing: RoutingTensors[Array] | None = None,
         timeout: float | None = None,
-    ) -> ForwardResult:
+    ) -> ForwardResult[Array]:
         """One MoE layer for ``hidden`` (T, H), as ``ExecutorClient.forward``."""
         request = forward_request(layer, hidden, segments, routing)
         response: executor_pb2.ForwardResponse = await self._call(
             self._stub.Forward, request, timeout, idempotent=True
         )
-        return forward_result(response)
+        return forward_result(response, hidden)
 
     async def forward_stream(
-        self, calls: Iterable[ForwardCall], timeout: float | None = None
-    ) -> AsyncIterator[ForwardResult | MoeLoraError]:
+        self, calls: Iterable[ForwardCall[Array]], timeout: float | None = None
+    ) -> AsyncIterator[ForwardResult[Array] | MoeLoraError]:
         """Pipelines ``calls`` over one stream; yields, in order, each call's result or the
         error that failed only that call. Not retried (its requests may have run)."""
+        listed = list(calls)
         requests = [
             executor_pb2.ForwardStreamRequest(
                 request_id=i, forward=forward_request(c.layer, c.hidden, c.segments, c.routing)
             )
-            for i, c in enumerate(calls)
+            for i, c in enumerate(listed)
         ]
         call = self._stub.ForwardStream(
             iter(requests), timeout=timeout or self.timeout, metadata=self._metadata
@@ -133,7 +134,7 @@ class AsyncExecutorClient:
                 if answer.HasField("error"):
                     yield stream_error(answer.error)
                 else:
-                    yield forward_result(answer.forward)
+                    yield forward_result(answer.forward, listed[answer.request_id].hidden)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
