@@ -55,6 +55,8 @@ SCHEMA_REFUSES: dict[str, tuple[dict[str, Any], str]] = {
     "rank beyond the executor's limit": ({"executor": {"maxRank": 1024}}, "/executor/maxRank"),
     "negative drain": ({"executor": {"drainSeconds": -1}}, "/executor/drainSeconds"),
     "not a quantity": ({"executor": {"shmSize": "8 GB"}}, "/executor/shmSize"),
+    "negative front ends": ({"executor": {"frontends": -1}}, "/executor/frontends"),
+    "empty arena": ({"executor": {"frontendArenaGiB": 0}}, "/executor/frontendArenaGiB"),
     "bad dtype": ({"executor": {"dtype": "fp8"}}, "/executor/dtype"),
     "bad digest": (
         {"images": {"executor": {"digest": "sha256:xyz"}}},
