@@ -42,6 +42,19 @@ EXPECTED_LOAD_ERRORS = (ValueError, OSError, MoeLoraError)
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 
+
+def log_load_failure(settings: ExecutorSettings, exc: BaseException) -> None:
+    log_event(
+        log,
+        "base_model_load_failed",
+        logging.ERROR,
+        # A checkpoint that is not what it should be says so; anything else is a bug.
+        exc_info=not isinstance(exc, EXPECTED_LOAD_ERRORS),
+        path=str(settings.base_model_path),
+        error=str(exc),
+    )
+
+
 #: After a device fault, how long the server keeps answering (UNAVAILABLE, naming the fault)
 #: before it stops: requests in flight fail fast, and new ones learn why rather than meet a
 #: closed port.
@@ -150,15 +163,7 @@ class ExecutorApp:
             runtime = build_runtime(self.settings, self._metrics, self._kernel, self._source)
         except BaseException as exc:
             self.load_error = exc
-            log_event(
-                log,
-                "base_model_load_failed",
-                logging.ERROR,
-                # A checkpoint that is not what it should be says so; anything else is a bug.
-                exc_info=not isinstance(exc, EXPECTED_LOAD_ERRORS),
-                path=str(self.settings.base_model_path),
-                error=str(exc),
-            )
+            log_load_failure(self.settings, exc)
             self.loaded.set()
             self.server.drain(on_drained=self._close)
             return

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from executor_service.app import EXPECTED_LOAD_ERRORS, FAULT_GRACE_SECONDS, ExecutorApp
+from executor_service.app import FAULT_GRACE_SECONDS, ExecutorApp, log_load_failure
 from executor_service.batch import KernelFn
 from executor_service.config import ExecutorSettings
 from executor_service.device_fault import DEVICE_FAULT_EXIT_CODE, DeviceFault
@@ -183,14 +183,7 @@ class _Loading:
             self.runtime = build_runtime(self._settings, ExecutorMetrics(), self._kernel)
         except BaseException as exc:
             self.error = exc
-            log_event(
-                log,
-                "base_model_load_failed",
-                logging.ERROR,
-                exc_info=not isinstance(exc, EXPECTED_LOAD_ERRORS),
-                path=str(self._settings.base_model_path),
-                error=str(exc),
-            )
+            log_load_failure(self._settings, exc)
         self.done.set()
 
 
