@@ -200,12 +200,13 @@ def test_an_executor_refused_the_watch_stops_serving_a_deleted_version(
         world,
         tmp_path,
         executor_flags=("--registry-staleness-seconds", STALENESS),
-        registry_flags=("--max-watch-streams", "1"),
+        registry_flags=("--max-watch-streams", "2"),  # the least the registry takes
     )
     try:
         stack.start([], executor=False)
         _upload_sql(stack)
-        with stack.registry_client() as client, client.watch():  # holds the only watch slot
+        # Holds both watch slots (with auth off every caller may use them all).
+        with stack.registry_client() as client, client.watch(), client.watch():
             stack.start_executor()
             assert stack.executor is not None
             with ExecutorClient(stack.executor_address, retry=RetryPolicy(attempts=1)) as ex:
