@@ -37,13 +37,17 @@ def open_fds(pid: int) -> int:
 
 def open_files(pid: int) -> int:
     """Open descriptors that are not sockets (files, pipes, eventfds): what a leak grows.
-    Sockets come and go with clients' connections (a kept-alive connection is not a leak)."""
+    Sockets come and go with clients' connections (a kept-alive connection is not a leak), and
+    so do the files of a download in progress (the disk cache's ``.partial-`` folders, while
+    they exist: a descriptor left on one after it is gone reads "(deleted)" and counts)."""
     count = 0
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
-            count += not str(fd.readlink()).startswith("socket:")
+            target = str(fd.readlink())
         except OSError:  # closed meanwhile
             continue
+        in_flight = "/.partial-" in target and not target.endswith("(deleted)")
+        count += not (target.startswith("socket:") or in_flight)
     return count
 
 
