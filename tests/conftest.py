@@ -45,6 +45,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the fuzz, chaos and soak suites at full size (make fuzz / chaos / soak)",
     )
+    parser.addoption(
+        "--fuzz-uploads",
+        type=int,
+        default=0,
+        help="mutated uploads of the fuzz suite's upload test (default: 42, 300 with --long); "
+        "more shows whether the registry's memory levels off",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

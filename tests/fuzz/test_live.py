@@ -58,8 +58,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def _sizes(request: pytest.FixtureRequest) -> tuple[int, int]:
-    """(Forward mutations, upload mutations): full with --long."""
-    return (1000, 300) if request.config.getoption("--long") else (160, 42)
+    """(Forward mutations, upload mutations): full with --long; --fuzz-uploads N sets the
+    second."""
+    forward, uploads = (1000, 300) if request.config.getoption("--long") else (160, 42)
+    return forward, request.config.getoption("--fuzz-uploads") or uploads
 
 
 # -- Forward ---------------------------------------------------------------------------------
