@@ -96,10 +96,10 @@ bench-registry: setup ## Registry upload/download throughput, 1 GB adapter, loca
 	$(PY) -m registry_service.bench
 
 bench-load: setup ## Adapter cold start, 1.26 GB: cold/disk/host warm (ARGS=--device cuda)
-	$(PY) -m executor_service.bench_load $(ARGS)
+	$(PY) -m executor_service.bench.load $(ARGS)
 
 bench-forward: setup ## Forward as a client sees it: p50/p99, transport floor, tokens/s (GPU)
-	$(PY) -m executor_service.bench_forward
+	$(PY) -m executor_service.bench.forward
 
 fuzz: setup ## Full fuzz run: property tests, >= 1,000 mutated Forward, >= 300 uploads, the hostile-client attacks (figures printed)
 	$(PY) -m pytest tests/fuzz tests/hostile --long -s -q $(PYTEST_ARGS)

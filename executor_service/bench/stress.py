@@ -1,5 +1,5 @@
 """The stress run: many concurrent clients, every answer checked
-(``python -m executor_service.bench_forward --stress SECONDS``).
+(``python -m executor_service.bench.forward --stress SECONDS``).
 
 Concurrency bugs hide from sequential tests, so this drives the executor the way a busy
 attention tier does and checks every single answer:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from executor_service import bench_download
+from executor_service.bench import download as bench_download
 
 
 def test_small_download_bench_measures_both_paths(capsys: pytest.CaptureFixture[str]) -> None:

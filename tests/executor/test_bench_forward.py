@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from executor_service import bench_forward
+from executor_service.bench import forward as bench_forward
 from executor_service.bench.answers import CPU_ROW_TOLERANCE
 
 

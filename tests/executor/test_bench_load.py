@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from executor_service import bench_load
+from executor_service.bench import load as bench_load
 
 
 def test_small_cpu_bench_times_every_stage(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,9 +1,9 @@
-"""One benchmark client process of ``bench_forward`` and ``bench_load`` (not product API).
+"""One benchmark client process of ``bench.forward`` and ``bench.load`` (not product API).
 
 Builds one Forward request as a backend would (bf16 hidden states on the wire, the tokens split
 evenly over its adapters), sends it ``--warmup`` times, prints ``ready``, waits for ``go`` on
 stdin (so that every client of a row starts together), then times ``--iters`` round trips (0:
-until ``stop`` on stdin, as ``bench_load`` does while a load runs) and prints one JSON line:
+until ``stop`` on stdin, as ``bench.load`` does while a load runs) and prints one JSON line:
 latencies, the executor's ``server_time_us``, each call's wall-clock start, the run's start
 and end, and the answers checked. With ``--expected`` (the request's answer computed alone,
 float32 .npy) every warm-up answer and every ``CHECK_EVERY``-th timed one is compared with it
@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 
 from executor_service.bench.answers import tensor_to_float32, worst_row_error
-from executor_service.echo_server import STREAM, UNARY
+from executor_service.bench.echo_server import STREAM, UNARY
 from executor_service.serving.shm import Segment
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 

@@ -1,4 +1,4 @@
-"""A bare grpcio echo server: the transport floor for ``bench_forward`` (not product API).
+"""A bare grpcio echo server: the transport floor for ``bench.forward`` (not product API).
 
 ``/bench.Echo/Unary`` answers each message with its own bytes, ``/bench.Echo/Stream`` does the
 same for every message of a bidirectional stream. No protobuf parsing, no work: what a Forward
@@ -6,7 +6,7 @@ of the same payload sizes costs over this machine's loopback with Python grpcio,
 Forward can cost. ``--server aio`` runs it on grpc.aio instead of the thread-pool server, to
 compare the two server models.
 
-    python -m executor_service.echo_server --listen 127.0.0.1:0   # prints the port
+    python -m executor_service.bench.echo_server --listen 127.0.0.1:0   # prints the port
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Download alone, over each path an executor has: the registry's signed blob URLs (HTTP Range
 GETs served with sendfile, received into the file) and its DownloadAdapter stream.
 
-    python -m executor_service.bench_download [--streams N] [--repeat 3] [--paths urls,stream]
+    python -m executor_service.bench.download [--streams N] [--repeat 3] [--paths urls,stream]
                                               [--no-hash] [--small]
 
 The registry runs as its own process on its local-directory store (as in ``make bench-load``);

@@ -1,9 +1,9 @@
-"""Forward as a client backend sees it: ``python -m executor_service.bench_forward``.
+"""Forward as a client backend sees it: ``python -m executor_service.bench.forward``.
 
 Writes a one-layer synthetic checkpoint of a real shape (default: a Qwen3-30B-A3B MoE layer,
 H=2048, I=768, E=128, k=8) with rank-16 PEFT adapters, starts the executor as its own process
-(``python -m executor_service.main``) and a bare grpcio echo server (``echo_server``), and runs
-clients as separate processes (``bench_clients``: plain generated stubs, bf16 on the wire,
+(``python -m executor_service.main``) and a bare grpcio echo server (``bench.echo_server``), and
+runs clients as separate processes (``bench.clients``: plain generated stubs, bf16 on the wire,
 tokens split evenly over 4 adapters per request). Rows, each for unary Forward and for
 ForwardStream: T = 1, 8, 64, 512 with one client; T = 64 with 8 and 32 clients (the last row
 draws its adapters from a pool larger than the executor's slots, so batches churn slots).
@@ -42,9 +42,9 @@ import torch
 
 from executor_service.bench import stress
 from executor_service.bench.answers import row_tolerance
+from executor_service.bench.clients import forward_request
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
-from executor_service.bench_clients import forward_request
 from executor_service.graphs import GraphCache
 from executor_service.model_loader import load_base_model
 from executor_service.serving.frontends import frontend_count
@@ -155,7 +155,7 @@ def _run_clients(
         command = [
             sys.executable,
             "-m",
-            "executor_service.bench_clients",
+            "executor_service.bench.clients",
             f"--address={address}",
             f"--target={target}",
             f"--mode={mode}",
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
         echo = [
             sys.executable,
             "-m",
-            "executor_service.echo_server",
+            "executor_service.bench.echo_server",
             "--listen=127.0.0.1:0",
             "--workers=64",  # as many handler threads as the executor: one per open stream
         ]
@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r.worst_row_error:.3g}, tolerance {answers.tolerance:g})",
                 file=sys.stderr,
             )
-        raise SystemExit("bench_forward: answers differ from the reference; no table printed")
+        raise SystemExit("bench.forward: answers differ from the reference; no table printed")
     _print(
         rows,
         f"Forward over {args.transport}, {args.shape} layer on {info.device} ({info.backend}), "

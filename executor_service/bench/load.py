@@ -1,4 +1,4 @@
-"""Adapter cold start, stage by stage: ``python -m executor_service.bench_load``.
+"""Adapter cold start, stage by stage: ``python -m executor_service.bench.load``.
 
 Writes a synthetic base checkpoint with Qwen3-30B-A3B's MoE layer shape (H 2048, I 768,
 E 128) and a PEFT 3D bf16 adapter for it of Qwen3-30B-A3B's size: 48 layers at rank 16 is
@@ -20,7 +20,7 @@ times, on an otherwise idle executor:
   executor's device; with ``--device cuda`` also ``pack on the CPU``, as a CPU executor packs),
 
 then Forward for another, pinned adapter from a client process of its own
-(``bench_clients``) calling in a loop through one session: while ``--cold-loads`` new versions
+(``bench.clients``) calling in a loop through one session: while ``--cold-loads`` new versions
 load cold one after the other, then while the first of them loads again disk-warm
 ``--warm-loads`` times (unloaded between, outside the measured windows; the calls of each
 kind's loads pooled), and alone in a quiet stretch just before each load (``--idle-seconds``
@@ -105,14 +105,14 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 class _ForwardClient:
-    """A ``bench_clients`` process calling Forward for the pinned adapter: ``iters`` calls, or
+    """A ``bench.clients`` process calling Forward for the pinned adapter: ``iters`` calls, or
     (0) until ``stop``."""
 
     def __init__(self, address: str, spec: ModelSpec, tokens: int, iters: int) -> None:
         command = [
             sys.executable,
             "-m",
-            "executor_service.bench_clients",
+            "executor_service.bench.clients",
             f"--address={address}",
             f"--layer={spec.moe_layers[0]}",
             f"--tokens={tokens}",
