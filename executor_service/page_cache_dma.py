@@ -15,8 +15,11 @@ ctypes on ``libcuda.so.1`` (the driver's stable C ABI): a call that fails there 
 behind for the runtime's next launch check on this thread to raise, as ``cudaHostRegister``
 through torch would. It needs the device to support read-only registration (an H100 host does;
 vllm-omni found a B300 that does not): registering a private mapping writable instead would
-make copy-on-write copy every page. Where it is not supported ``open_for_dma`` gives None, and
-where one registration fails the caller stages the bytes instead.
+make copy-on-write copy every page. And it needs the platform to register file mappings at all:
+under gVisor's GPU proxy the driver answers with a sticky CUDA_ERROR_INVALID_ADDRESS_SPACE that
+ends the process's context, so a child process tries it first, once per device (dma_probe.py).
+Where it is not supported ``open_for_dma`` gives None, and where one registration fails the
+caller stages the bytes instead.
 
 Off by default (``--page-cache-dma``): with the copies unpaced, one per 64 MiB window, disk-warm
 loads ran at 7.7–9.7 GB/s against 3.4–5.4 staged, but Forward's p50 beside them rose +55% to +77%
@@ -31,6 +34,8 @@ import ctypes
 import functools
 import mmap
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +148,7 @@ def open_for_dma(path: Path | None, device: torch.device) -> Iterator[MappedFile
         path is None
         or device.type != "cuda"
         or not path.stat().st_size
-        or not readonly_registration(device)
+        or registration_declined(device) is not None
     ):
         yield None
         return
@@ -154,9 +159,10 @@ def open_for_dma(path: Path | None, device: torch.device) -> Iterator[MappedFile
         mapped.close()
 
 
-def readonly_registration(device: torch.device) -> bool:
-    """Whether the driver registers read-only host memory for ``device``."""
-    return _supported(_ordinal(device))
+def registration_declined(device: torch.device) -> str | None:
+    """Why the driver would not register read-only file mappings for ``device`` (the device's
+    attribute, then a try in a child process), or None where it does."""
+    return _declined(_ordinal(device))
 
 
 def _ordinal(device: torch.device) -> int:
@@ -166,18 +172,38 @@ def _ordinal(device: torch.device) -> int:
 
 
 @functools.cache
-def _supported(ordinal: int) -> bool:
+def _declined(ordinal: int) -> str | None:
     driver = _driver_or_none()
     if driver is None:
-        return False
+        return "the CUDA driver library (libcuda.so.1) is not available"
     handle = ctypes.c_int()
     value = ctypes.c_int()
     if driver.cuDeviceGet(ctypes.byref(handle), ordinal) != _CUDA_SUCCESS:
-        return False
+        return f"no CUDA device {ordinal}"
     result = driver.cuDeviceGetAttribute(
         ctypes.byref(value), _CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, handle
     )
-    return result == _CUDA_SUCCESS and value.value == 1
+    if result != _CUDA_SUCCESS or value.value != 1:
+        return f"device {ordinal} does not support read-only host registration"
+    return _probe_declines(ordinal)
+
+
+def _probe_declines(ordinal: int) -> str | None:
+    """Why a registration of a mapped file fails on the device, tried in a child process
+    (dma_probe.py: some platforms fail it with a sticky error); None if it works."""
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-m", "executor_service.dma_probe", str(ordinal)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the registration probe did not run: {exc}"
+    if probe.returncode == 0:
+        return None
+    return probe.stdout.strip() or f"the registration probe exited {probe.returncode}"
 
 
 class _PrimaryContext:

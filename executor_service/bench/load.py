@@ -57,7 +57,7 @@ from executor_service.disk_cache import DiskCache
 from executor_service.loader import Loader, load_threads
 from executor_service.metrics import ExecutorMetrics
 from executor_service.packer import pack_adapter
-from executor_service.page_cache_dma import readonly_registration
+from executor_service.page_cache_dma import registration_declined
 from executor_service.process import configure_process
 from executor_service.registry_source import RegistrySource
 from executor_service.runtime import ExecutorRuntime, download_streams
@@ -473,7 +473,8 @@ def _byte_path(device: torch.device, page_cache_dma: bool) -> str:
         return "CPU pack"
     if not page_cache_dma:
         return "staged"
-    return "page-cache DMA" if readonly_registration(device) else "staged: no read-only DMA"
+    declined = registration_declined(device)
+    return "page-cache DMA" if declined is None else f"staged: {declined}"
 
 
 def _print(results: Results, args: argparse.Namespace, shape: Shape) -> None:

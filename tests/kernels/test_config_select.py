@@ -41,7 +41,7 @@ from kernels.reference import moe_forward_reference
 from kernels.synthetic import random_layer, relative_error
 from kernels.types import Activation
 
-from .conftest import TOLERANCE
+from .conftest import DEVICE, TOLERANCE
 
 H100 = "NVIDIA_H100_80GB_HBM3"
 QWEN3 = LayerShape(128, 2048, 768, 8)
@@ -288,11 +288,13 @@ def test_compile_worker_launch_with_fewer_experts_is_exact(biases: bool, decode:
     """A compile worker holds a few experts but aligns for the full count (so the launch has
     the timing process's block counts); the result must still be right, which shows the
     kernels it compiled are the ones the full layer runs."""
-    full = random_layer(24, 64, 32, 2, dtype=torch.float32, biases=biases,
+    full = random_layer(24, 64, 32, 2, dtype=torch.float32, device=DEVICE, biases=biases,
                         activation=Activation.GPT_OSS if biases else Activation.SILU)  # fmt: skip
     config = dataclasses.replace(heuristic_config(7, 24, 64, 32, 2, elem_size=4), decode=decode)
     job = CompileJob.of(full, 7, 16, 8, config)
-    few = random_layer(4, 64, 32, 2, dtype=torch.float32, biases=biases, activation=full.activation)
+    few = random_layer(
+        4, 64, 32, 2, dtype=torch.float32, device=DEVICE, biases=biases, activation=full.activation
+    )
     with_lora, base = compile_job(job, few)
     inputs = CellInputs.make(few, 7, 16, 8, few.num_experts)
     expected = moe_forward_reference(inputs.hidden, few, inputs.lora, inputs.routing)
