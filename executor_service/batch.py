@@ -108,15 +108,6 @@ def merged_routing(requests: Sequence[Prepared]) -> Routing | None:
     )
 
 
-def row_ranges(requests: Sequence[Prepared]) -> list[tuple[int, int]]:
-    """Each request's rows [start, end) in the merged launch."""
-    ranges, start = [], 0
-    for request in requests:
-        ranges.append((start, start + request.tokens))
-        start += request.tokens
-    return ranges
-
-
 def slot_wait(requests: Sequence[Prepared]) -> float:
     """How long the batch may wait for slots: until the earliest request's limit."""
     return max(0.0, min(r.slot_deadline for r in requests) - time.monotonic())

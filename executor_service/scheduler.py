@@ -6,8 +6,11 @@ waiting requests for the head request's layer, up to ``max_batch_tokens`` (a lon
 goes alone) and only as many distinct adapters as fit in the slots together (a request that
 does not fit alongside the others waits for the next batch), runs them as one launch, hands
 every request its answer, and goes on while its own request is unanswered. Then it steps down
-and a waiting handler takes over. There is no thread hand-off on the fast path: an idle
-executor runs a lone request on the thread that received it.
+and hands the lead to the oldest waiting request's thread. There is no thread hand-off on the
+fast path: an idle executor runs a lone request on the thread that received it. Each waiting
+thread sleeps on its own event and wakes once, for its answer or the lead: with dozens of
+requests waiting, a shared condition's notify-all woke every one of them per launch, and each
+took the GIL from the leader.
 
 With ``batch_window_us`` > 0, a leader that finds the device idle waits that long for company
 before launching (unless the batch is full already). Beyond ``max_queued_requests`` waiting
@@ -45,7 +48,7 @@ class SchedulerSettings:
 
 
 class _Pending:
-    __slots__ = ("done", "enqueued", "error", "request", "result")
+    __slots__ = ("done", "enqueued", "error", "lead", "request", "result", "wake")
 
     def __init__(self, request: Prepared) -> None:
         self.request = request
@@ -53,6 +56,9 @@ class _Pending:
         self.result: ForwardOutput | None = None
         self.error: BaseException | None = None
         self.done = False
+        #: Set (with the scheduler's lock held) when this request's thread is to lead.
+        self.lead = False
+        self.wake = threading.Event()
 
 
 class Scheduler:
@@ -71,6 +77,7 @@ class Scheduler:
         self._watch = watch
         self.settings = settings
         self._metrics = metrics
+        # Guards the queue and the lead; the leader alone waits on it (for a batch window).
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[_Pending] = deque()
         self._leading = False
@@ -92,11 +99,12 @@ class Scheduler:
                 )
             self._queue.append(pending)
             self._metrics.queued_requests.set(len(self._queue))
-            self._cond.notify_all()
-            while not pending.done and self._leading:
-                self._cond.wait()
-            if not pending.done:
-                self._leading = True
+            if self._leading:
+                self._cond.notify()  # a leader waiting out its batch window
+            else:
+                self._leading = pending.lead = True
+        if not pending.lead:
+            pending.wake.wait()
         if not pending.done:
             self._lead(pending)
         if pending.error is not None:
@@ -109,7 +117,7 @@ class Scheduler:
         return max(1, round(self._last_batch * batches * 1000))
 
     def _lead(self, own: _Pending) -> None:
-        """Launches batches until ``own`` is answered, then steps down."""
+        """Launches batches until ``own`` is answered, then hands the lead on."""
         idle = True
         try:
             while not own.done:
@@ -119,8 +127,12 @@ class Scheduler:
                 self._launch(batch)
         finally:
             with self._cond:
-                self._leading = False
-                self._cond.notify_all()
+                if self._queue:
+                    successor = self._queue[0]
+                    successor.lead = True
+                    successor.wake.set()
+                else:
+                    self._leading = False
 
     def _take(self, idle: bool) -> list[_Pending]:
         """The next batch, removed from the queue (called with the lock held; the queue is
@@ -184,7 +196,6 @@ class Scheduler:
                 for pending, result in zip(group, results, strict=True):
                     pending.result = result
         self._last_batch = time.perf_counter() - start
-        with self._cond:
-            for pending in batch:
-                pending.done = True
-            self._cond.notify_all()
+        for pending in batch:
+            pending.done = True
+            pending.wake.set()

@@ -55,11 +55,9 @@ class Staging:
         ``pad_to`` get slot -1 (no adapter). Returns the rows."""
         rows = sum(int(p.shape[0]) for p in parts)
         self._grow(max(rows, pad_to))
-        start = 0
-        for part in parts:
-            end = start + int(part.shape[0])
-            self.input[start:end].copy_(part)
-            start = end
+        # One torch call for all parts: each call gives up the GIL, and the launching thread
+        # may wait a switch interval per call to win it back from busy handler threads.
+        torch.cat(list(parts), out=self.input[:rows])
         padded = max(rows, pad_to)
         if token_slots is None:
             self.slots[:padded].fill_(-1)
