@@ -57,7 +57,8 @@ class Staging:
         self._grow(max(rows, pad_to))
         # One torch call for all parts: each call gives up the GIL, and the launching thread
         # may wait a switch interval per call to win it back from busy handler threads.
-        torch.cat(list(parts), out=self.input[:rows])
+        if parts:  # none while a graph is captured
+            torch.cat(list(parts), out=self.input[:rows])
         padded = max(rows, pad_to)
         if token_slots is None:
             self.slots[:padded].fill_(-1)
