@@ -57,6 +57,10 @@ _STAGE_BUCKETS = (
     2,
 )
 
+#: A Forward's stages, in order (``moelora_executor_stage_seconds{stage}``): per request for
+#: decode, dispatch, prepare and queue; per launch for the others.
+STAGES = ("decode", "dispatch", "prepare", "queue", "stage", "h2d", "kernel", "d2h", "encode")
+
 
 class ExecutorMetrics:
     """Every metric the executor exports."""
@@ -219,8 +223,9 @@ class ExecutorMetrics:
         )
         self.stage_seconds = Histogram(
             "moelora_executor_stage_seconds",
-            "Time per stage: decode, queue, stage (into the pinned input), h2d, kernel, d2h "
-            "(device times on a GPU), encode",
+            "Time per stage: decode (front end), dispatch (the engine's reader to a worker), "
+            "prepare (check and resolve), queue, stage (into the pinned input), h2d, kernel, "
+            "d2h (device times on a GPU), encode",
             ["stage"],
             buckets=_STAGE_BUCKETS,
             registry=registry,
@@ -247,10 +252,7 @@ class ExecutorMetrics:
             self.prefetches.labels(result)
 
         # Label children resolved once: ``labels()`` costs microseconds on every Forward.
-        self.stage = {
-            name: self.stage_seconds.labels(name)
-            for name in ("decode", "queue", "stage", "h2d", "kernel", "d2h", "encode")
-        }
+        self.stage = {name: self.stage_seconds.labels(name) for name in STAGES}
         self.graph_runs = self.runs.labels("graph")
         self.eager_runs = self.runs.labels("eager")
         self.lora_tokens = self.forward_tokens.labels("lora")

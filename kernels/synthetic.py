@@ -27,8 +27,10 @@ def _randn(
     device: torch.device | str,
     generator: torch.Generator,
 ) -> torch.Tensor:
-    # Drawn in float32 on the target device (fast for GPU-sized layers), then rounded.
-    values = torch.randn(shape, generator=generator, device=device) * scale
+    # Drawn in float32 on the target device (fast for GPU-sized layers), scaled in place (a
+    # DeepSeek-V3 w13 is 28 GiB of float32: a second copy would not fit an 80 GB GPU), then
+    # rounded.
+    values = torch.randn(shape, generator=generator, device=device).mul_(scale)
     return values.to(dtype)
 
 

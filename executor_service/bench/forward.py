@@ -46,6 +46,7 @@ from executor_service.bench.clients import forward_request
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
 from executor_service.graphs import GraphCache
+from executor_service.metrics import STAGES
 from executor_service.model_loader import load_base_model
 from executor_service.serving.frontends import frontend_count
 from executor_service.synthetic import SyntheticAdapter, write_adapter, write_base_checkpoint
@@ -55,7 +56,6 @@ from moelora.client.executor import ExecutorClient
 
 #: Adapters per request; the pinned pool every row but the churn row draws from.
 PER_REQUEST = 4
-STAGES = ("decode", "queue", "stage", "h2d", "kernel", "d2h", "encode")
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ class EngineHost:
                 kind, payload = link.connection.recv()
                 if kind is Kind.FORWARD:
                     link.enter()
-                    self._pool.submit(self._forward, link, payload)
+                    self._pool.submit(self._forward, link, payload, time.perf_counter())
                 elif kind is Kind.CALL:
                     self._pool.submit(self._call, link, payload)
                 elif kind is Kind.HELLO:
@@ -159,13 +159,12 @@ class EngineHost:
             raise Unavailable(f"{self._reason}; retry shortly or on another replica")
         return runtime
 
-    def _forward(self, link: _Link, payload: bytes) -> None:
-        start = time.perf_counter()
+    def _forward(self, link: _Link, payload: bytes, received: float) -> None:
         request_id = 0
         try:
             descriptor = ForwardDescriptor.decode(payload)
             request_id = descriptor.request_id
-            result = self._run_forward(link, descriptor, start)
+            result = self._run_forward(link, descriptor, received)
         except MoeLoraError as exc:
             result = _failure(request_id, exc)
         except Exception:
@@ -176,7 +175,7 @@ class EngineHost:
         link.send(Kind.RESULT, result.encode())
 
     def _run_forward(
-        self, link: _Link, descriptor: ForwardDescriptor, start: float
+        self, link: _Link, descriptor: ForwardDescriptor, received: float
     ) -> ForwardResult:
         runtime = self._ready()
         held: list[HeldRegion] = []
@@ -203,8 +202,12 @@ class EngineHost:
                     else tensor(weights, "routing.topk_weights"),
                     output=tensor(descriptor.output, "shared_output"),
                 )
-                runtime.metrics.stage["decode"].observe(descriptor.decode_seconds)
+                stage = runtime.metrics.stage
+                stage["decode"].observe(descriptor.decode_seconds)
+                preparing = time.perf_counter()
+                stage["dispatch"].observe(preparing - received)
                 prepared = runtime.engine.prepare(request, descriptor.slot_wait)
+                stage["prepare"].observe(time.perf_counter() - preparing)
                 answer = runtime.scheduler.submit(prepared)
         finally:
             for region in held:
@@ -214,7 +217,7 @@ class EngineHost:
             _OK,
             resolved_adapters=tuple(answer.resolved_adapters),
             adapters_loaded=answer.adapters_loaded,
-            server_time_us=int((time.perf_counter() - start + descriptor.decode_seconds) * 1e6),
+            server_time_us=int((time.perf_counter() - received + descriptor.decode_seconds) * 1e6),
         )
 
     def _call(self, link: _Link, payload: bytes) -> None:
