@@ -8,7 +8,7 @@ A source does two things, the same two a registry client does:
   stale hit.
 * ``fetch(adapter)`` returns that version's files, checked against the digest.
 
-``LocalFolderSource`` serves a folder of adapters; the registry source (end-to-end issue)
+``LocalFolderSource`` serves a folder of adapters; ``RegistrySource`` (registry_source.py)
 implements the same protocol over gRPC and also fills ``base_model_fingerprint``.
 """
 

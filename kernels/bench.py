@@ -77,7 +77,8 @@ ZOO = {
 }
 TOKENS = (1, 8, 64, 512, 4096)
 
-#: vLLM 0.33's Triton path on an H100 80GB HBM3, µs (base, base+LoRA), from the issue.
+#: vLLM 0.33's fused MoE-LoRA (its Triton path) on an H100 80GB HBM3, µs (base, base+LoRA),
+#: for the three original shapes: an anchor, not a run of this bench.
 VLLM_H100 = {
     "qwen3": ((50.6, 92.3), (197, 247), (416, 515), (470, 656), (930, 1302)),
     "mixtral": ((264, 476), (853, 1054), (969, 1266), (2209, 2609), (6438, 6902)),
