@@ -18,12 +18,15 @@ from shared.config import ServiceSettings
 
 
 class StartupError(Exception):
-    """Why a service cannot start, as one line: ``what (setting): fix``."""
+    """Why a service cannot start, as one line: ``what (setting): fix``; ``exit_code`` 2 for a
+    setting that is invalid in itself (as pydantic's refusals exit), 1 for one the service
+    could not act on."""
 
-    def __init__(self, what: str, setting: str = "", fix: str = "") -> None:
+    def __init__(self, what: str, setting: str = "", fix: str = "", exit_code: int = 1) -> None:
         self.what = what
         self.setting = setting
         self.fix = fix
+        self.exit_code = exit_code
         super().__init__(str(self))
 
     def __str__(self) -> str:
@@ -59,7 +62,9 @@ def check_listen(listen: str, setting: str) -> None:
         return
     host, colon, port = listen.rpartition(":")
     if not colon or not port.isdigit() or int(port) > 65535:
-        raise StartupError(f"{listen!r} is not host:port", setting, "e.g. 0.0.0.0:50051")
+        raise StartupError(
+            f"{listen!r} is not host:port", setting, "e.g. 0.0.0.0:50051", exit_code=2
+        )
     if int(port) == 0:
         return
     host = host.strip("[]") or "0.0.0.0"
@@ -102,11 +107,11 @@ def _fix(exc: OSError) -> str:
 def exit_on_startup_error(prog: str, *also: type[BaseException]) -> Iterator[None]:
     """Turns StartupError, and the errors a service's parts raise for bad settings or
     unreachable dependencies (ValueError, OSError, MoeLoraError, and ``also``), into one
-    line on stderr and exit status 1."""
+    line on stderr and exit status 1 (a StartupError's own status where it says)."""
     caught: tuple[type[BaseException], ...] = (StartupError, ValueError, OSError, MoeLoraError)
     try:
         yield
     except (*caught, *also) as exc:
         text = " ".join(str(exc).split()) or type(exc).__name__
         print(f"{prog}: {text}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        raise SystemExit(exc.exit_code if isinstance(exc, StartupError) else 1) from None

@@ -61,6 +61,19 @@ def test_a_port_in_use_is_one_line_naming_the_address_and_the_setting(
     assert "already in use (--listen / " in line and "choose another port" in line
 
 
+@pytest.mark.parametrize("script", ["moelora-registry", "moelora-executor"])
+def test_an_address_that_is_no_host_port_exits_2(
+    start_server: Any, tmp_path: Path, script: str
+) -> None:
+    """Invalid in itself, like a value pydantic refuses: status 2, as docs/operations.md says."""
+    base = str(write_base_model(tmp_path / "base"))
+    extra = ["--data-dir", str(tmp_path / "r")] if "registry" in script else []
+    extra += ["--base-model-path", base] if "executor" in script else []
+    server = start_server(script, "--listen", "nonsense", "--metrics-listen", "", *extra)
+    line = _exits(server, 2)
+    assert line.startswith(script) and "'nonsense' is not host:port (--listen / " in line
+
+
 def test_the_metrics_port_is_checked_before_the_model_loads(
     start_server: Any, taken: str, tmp_path: Path, port: int
 ) -> None:
