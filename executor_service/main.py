@@ -22,8 +22,8 @@ from executor_service.process import configure_process
 from executor_service.runtime import ExecutorRuntime, build_runtime
 from executor_service.serving.engine_host import EngineHost
 from executor_service.serving.frontends import FrontEnds, frontend_count, metrics_registry
-from executor_service.serving.shm import SHM_ROOT
 from moelora.client.logs import configure_logging, log_event
+from moelora.client.shared_memory import SHM_ROOT
 from shared.config import parse_settings
 from shared.metrics import start_metrics_server
 from shared.startup import (

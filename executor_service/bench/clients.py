@@ -32,7 +32,7 @@ import numpy as np
 
 from executor_service.bench.answers import tensor_to_float32, worst_row_error
 from executor_service.bench.echo_server import STREAM, UNARY
-from executor_service.serving.shm import Segment
+from moelora.client.shared_memory import Segment
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 
 #: Timed answers kept for the check: one in this many.

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from executor_service.serving.shm import Segment
+from moelora.client.shared_memory import Segment
 
 #: Regions start on this boundary (a cache line is 64 bytes; 256 suits vector copies too).
 ALIGN = 256

@@ -38,7 +38,6 @@ from executor_service.engine import ForwardInput
 from executor_service.registry_source import registry_status
 from executor_service.runtime import ExecutorRuntime, replica_name
 from executor_service.serving.regions import HeldRegion, SharedRegions
-from executor_service.serving.shm import Segment as ShmSegment
 from executor_service.serving.wire import (
     Connection,
     ForwardDescriptor,
@@ -48,6 +47,7 @@ from executor_service.serving.wire import (
 )
 from moelora.client.errors import InvalidArgument, MoeLoraError, Overloaded, Unavailable
 from moelora.client.logs import log_event
+from moelora.client.shared_memory import Segment as ShmSegment
 from moelora.client.tensors import WIRE_TYPES
 from shared.grpc_server import internal_error_message
 from shared.refs import AdapterRef

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from executor_service.serving.shm import SHM_ROOT, Segment, valid_name
 from moelora.client.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -24,6 +23,7 @@ from moelora.client.errors import (
     NotFound,
     ResourceExhausted,
 )
+from moelora.client.shared_memory import SHM_ROOT, Segment, valid_name
 
 #: Regions one caller may hold at once.
 MAX_REGIONS_PER_SCOPE = 64

@@ -6,6 +6,8 @@
         result = client.forward(3, hidden, segments=[(5, "sql@prod"), (3, None)])
         result.output  # hidden's kind (numpy array or torch tensor) and dtype
 
+On the executor's host, ``client.shared_memory(...)`` gives a ring that ``forward(...,
+ring=ring)`` sends its tensors through instead of the message (``moelora.client.shared_memory``).
 Numpy in and out needs no torch; torch tensors (bfloat16 among them) need the ``torch`` extra,
 ``moelora.client.cluster`` (many executors, by layer and adapter) needs it too, and
 ``moelora.client.cluster.hf`` the ``transformers`` extra. Errors are the classes of
@@ -31,6 +33,7 @@ from moelora.client.errors import (
 from moelora.client.executor import ExecutorClient, ForwardCall, ForwardResult, RetryPolicy
 from moelora.client.executor_aio import AsyncExecutorClient
 from moelora.client.registry import RegistryClient
+from moelora.client.shared_memory import SharedMemoryRing
 
 __all__ = [
     "AlreadyExists",
@@ -49,6 +52,7 @@ __all__ = [
     "RegistryClient",
     "ResourceExhausted",
     "RetryPolicy",
+    "SharedMemoryRing",
     "Unauthenticated",
     "Unavailable",
 ]

@@ -18,6 +18,9 @@ have run).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,6 +36,7 @@ from moelora.client import tensors as codec
 from moelora.client.auth import open_channel
 from moelora.client.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
 from moelora.client.health import wait_until_serving
+from moelora.client.shared_memory import SharedMemoryRing, Slot
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 
 if TYPE_CHECKING:
@@ -154,9 +158,40 @@ def channel_options(max_message_bytes: int, keepalive_seconds: float) -> list[tu
     ]
 
 
-def forward_result(response: executor_pb2.ForwardResponse, like: Array) -> ForwardResult[Array]:
+def shared_forward_request(
+    ring: SharedMemoryRing,
+    slot: Slot,
+    layer: int,
+    hidden: Array,
+    segments: Segments | None = None,
+    routing: RoutingTensors[Array] | None = None,
+) -> executor_pb2.ForwardRequest:
+    """The ForwardRequest naming ``slot`` of ``ring`` (``hidden`` written there)."""
+    wire_segments = [
+        executor_pb2.Segment(num_tokens=n, adapter=ref or "") for n, ref in segments or ()
+    ]
+    request = ring.request(slot, hidden, layer, wire_segments)
+    if routing is not None:
+        ids, weights = routing
+        request.routing.topk_ids.CopyFrom(encode(ids))
+        request.routing.topk_weights.CopyFrom(encode(weights))
+    return request
+
+
+def shared_region_name() -> str:
+    """A region name of this process no other ring of it takes."""
+    return f"ring-{os.getpid()}-{next(_RING_NUMBERS)}"
+
+
+_RING_NUMBERS = itertools.count(1)
+
+
+def forward_result(
+    response: executor_pb2.ForwardResponse, like: Array, output: Array | None = None
+) -> ForwardResult[Array]:
+    """The answer; ``output`` when the executor wrote it into shared memory."""
     return ForwardResult(
-        output=decode(response.output, like),
+        output=decode(response.output, like) if output is None else output,
         resolved_adapters=list(response.resolved_adapters),
         server_time_us=response.server_time_us,
         adapters_resident=response.adapters_resident,
@@ -223,15 +258,56 @@ class ExecutorClient:
         segments: Segments | None = None,
         routing: RoutingTensors[Array] | None = None,
         timeout: float | None = None,
+        ring: SharedMemoryRing | None = None,
     ) -> ForwardResult[Array]:
         """One MoE layer for ``hidden`` (T, H): a numpy array (float32/float16) or a torch
         tensor (bfloat16 too); the output is of the same kind and dtype. ``segments`` cover
-        the T tokens in order; None = all tokens on the base model."""
-        request = forward_request(layer, hidden, segments, routing)
-        response: executor_pb2.ForwardResponse = self._call(
-            self._stub.Forward, request, timeout, idempotent=True
-        )
-        return forward_result(response, hidden)
+        the T tokens in order; None = all tokens on the base model. ``ring`` (from
+        ``shared_memory``): the tensors travel through it where a slot fits them."""
+        slot = None if ring is None else ring.take(hidden)
+        if ring is None or slot is None:
+            request = forward_request(layer, hidden, segments, routing)
+            response: executor_pb2.ForwardResponse = self._call(
+                self._stub.Forward, request, timeout, idempotent=True
+            )
+            return forward_result(response, hidden)
+        try:
+            shared = shared_forward_request(ring, slot, layer, hidden, segments, routing)
+            response = self._call(self._stub.Forward, shared, timeout, idempotent=True)
+            return forward_result(response, hidden, ring.output(slot, hidden))
+        finally:
+            ring.give_back(slot)
+
+    @contextlib.contextmanager
+    def shared_memory(
+        self,
+        hidden_size: int,
+        max_tokens: int,
+        slots: int = 4,
+        dtype: str = "bfloat16",
+        timeout: float | None = None,
+    ) -> Iterator[SharedMemoryRing]:
+        """A ring of ``slots`` Forward slots in shared memory, registered with the executor
+        (same host only) while the block runs: ``forward(..., ring=ring)`` then sends
+        descriptors instead of the tensors (see ``moelora.client.shared_memory``). ``dtype`` is
+        the inputs' (and outputs') dtype; ``max_tokens`` the largest T a slot holds."""
+        ring = SharedMemoryRing(shared_region_name(), hidden_size, max_tokens, slots, dtype)
+        try:
+            self._call(
+                self._stub.RegisterSharedMemory, ring.register_request(), timeout, idempotent=True
+            )
+            try:
+                yield ring
+            finally:
+                with contextlib.suppress(MoeLoraError):
+                    self._call(
+                        self._stub.UnregisterSharedMemory,
+                        executor_pb2.UnregisterSharedMemoryRequest(region=ring.region),
+                        timeout,
+                        idempotent=True,
+                    )
+        finally:
+            ring.close()
 
     def forward_stream(
         self, calls: Iterable[ForwardCall[Array]], timeout: float | None = None

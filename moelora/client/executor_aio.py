@@ -15,6 +15,7 @@ backoff inside the call's deadline, and only for calls that are safe to run twic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
@@ -37,8 +38,11 @@ from moelora.client.executor import (
     forward_request,
     forward_result,
     retry_pause,
+    shared_forward_request,
+    shared_region_name,
     stream_error,
 )
+from moelora.client.shared_memory import SharedMemoryRing
 from moelora.v1 import executor_pb2, executor_pb2_grpc
 
 T = TypeVar("T")
@@ -106,13 +110,51 @@ class AsyncExecutorClient:
         segments: Segments | None = None,
         routing: RoutingTensors[Array] | None = None,
         timeout: float | None = None,
+        ring: SharedMemoryRing | None = None,
     ) -> ForwardResult[Array]:
         """One MoE layer for ``hidden`` (T, H), as ``ExecutorClient.forward``."""
-        request = forward_request(layer, hidden, segments, routing)
-        response: executor_pb2.ForwardResponse = await self._call(
-            self._stub.Forward, request, timeout, idempotent=True
-        )
-        return forward_result(response, hidden)
+        slot = None if ring is None else ring.take(hidden)
+        if ring is None or slot is None:
+            request = forward_request(layer, hidden, segments, routing)
+            response: executor_pb2.ForwardResponse = await self._call(
+                self._stub.Forward, request, timeout, idempotent=True
+            )
+            return forward_result(response, hidden)
+        try:
+            shared = shared_forward_request(ring, slot, layer, hidden, segments, routing)
+            response = await self._call(self._stub.Forward, shared, timeout, idempotent=True)
+            return forward_result(response, hidden, ring.output(slot, hidden))
+        finally:
+            ring.give_back(slot)
+
+    @contextlib.asynccontextmanager
+    async def shared_memory(
+        self,
+        hidden_size: int,
+        max_tokens: int,
+        slots: int = 4,
+        dtype: str = "bfloat16",
+        timeout: float | None = None,
+    ) -> AsyncIterator[SharedMemoryRing]:
+        """A registered shared-memory ring for ``forward(..., ring=ring)``, as
+        ``ExecutorClient.shared_memory``."""
+        ring = SharedMemoryRing(shared_region_name(), hidden_size, max_tokens, slots, dtype)
+        try:
+            await self._call(
+                self._stub.RegisterSharedMemory, ring.register_request(), timeout, idempotent=True
+            )
+            try:
+                yield ring
+            finally:
+                with contextlib.suppress(MoeLoraError):
+                    await self._call(
+                        self._stub.UnregisterSharedMemory,
+                        executor_pb2.UnregisterSharedMemoryRequest(region=ring.region),
+                        timeout,
+                        idempotent=True,
+                    )
+        finally:
+            ring.close()
 
     async def forward_stream(
         self, calls: Iterable[ForwardCall[Array]], timeout: float | None = None

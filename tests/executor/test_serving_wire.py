@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor_service.serving.arena import ALIGN, Arena, ArenaFull, Region
-from executor_service.serving.shm import SHM_ROOT, Segment
 from executor_service.serving.wire import (
     Connection,
     ForwardDescriptor,
@@ -20,6 +19,7 @@ from executor_service.serving.wire import (
     Kind,
     TensorRef,
 )
+from moelora.client.shared_memory import SHM_ROOT, Segment
 
 
 def test_a_segment_is_shared_by_name_and_its_creator_unlinks_it() -> None:

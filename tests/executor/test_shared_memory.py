@@ -5,6 +5,7 @@ uses it stays whole until that request is answered."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,8 +16,9 @@ import pytest
 import torch
 
 from executor_service.server import _on_this_host
-from executor_service.serving.shm import Segment
 from kernels import LoRAContext, MoELayerWeights, Routing, moe_forward
+from moelora.client import AsyncExecutorClient
+from moelora.client.shared_memory import SHM_ROOT, Segment
 from moelora.client.tensors import from_numpy
 from moelora.v1 import executor_pb2 as ex
 from moelora.v1 import executor_pb2_grpc, tensor_pb2
@@ -220,3 +222,94 @@ def test_only_callers_on_this_host_may_register() -> None:
     assert _on_this_host("ipv4:127.0.0.1:5000") and _on_this_host("ipv6:[::1]:5000")
     assert _on_this_host("unix:/tmp/executor.sock")
     assert not _on_this_host("ipv4:10.0.0.7:5000") and not _on_this_host("ipv6:[fd00::1]:1")
+
+
+# -- the client's ring ------------------------------------------------------------------------
+
+
+def test_the_client_ring_answers_as_bytes_do_and_cleans_up(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """forward(..., ring=ring) equals forward with bytes, for numpy and torch inputs; a call
+    the ring cannot hold (more tokens than a slot) sends bytes; leaving the block unregisters
+    the region and removes the shared-memory object."""
+    running = start_executor(qwen_world)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer]
+    hidden_size = int(hidden.shape[1])
+    segments = [(TOKENS, "alpha")]
+    client = running.client
+    expected = client.forward(layer, hidden.numpy(), segments).output
+    doubled = np.concatenate([hidden.numpy(), hidden.numpy()])
+    expected_doubled = client.forward(layer, doubled, [(2 * TOKENS, "alpha")]).output
+    with client.shared_memory(hidden_size, TOKENS, slots=2, dtype="float32") as ring:
+        path = SHM_ROOT / ring.shm_name
+        assert path.exists()
+        with _stub(running) as stub:
+            listed = stub.ListSharedMemory(ex.ListSharedMemoryRequest()).regions
+            assert [(r.region, r.shm_name) for r in listed] == [(ring.region, ring.shm_name)]
+        by_ring = client.forward(layer, hidden.numpy(), segments, ring=ring)
+        assert by_ring.resolved_adapters == ["alpha:1"]
+        assert np.array_equal(by_ring.output, expected)
+        as_torch = client.forward(layer, hidden, segments, ring=ring).output
+        assert isinstance(as_torch, torch.Tensor)
+        assert np.array_equal(as_torch.numpy(), expected)
+        too_long = client.forward(layer, doubled, [(2 * TOKENS, "alpha")], ring=ring).output
+        assert np.array_equal(too_long, expected_doubled)
+    assert not path.exists()
+    with _stub(running) as stub:
+        assert not stub.ListSharedMemory(ex.ListSharedMemoryRequest()).regions
+
+
+def test_more_callers_than_slots_all_get_their_own_answers(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """Eight threads over a two-slot ring: a caller that finds every slot busy sends bytes;
+    every answer is its own input's (distinct inputs, so a slot mixed up would show)."""
+    running = start_executor(qwen_world)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+    inputs = [hidden * (1 + i / 8) for i in range(8)]
+    client = running.client
+    expected = [client.forward(layer, x, [(TOKENS, "alpha")]).output for x in inputs]
+    failures: list[str] = []
+    finished: list[int] = []
+    with client.shared_memory(hidden.shape[1], TOKENS, slots=2, dtype="float32") as ring:
+
+        def caller(i: int) -> None:
+            try:
+                for _ in range(5):
+                    out = client.forward(layer, inputs[i], [(TOKENS, "alpha")], ring=ring).output
+                    if not np.array_equal(out, expected[i]):
+                        failures.append(f"caller {i}: another answer")
+                finished.append(i)
+            except Exception as exc:  # reported below, with the others
+                failures.append(f"caller {i}: {exc!r}")
+
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    assert not failures, failures
+    assert sorted(finished) == list(range(8))
+
+
+def test_the_async_client_ring(qwen_world: World, start_executor: StartExecutor) -> None:
+    running = start_executor(qwen_world)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+    expected = running.client.forward(layer, hidden, [(TOKENS, "alpha")]).output
+
+    async def calls() -> list[np.ndarray]:
+        async with (
+            AsyncExecutorClient(running.app.address) as client,
+            client.shared_memory(hidden.shape[1], TOKENS, dtype="float32") as ring,
+        ):
+            segments = [(TOKENS, "alpha")]
+            calls = [client.forward(layer, hidden, segments, ring=ring) for _ in range(6)]
+            results = await asyncio.gather(*calls)
+            return [r.output for r in results]
+
+    outputs = asyncio.run(calls())
+    assert len(outputs) == 6 and all(np.array_equal(out, expected) for out in outputs)
