@@ -26,8 +26,11 @@ prefixes (`MOELORA_NUM_SLOTS`) are still read, below the new ones, each with a d
 warning on stderr.
 
 `adapterctl` reads `MOELORA_REGISTRY_ADDRESS`, `MOELORA_REGISTRY_TOKEN`, `MOELORA_REGISTRY_TLS`
-and `MOELORA_REGISTRY_CA_FILE` (see `adapterctl --help` and docs/registry.md); none of them
-configures a server (the executor's own token is `MOELORA_EXECUTOR_REGISTRY_TOKEN`).
+and `MOELORA_REGISTRY_CA_FILE` (see `adapterctl --help` and docs/registry.md). The executor has
+its own (`MOELORA_EXECUTOR_REGISTRY_ADDRESS`, `_TOKEN`, `_TLS`); while the names from before the
+prefixes are still read, an executor without them falls back to adapterctl's
+`MOELORA_REGISTRY_ADDRESS`, `_TOKEN` and `_TLS` (with the deprecation warning), so set the
+executor's own wherever both run in one environment.
 """
 
 
