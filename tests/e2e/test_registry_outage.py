@@ -10,6 +10,7 @@ import os
 import signal
 import statistics
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +43,28 @@ def stack(world: World, tmp_path: Path) -> Iterator[Stack]:
     stack = Stack(
         world,
         tmp_path,
-        executor_flags=("--registry-staleness-seconds", STALENESS),
+        executor_flags=(
+            *("--registry-staleness-seconds", STALENESS),
+            *("--metrics-listen", f"127.0.0.1:{free_port()}"),
+        ),
         registry_flags=("--gc-interval-seconds", "0"),
     )
     try:
         yield stack
     finally:
         stack.stop()
+
+
+def _outage_gauge(stack: Stack) -> float:
+    """moelora_executor_registry_outage_start_timestamp_seconds, scraped from the executor."""
+    flags = list(stack.executor_flags)
+    address = flags[flags.index("--metrics-listen") + 1]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    name = "moelora_executor_registry_outage_start_timestamp_seconds"
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)]
+    assert len(values) == 1, text
+    return values[0]
 
 
 def _upload_sql(stack: Stack) -> None:
@@ -125,6 +141,7 @@ def test_alias_forwards_keep_their_speed_through_a_registry_outage(
         info = client.get_executor_info().registry
         assert not info.reachable and not info.watching
         assert abs(info.unreachable_since.ToSeconds() - time.time()) < 60
+        assert _outage_gauge(stack) == pytest.approx(info.unreachable_since.ToSeconds(), abs=1)
         # A reference never resolved fails at once, saying when to retry.
         start = time.perf_counter()
         with pytest.raises(Unavailable, match="retry in"):
@@ -148,6 +165,7 @@ def test_alias_forwards_keep_their_speed_through_a_registry_outage(
         wait_for(lambda: _forward(client, stack, "sql@prod")[1] == "sql:2", timeout=30)
         after = _p50(client, stack, "sql@prod", "sql:2")
         assert client.get_executor_info().registry.reachable
+        assert _outage_gauge(stack) == 0
     print(f"\nalias Forward p50: before {before}, during the outage {during}, after {after}")
     # Against the registry-up speed measured on both sides of the outage. Run alone, the
     # phases agree within 10% (the outage path adds a few microseconds a resolve); on a loaded
