@@ -35,7 +35,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import shtab
@@ -438,8 +438,37 @@ def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
+class UsageError(Exception):
+    """A command line argparse refused: raised instead of argparse's print-and-exit, so that
+    ``main`` can answer in the output format the command line asked for."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self, message)
+
+
+def _requested_format(argv: Sequence[str]) -> str:
+    """The output format ``argv`` asks for, read before parsing (which may fail)."""
+    requested = "table"
+    for i, arg in enumerate(argv):
+        if arg == "--json":
+            requested = "json"
+        elif arg in ("-o", "--output") and i + 1 < len(argv):
+            requested = argv[i + 1]
+        elif arg.startswith("--output="):
+            requested = arg.removeprefix("--output=")
+        elif arg.startswith("-o") and len(arg) > 2:
+            requested = arg[2:]
+    return requested
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Manage adapters in a moe-lora-serve registry.",
         epilog=EXAMPLES,
@@ -586,7 +615,17 @@ def _fix(exc: MoeLoraError, address: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(words)
+    except UsageError as exc:
+        usage = Output(_requested_format(words))
+        if usage.structured:
+            usage.error(PROG, "USAGE", str(exc), 2)
+        else:
+            exc.parser.print_usage(sys.stderr)
+            print(f"{exc.parser.prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     out = Output(args.output)
     try:
         if args.handler is None:

@@ -93,6 +93,19 @@ def test_errors_name_the_fix_and_come_as_json_with_json_output(
     )
 
 
+def test_a_command_line_argparse_refuses_is_json_too_with_json_output() -> None:
+    """A usage error needs no registry: JSON on stderr with -o json (wherever it stands),
+    argparse's usage and one line otherwise; exit 2 either way."""
+    for words in (["-o", "json", "get"], ["list", "--json", "--bogus"], ["--output=json", "get"]):
+        done = subprocess.run([str(BIN / "adapterctl"), *words], capture_output=True, text=True)
+        assert done.returncode == 2 and done.stdout == "", words
+        error = json.loads(done.stderr)["error"]
+        assert error["code"] == "USAGE" and error["exit_code"] == 2, words
+    plain = subprocess.run([str(BIN / "adapterctl"), "get"], capture_output=True, text=True)
+    assert plain.returncode == 2 and plain.stderr.startswith("usage: adapterctl get")
+    assert "adapterctl get: error: the following arguments are required: ref" in plain.stderr
+
+
 def test_a_closed_pipe_ends_quietly(registry: str) -> None:
     command = [str(BIN / "adapterctl"), "--address", registry, "list", "-o", "json"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
