@@ -5,6 +5,7 @@ descriptors are read from /proc."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -24,15 +25,45 @@ BIN = Path(sys.executable).parent
 BASE = "tiny-qwen"
 
 
+def _descriptors(pid: int) -> list[Path]:
+    try:
+        return list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # the process exited meanwhile
+        return []
+
+
+def service_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants: a service is its whole process tree (an executor's gRPC
+    front ends are child processes of its engine, and it is they that receive the bytes)."""
+    pids, index = [pid], 0
+    while index < len(pids):
+        for task in Path(f"/proc/{pids[index]}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                pids.extend(int(child) for child in task.read_text().split())
+        index += 1
+    return pids
+
+
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise ValueError(f"no VmRSS for pid {pid}")
+    """Resident bytes of the service whose main process is ``pid``, children included."""
+    total = 0
+    for member in service_pids(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+    if not total:
+        raise ValueError(f"no VmRSS for pid {pid}")
+    return total
 
 
 def open_fds(pid: int) -> int:
-    return sum(1 for _ in Path(f"/proc/{pid}/fd").iterdir())
+    """Open descriptors of the service, children included."""
+    total = 0
+    for member in service_pids(pid):
+        with contextlib.suppress(OSError):
+            total += sum(1 for _ in Path(f"/proc/{member}/fd").iterdir())
+    return total
 
 
 def open_files(pid: int) -> int:
@@ -40,15 +71,21 @@ def open_files(pid: int) -> int:
     Sockets come and go with clients' connections (a kept-alive connection is not a leak), and
     so do the files of a download in progress (the disk cache's ``.partial-`` folders, while
     they exist: a descriptor left on one after it is gone reads "(deleted)" and counts)."""
-    count = 0
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
+    return len(file_targets(pid))
+
+
+def file_targets(pid: int) -> list[str]:
+    """What ``open_files`` counts: each such descriptor's target, children included."""
+    targets = []
+    for fd in [fd for member in service_pids(pid) for fd in _descriptors(member)]:
         try:
             target = str(fd.readlink())
         except OSError:  # closed meanwhile
             continue
         in_flight = "/.partial-" in target and not target.endswith("(deleted)")
-        count += not (target.startswith("socket:") or in_flight)
-    return count
+        if not (target.startswith("socket:") or in_flight):
+            targets.append(target)
+    return targets
 
 
 @dataclass

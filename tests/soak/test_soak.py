@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.executor.worlds import Recipe, build_world
-from tests.live_stack import BASE, Stack, open_fds, open_files, rss_bytes
+from tests.live_stack import BASE, Stack, file_targets, open_fds, open_files, rss_bytes
 from tests.soak.client_process import Outcome, Plan, run
 
 pytestmark = pytest.mark.timeout(1800)
@@ -74,6 +74,9 @@ class Sampler:
         self.pinned_slots: list[dict[str, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def pid(self, server: str) -> int:
+        return self._pids[server]
 
     def __enter__(self) -> Sampler:
         self._thread.start()
@@ -174,4 +177,7 @@ def test_soak(stack: Stack, size: Size) -> None:
         for key, slack in ((f"{server}_rss", 1.05), (f"{server}_files", 1.0)):
             grown = max(s[key] for s in end)
             bound = max(s[key] for s in middle) * slack + (2 if key.endswith("files") else 0)
-            assert grown <= bound, f"{key} grew from {bound} to {grown} late in the run"
+            assert grown <= bound, (
+                f"{key} grew from {bound} to {grown} late in the run; open now: "
+                f"{sorted(file_targets(sampler.pid(server)))}"
+            )
