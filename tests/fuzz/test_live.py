@@ -38,7 +38,8 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 #: Codes a malformed request must never get: they say "the server broke", not "you did".
 NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE}
 
-#: Allowed growth of a server's RSS from after the warm-up round to the end.
+#: Allowed growth of a server's RSS: from after the warm-up round to the end (Forwards), or
+#: from the middle third of the rounds to the last (uploads, which grow the database).
 RSS_GROWTH = 0.05
 
 Codes = frozenset[grpc.StatusCode]
@@ -439,10 +440,15 @@ def test_mutated_uploads(stack: Stack, request: pytest.FixtureRequest) -> None:
                 good = stub.UploadAdapter(iter(_upload("good", files)), timeout=30)
                 assert good.version.status == registry_pb2.ADAPTER_STATUS_READY
             rss.append(rss_bytes(pid))
-    growth = rss[-1] / rss[0] - 1
     _report("upload", sent, counts, rss)
     assert sent >= total
-    assert growth < RSS_GROWTH, f"registry RSS grew {growth:.1%} after the warm-up"
+    # Each round adds good versions (and the listings that read them), so the registry's RSS
+    # rises early and levels off (+7% over 31 rounds, +15% over 151, most of it in the first
+    # third); a leak grows with the refused uploads instead: the last third of the rounds may
+    # not outgrow the middle third by more than RSS_GROWTH, however long the run.
+    middle, end = rss[len(rss) // 3 : 2 * len(rss) // 3], rss[2 * len(rss) // 3 :]
+    growth = max(end) / max(middle) - 1
+    assert growth < RSS_GROWTH, f"registry RSS grew {growth:.1%} in the last third of the rounds"
 
 
 def _report(what: str, sent: int, counts: Counter[tuple[str, str]], rss: list[int]) -> None:
