@@ -147,7 +147,7 @@ class RegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         self, request: registry_pb2.DeleteAdapterVersionRequest, context: grpc.ServicerContext
     ) -> registry_pb2.DeleteAdapterVersionResponse:
         principal = self._caller(context)
-        version = self._registry.delete(request.ref, principal.name)
+        version = self._registry.delete(request.ref, principal.name, request.refuse_if_aliased)
         return registry_pb2.DeleteAdapterVersionResponse(version=messages.version_to_proto(version))
 
     def WatchAdapters(

@@ -381,9 +381,11 @@ class Registry:
             return False
         return True
 
-    def delete(self, ref: str, by: str) -> VersionInfo:
+    def delete(self, ref: str, by: str, refuse_if_aliased: bool = False) -> VersionInfo:
         parsed = AdapterRef.parse(ref)
-        version, changed = self._freeing(lambda: self.store.delete_version(parsed))
+        version, changed = self._freeing(
+            lambda: self.store.delete_version(parsed, refuse_if_aliased)
+        )
         if changed:
             self.feed.notify()
             log_event(

@@ -416,9 +416,12 @@ class Store:
 
         return self.db.write_retrying(work)
 
-    def delete_version(self, ref: AdapterRef) -> tuple[VersionInfo, bool]:
-        """Soft-deletes the version ``ref`` pins and removes its aliases;
-        (version, changed). Deleting by digest what is deleted already changes nothing."""
+    def delete_version(
+        self, ref: AdapterRef, refuse_if_aliased: bool = False
+    ) -> tuple[VersionInfo, bool]:
+        """Soft-deletes the version ``ref`` pins and removes its aliases (or, with
+        ``refuse_if_aliased``, raises FailedPrecondition naming them); (version, changed).
+        Deleting by digest what is deleted already changes nothing."""
         if not ref.is_pinned_version:
             raise InvalidArgument(
                 f"ref: {str(ref)!r} does not pin a version: delete NAME:VERSION or NAME@sha256:HEX",
@@ -429,9 +432,21 @@ class Store:
             row = self._resolve(s, ref, lock=True)
             if row.status is VersionStatus.DELETED:
                 return _version_info(row), False
-            for alias in s.scalars(
-                select(AliasRow).where(AliasRow.version_id == row.id).order_by(AliasRow.alias)
-            ):
+            aliases = list(
+                s.scalars(
+                    select(AliasRow).where(AliasRow.version_id == row.id).order_by(AliasRow.alias)
+                )
+            )
+            if aliases and refuse_if_aliased:
+                named = ", ".join(f"{row.adapter.name}@{a.alias}" for a in aliases)
+                raise FailedPrecondition(
+                    f"{row.adapter.name}:{row.version} is what {named} point"
+                    f"{'s' if len(aliases) == 1 else ''} at: move "
+                    f"{'it' if len(aliases) == 1 else 'them'} first, or delete without "
+                    "refuse_if_aliased to remove them with the version",
+                    "ref",
+                )
+            for alias in aliases:
                 s.delete(alias)
                 s.flush()
                 self._append_event(s, EventType.ALIAS_DELETED, row, alias=alias.alias)

@@ -374,8 +374,12 @@ class RegistryClient:
             self._stub.DeleteAlias, request, registry_pb2.DeleteAliasResponse
         ).previous_version
 
-    def delete(self, ref: str) -> registry_pb2.AdapterVersion:
-        request = registry_pb2.DeleteAdapterVersionRequest(ref=ref)
+    def delete(self, ref: str, refuse_if_aliased: bool = False) -> registry_pb2.AdapterVersion:
+        """Soft-deletes ``ref`` (name:VERSION or name@sha256:HEX) and the aliases pointing at
+        it; with ``refuse_if_aliased``, FailedPrecondition instead while any alias does."""
+        request = registry_pb2.DeleteAdapterVersionRequest(
+            ref=ref, refuse_if_aliased=refuse_if_aliased
+        )
         return self._call(
             self._stub.DeleteAdapterVersion, request, registry_pb2.DeleteAdapterVersionResponse
         ).version

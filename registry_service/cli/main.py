@@ -322,15 +322,17 @@ def cmd_delete(client: RegistryClient, args: argparse.Namespace, out: Output) ->
         )
     target = client.get(args.ref)
     aliases = [f"{target.name}@{alias}" for alias in target.aliases]
-    if aliases and not args.force:
+    try:
+        # The registry checks for aliases in the delete's own transaction.
+        version = client.delete(f"{target.name}@{target.digest}", refuse_if_aliased=not args.force)
+    except FailedPrecondition:
+        now = [f"{target.name}@{alias}" for alias in client.get(args.ref).aliases]
         raise FailedPrecondition(
-            f"{_ref(target)} is what {', '.join(aliases)} point{'s' if len(aliases) == 1 else ''} "
-            "at: deleting it would fail every request for "
-            f"{'it' if len(aliases) == 1 else 'them'}. Point the alias elsewhere first "
-            f"(adapterctl alias set {target.name} ALIAS VERSION), or pass --force to delete "
-            "the version and the aliases with it"
-        )
-    version = client.delete(f"{target.name}@{target.digest}")
+            f"{_ref(target)} is what {', '.join(now)} point{'s' if len(now) == 1 else ''} at: "
+            f"deleting it would fail every request for {'it' if len(now) == 1 else 'them'}. "
+            f"Point the alias elsewhere first (adapterctl alias set {target.name} ALIAS "
+            "VERSION), or pass --force to delete the version and the aliases with it"
+        ) from None
     removed = f"; removed {', '.join(aliases)}" if aliases else ""
     out.emit(
         message_dict(version) | {"removed_aliases": aliases},

@@ -57,6 +57,12 @@ def test_aliases_delete_digest_and_gc(served: Served, tmp_path: Path) -> None:
     with pytest.raises(MoeLoraError) as info:
         client.delete("sql@prod")
     assert _code(info) == grpc.StatusCode.INVALID_ARGUMENT and "does not pin" in info.value.message
+    # The guard sits in the delete's own transaction: refused, and nothing changed.
+    with pytest.raises(MoeLoraError) as info:
+        client.delete("sql:2", refuse_if_aliased=True)
+    assert _code(info) == grpc.StatusCode.FAILED_PRECONDITION
+    assert "sql@prod points at" in info.value.message
+    assert client.get("sql@prod").version == 2 and client.get("sql:2").status == 2
     deleted = client.delete("sql:2")
     assert deleted.status == 4 and deleted.HasField("delete_time")
     assert client.get("sql").version == 1

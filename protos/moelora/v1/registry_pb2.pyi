@@ -1096,18 +1096,25 @@ class DeleteAdapterVersionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REF_FIELD_NUMBER: _builtins.int
+    REFUSE_IF_ALIASED_FIELD_NUMBER: _builtins.int
     ref: _builtins.str
     """"name:VERSION" or "name@sha256:HEX"; a bare name or alias is refused so
     that a delete never hits a version the caller did not name.
+    """
+    refuse_if_aliased: _builtins.bool
+    """Refuse, in the same transaction, if any alias points at the version
+    (instead of removing those aliases with it): a guard that no alias set
+    between a check and the delete can slip past.
     """
     def __init__(
         self,
         *,
         ref: _builtins.str = ...,
+        refuse_if_aliased: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref", "refuse_if_aliased", b"refuse_if_aliased"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -250,9 +250,11 @@ class AdapterRegistryServicer:
 
     def DeleteAdapterVersion(self, request, context):
         """Soft-deletes one version: it is no longer listed or resolvable by name,
-        version or alias (aliases pointing at it are removed), but stays
-        downloadable by digest until `GarbageCollect` removes it.
-        Errors: INVALID_ARGUMENT (ref is not name:VERSION or a digest), NOT_FOUND.
+        version or alias (aliases pointing at it are removed, unless
+        refuse_if_aliased), but stays downloadable by digest until
+        `GarbageCollect` removes it.
+        Errors: INVALID_ARGUMENT (ref is not name:VERSION or a digest), NOT_FOUND,
+        FAILED_PRECONDITION (refuse_if_aliased and an alias points at it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

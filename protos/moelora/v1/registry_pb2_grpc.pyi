@@ -121,9 +121,11 @@ class AdapterRegistryStub:
     """
     DeleteAdapterVersion: _grpc.UnaryUnaryMultiCallable[_registry_pb2.DeleteAdapterVersionRequest, _registry_pb2.DeleteAdapterVersionResponse]
     """Soft-deletes one version: it is no longer listed or resolvable by name,
-    version or alias (aliases pointing at it are removed), but stays
-    downloadable by digest until `GarbageCollect` removes it.
-    Errors: INVALID_ARGUMENT (ref is not name:VERSION or a digest), NOT_FOUND.
+    version or alias (aliases pointing at it are removed, unless
+    refuse_if_aliased), but stays downloadable by digest until
+    `GarbageCollect` removes it.
+    Errors: INVALID_ARGUMENT (ref is not name:VERSION or a digest), NOT_FOUND,
+    FAILED_PRECONDITION (refuse_if_aliased and an alias points at it).
     """
     WatchAdapters: _grpc.UnaryStreamMultiCallable[_registry_pb2.WatchAdaptersRequest, _registry_pb2.WatchAdaptersResponse]
     """Streams change events: versions becoming READY or DELETED, aliases set
@@ -234,9 +236,11 @@ class AdapterRegistryAsyncStub(AdapterRegistryStub):
     """
     DeleteAdapterVersion: _aio.UnaryUnaryMultiCallable[_registry_pb2.DeleteAdapterVersionRequest, _registry_pb2.DeleteAdapterVersionResponse]  # type: ignore[assignment]
     """Soft-deletes one version: it is no longer listed or resolvable by name,
-    version or alias (aliases pointing at it are removed), but stays
-    downloadable by digest until `GarbageCollect` removes it.
-    Errors: INVALID_ARGUMENT (ref is not name:VERSION or a digest), NOT_FOUND.
+    version or alias (aliases pointing at it are removed, unless
+    refuse_if_aliased), but stays downloadable by digest until
+    `GarbageCollect` removes it.
+    Errors: INVALID_ARGUMENT (ref is not name:VERSION or a digest), NOT_FOUND,
+    FAILED_PRECONDITION (refuse_if_aliased and an alias points at it).
     """
     WatchAdapters: _aio.UnaryStreamMultiCallable[_registry_pb2.WatchAdaptersRequest, _registry_pb2.WatchAdaptersResponse]  # type: ignore[assignment]
     """Streams change events: versions becoming READY or DELETED, aliases set
@@ -410,9 +414,11 @@ class AdapterRegistryServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.DeleteAdapterVersionResponse, _abc.Awaitable[_registry_pb2.DeleteAdapterVersionResponse]]:
         """Soft-deletes one version: it is no longer listed or resolvable by name,
-        version or alias (aliases pointing at it are removed), but stays
-        downloadable by digest until `GarbageCollect` removes it.
-        Errors: INVALID_ARGUMENT (ref is not name:VERSION or a digest), NOT_FOUND.
+        version or alias (aliases pointing at it are removed, unless
+        refuse_if_aliased), but stays downloadable by digest until
+        `GarbageCollect` removes it.
+        Errors: INVALID_ARGUMENT (ref is not name:VERSION or a digest), NOT_FOUND,
+        FAILED_PRECONDITION (refuse_if_aliased and an alias points at it).
         """
 
     @_abc_1.abstractmethod
