@@ -130,7 +130,7 @@ def _serve_with_front_ends(settings: ExecutorSettings, kernel: KernelFn | None, 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     front_ends.start()
-    start_metrics_server(settings.metrics_listen, metrics_registry(metrics_dir))
+    start_metrics_server(settings.metrics_listen, metrics_registry(front_ends))
     log_event(log, "server_started", address=listen, front_ends=count, pids=front_ends.pids)
     loading = _Loading(settings, kernel)
     while not (stop.wait(0.2) or loading.done.is_set()):

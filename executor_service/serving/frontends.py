@@ -17,6 +17,7 @@ through prometheus-client's multiprocess mode (``metrics_registry``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -30,6 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Metric
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from executor_service.auth import open_authorizer
@@ -116,14 +118,14 @@ class FrontEnds:
         self._settings = settings
         self._socket = str(engine_socket)
         self._count = count
-        self._metrics_dir = metrics_dir
+        self.metrics_dir = metrics_dir
         self._context = multiprocessing.get_context("spawn")
         self._processes: dict[int, multiprocessing.process.BaseProcess] = {}
         self._stopping = threading.Event()
 
     def start(self) -> None:
         # Read by prometheus-client as a child imports it: their metrics go to files there.
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self._metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
         for index in range(self._count):
             self._spawn(index)
         threading.Thread(target=self._watch, name="front-end-watch", daemon=True).start()
@@ -145,7 +147,7 @@ class FrontEnds:
                 if process.is_alive() or self._stopping.is_set():
                     continue
                 assert process.pid is not None
-                mark_process_dead(process.pid, str(self._metrics_dir))  # type: ignore[no-untyped-call]
+                mark_process_dead(process.pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
                 log_event(
                     log,
                     "front_end_exited",
@@ -175,26 +177,49 @@ class FrontEnds:
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes.values() if p.pid is not None and p.is_alive()]
 
+    def resident_bytes(self) -> dict[int, int]:
+        """Each live front end's resident memory (VmRSS), by index."""
+        resident = {}
+        for index, process in list(self._processes.items()):
+            if process.pid is None or not process.is_alive():
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        resident[index] = int(line.split()[1]) * 1024
+        return resident
+
 
 class _Union:
-    """The engine's own metrics and the front ends' (their files), each family once."""
+    """The engine's own metrics and the front ends' (their files), each family once, and the
+    front ends' memory (``process_resident_memory_bytes`` is the engine's alone)."""
 
-    def __init__(self, metrics_dir: Path) -> None:
-        self._front_ends = CollectorRegistry()
-        MultiProcessCollector(self._front_ends, path=str(metrics_dir))  # type: ignore[no-untyped-call]
+    def __init__(self, front_ends: FrontEnds) -> None:
+        self._front_ends = front_ends
+        self._files = CollectorRegistry()
+        MultiProcessCollector(self._files, path=str(front_ends.metrics_dir))  # type: ignore[no-untyped-call]
 
     def collect(self) -> Iterable[Metric]:
         seen = set()
-        for family in self._front_ends.collect():
+        for family in self._files.collect():
             seen.add(family.name)
             yield family
         for family in REGISTRY.collect():
             if family.name not in seen:
                 yield family
+        resident = GaugeMetricFamily(
+            "moelora_executor_frontend_resident_memory_bytes",
+            "Resident memory of each gRPC front-end process (the engine's own is "
+            "process_resident_memory_bytes)",
+            labels=["front_end"],
+        )
+        for index, value in sorted(self._front_ends.resident_bytes().items()):
+            resident.add_metric([str(index)], value)
+        yield resident
 
 
-def metrics_registry(metrics_dir: Path) -> CollectorRegistry:
-    """What the engine's /metrics serves: its own series and its front ends'."""
+def metrics_registry(front_ends: FrontEnds) -> CollectorRegistry:
+    """What the engine's /metrics serves: its own series, its front ends' and their memory."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_Union(metrics_dir))
+    registry.register(_Union(front_ends))
     return registry

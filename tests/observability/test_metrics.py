@@ -107,3 +107,15 @@ def test_registry_inventory(stack: Stack, prometheus: Prometheus) -> None:
     ]  # fmt: skip
     assert len(ready_bytes) == 1 and float(ready_bytes[0].split()[1]) > 0
     assert "moelora_registry_database_errors_total 0.0" in text
+
+
+def test_the_front_ends_memory_is_exported_apart(stack: Stack, prometheus: Prometheus) -> None:
+    """process_resident_memory_bytes is the engine's; each front end's is its own series."""
+    resident = [
+        line
+        for line in _scrape(stack, "executor").decode().splitlines()
+        if line.startswith("moelora_executor_frontend_resident_memory_bytes{")
+    ]
+    labels = [line.split("{")[1].split("}")[0] for line in resident]
+    assert labels and labels == [f'front_end="{i}"' for i in range(len(labels))]
+    assert all(float(line.split()[1]) > 10 * 2**20 for line in resident)  # Python with grpc
