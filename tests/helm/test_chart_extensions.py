@@ -27,6 +27,7 @@ def extended(chart: helm.Chart) -> Release:
         chart,
         {
             "commonAnnotations": {"owner": "ml-platform"},
+            "commonLabels": {"team": "ml"},
             "registry": EXTRA,
             "executor": {**EXTRA, "groups": [{"name": "a", "layers": "0-1"}]},
         },
@@ -58,6 +59,19 @@ def test_common_annotations_reach_every_object_and_keep_their_own(extended: Rele
         assert obj["metadata"]["annotations"]["owner"] == "ml-platform", obj["metadata"]["name"]
     hook = extended.one("Pod", "test")["metadata"]["annotations"]
     assert hook["helm.sh/hook"] == "test"
+
+
+def test_common_labels_reach_every_object_and_pod_but_no_selector(extended: Release) -> None:
+    """Selectors are immutable on a Deployment or StatefulSet: a label added to them would
+    make the next upgrade fail, so commonLabels stay out of them."""
+    for obj in extended.objects:
+        assert obj["metadata"]["labels"]["team"] == "ml", obj["metadata"]["name"]
+    for kind in ("Deployment", "StatefulSet"):
+        for workload in extended.all(kind):
+            assert pod_template(workload)["metadata"]["labels"]["team"] == "ml"
+            assert "team" not in workload["spec"]["selector"]["matchLabels"]
+    for service in extended.all("Service"):
+        assert "team" not in service["spec"].get("selector", {})
 
 
 def test_without_annotations_objects_carry_none(defaults: Release) -> None:
