@@ -66,7 +66,7 @@ def prepare_kernel_configs(
             budget_s=settings.kernel_autotune_seconds,
             num_slots=settings.num_slots,
             jobs=min(8, os.cpu_count() or 1),
-            log=lambda line: log.info("%s", line),
+            log=lambda line: log_event(log, "kernel_autotune_progress", detail=line),
         )
         targets = [settings.max_rank]
         if _untuned(selector.source(shape, 0)):

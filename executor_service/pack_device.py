@@ -49,6 +49,7 @@ import torch
 from executor_service.bulk_copy import copy_in_pieces
 from executor_service.host_pool import HostPool
 from executor_service.page_cache_dma import WINDOW_BYTES, MappedFile, RegisterError, Window
+from moelora.client.logs import log_event
 from moelora.client.safetensors_header import SafetensorsHeader
 
 log = logging.getLogger(__name__)
@@ -337,7 +338,10 @@ class CudaPackDevice:
         try:
             return self._pages.register(begin, end)
         except RegisterError as exc:
-            log.warning("adapter bytes go through staging buffers from here on: %s", exc)
+            log_event(
+                log, "page_cache_dma_declined", logging.WARNING, error=str(exc),
+                action="adapter bytes go through staging buffers from here on",
+            )  # fmt: skip
             self._dma = False
             return None
 
