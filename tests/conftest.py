@@ -46,6 +46,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the fuzz, chaos and soak suites at full size (make fuzz / chaos / soak)",
     )
     parser.addoption(
+        "--soak-calls",
+        type=int,
+        default=0,
+        help="Forward calls per client process of the soak (default: 40, 320 with --long); more "
+        "shows whether memory and descriptors level off",
+    )
+    parser.addoption(
         "--fuzz-uploads",
         type=int,
         default=0,
