@@ -11,11 +11,30 @@ otherwise prints the failing step and exits 1. Only ctypes: no torch, so it star
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 import tempfile
 
 _CU_MEMHOSTREGISTER_READ_ONLY = 0x08
+
+
+@functools.cache
+def libc() -> ctypes.CDLL:
+    """The process's own C library, with mmap and munmap typed (Python's mmap module does not
+    give a read-only map's address)."""
+    library = ctypes.CDLL(None, use_errno=True)
+    library.mmap.restype = ctypes.c_void_p
+    library.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    library.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return library
 
 
 def probe(ordinal: int) -> str | None:
@@ -25,16 +44,6 @@ def probe(ordinal: int) -> str | None:
         driver = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         return f"no CUDA driver: {exc}"
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
     driver.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     driver.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
     driver.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -59,7 +68,9 @@ def probe(ordinal: int) -> str | None:
     with tempfile.TemporaryFile() as file:
         file.write(b"\0" * mmap.PAGESIZE)
         file.flush()
-        address = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, file.fileno(), 0)
+        address = libc().mmap(
+            None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, file.fileno(), 0
+        )
         if address in (None, ctypes.c_void_p(-1).value):
             return f"mapping a file: errno {ctypes.get_errno()}"
         registered = driver.cuMemHostRegister_v2(

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from executor_service.dma_probe import libc
+
 #: Bytes registered at a time: registering costs a fixed part per call, and a window's pages
 #: stay pinned until its last copy is done (see the module doc for what sizes measured).
 WINDOW_BYTES = 64 << 20
@@ -92,7 +94,7 @@ class MappedFile:
         try:
             self.size = os.fstat(fd).st_size
             self._length = -(-self.size // _PAGE) * _PAGE
-            address = _libc().mmap(None, self._length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            address = libc().mmap(None, self._length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         finally:
             os.close(fd)  # the mapping keeps the file
         if address in (None, ctypes.c_void_p(-1).value):  # MAP_FAILED
@@ -102,7 +104,7 @@ class MappedFile:
         try:
             self._context = _PrimaryContext(ordinal)
         except RegisterError:
-            _libc().munmap(self._address, self._length)
+            libc().munmap(self._address, self._length)
             raise
         self._windows: set[int] = set()
 
@@ -136,7 +138,7 @@ class MappedFile:
         for address in list(self._windows):
             with contextlib.suppress(RegisterError):
                 self._unregister(address)
-        _libc().munmap(self._address, self._length)
+        libc().munmap(self._address, self._length)
         self._context.release()
 
 
@@ -269,19 +271,3 @@ def _driver_or_none() -> ctypes.CDLL | None:
     driver.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
     driver.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
     return driver
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)  # the process's own C library
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
