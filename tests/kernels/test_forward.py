@@ -23,11 +23,13 @@ from kernels.types import LoRAContext, MoELayerWeights, Routing
 from .conftest import DEVICE
 
 
-def _setup(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, MoELayerWeights, LoRAContext]:
-    layer = random_layer(5, 32, 16, 2, dtype=dtype, device=DEVICE)
+def _setup(
+    dtype: torch.dtype = torch.float32, device: str = DEVICE
+) -> tuple[torch.Tensor, MoELayerWeights, LoRAContext]:
+    layer = random_layer(5, 32, 16, 2, dtype=dtype, device=device)
     slots = random_slots(layer, 3, 8)
     return (
-        random_hidden(6, 32, dtype=dtype, device=DEVICE),
+        random_hidden(6, 32, dtype=dtype, device=device),
         layer,
         lora_context(slots, round_robin_slots(6, 3)),
     )
@@ -67,6 +69,10 @@ def _bad_inputs() -> dict[str, Inputs]:
     hidden, layer, lora = _setup()
     routing = random_routing(6, 5, 2, device=DEVICE)
     slots = lora.slots
+    # Index ranges are checked only where that costs no GPU synchronisation (CPU tensors):
+    # on a GPU the out-of-range launch would fault the context for the tests after it.
+    cpu_hidden, cpu_layer, cpu_lora = _setup(device="cpu")
+    cpu_routing = random_routing(6, 5, 2, device="cpu")
     return {
         "hidden states have H=": (hidden[:, :16], layer, None, None),
         "hidden states are": (hidden.half(), layer, None, None),
@@ -77,10 +83,12 @@ def _bad_inputs() -> dict[str, Inputs]:
             hidden, layer, None, Routing(routing.topk_ids[:, :1], routing.topk_weights[:, :1])
         ),
         "topk_ids values must lie in": (
-            hidden, layer, None, Routing(routing.topk_ids + 5, routing.topk_weights)
+            cpu_hidden, cpu_layer, None,
+            Routing(cpu_routing.topk_ids + 5, cpu_routing.topk_weights),
         ),
         "token_slots values must lie in": (
-            hidden, layer, dataclasses.replace(lora, token_slots=lora.token_slots + 3), None
+            cpu_hidden, cpu_layer,
+            dataclasses.replace(cpu_lora, token_slots=cpu_lora.token_slots + 3), None,
         ),
         r"LoRA b13 must have shape": (
             hidden, layer, dataclasses.replace(
