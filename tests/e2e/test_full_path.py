@@ -97,7 +97,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "--disk-cache-dir", str(tmp / "executor-cache"),
             "--num-slots", "4",
             "--max-rank", "8",
-            "--kernel-autotune-seconds", "0",  # heuristic configurations: start in seconds
+            "--device", "cpu",  # float32 parity (GPU parity through Forward: tests/executor)
             "--metrics-listen", "",
             "--drain-seconds", "2",
         ],
