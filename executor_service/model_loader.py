@@ -14,7 +14,11 @@ tensor), then reads only the MoE layers' router, experts and shared experts thro
   routed_scaling_factor (deepseek_v3).
 
 Every tensor is cast to the serving dtype except deepseek's ``e_score_correction_bias``, which
-transformers keeps in float32 and so do we.
+transformers keeps in float32 and so do we, and the routed experts of an FP8 checkpoint
+(F8_E4M3 with 128×128 block scales, ``weight_scale_inv``): those stay FP8 on the device with
+their float32 scales stacked beside them (``MoELayerWeights.w13_scale``/``w2_scale``), which
+the kernels apply, so a layer takes about half the memory of bf16. The shared expert of such a
+checkpoint is dequantised to the serving dtype at load (one dense expert per layer).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from kernels.fp8 import dequantize
 from kernels.types import (
+    FP8_DTYPE,
     Activation,
     MoELayerWeights,
     RouterKind,
@@ -39,11 +45,15 @@ from kernels.types import (
 from moelora.client.errors import InvalidArgument
 from moelora.client.layer_set import format_layers
 from moelora.client.model_spec import (
+    FP8_DTYPE as FP8_STORED,
+)
+from moelora.client.model_spec import (
     Checkpoint,
     ExpertLayout,
     LayerTensors,
     ModelSpec,
     read_checkpoint,
+    scale_name,
 )
 
 
@@ -57,6 +67,11 @@ class BaseModel:
     layers: Mapping[int, MoELayerWeights]
     #: Bytes of all loaded tensors on the device.
     nbytes: int
+
+    @property
+    def weight_format(self) -> str:
+        """How the routed experts are held (``MoELayerWeights.weight_format``)."""
+        return next(iter(self.layers.values())).weight_format
 
 
 def load_base_model(
@@ -143,17 +158,28 @@ class _Reader:
         tensor: torch.Tensor = self._handles[path].get_tensor(name)
         return tensor
 
-    def get(self, name: str | None, keep_float32: bool = False) -> torch.Tensor:
-        """One tensor on the device in the serving dtype (or float32)."""
-        dtype = torch.float32 if keep_float32 else self.dtype
-        return self._read(name).to(device=self.device, dtype=dtype)
+    def fp8(self, name: str) -> bool:
+        return self._checkpoint.tensors[name].info.dtype == FP8_STORED
 
-    def stack(self, rows: Sequence[Sequence[str]]) -> torch.Tensor:
+    def get(self, name: str | None, keep_float32: bool = False) -> torch.Tensor:
+        """One tensor on the device in the serving dtype (or float32); an FP8 one
+        dequantised with its block scales."""
+        dtype = torch.float32 if keep_float32 else self.dtype
+        tensor = self._read(name)
+        if name is not None and self.fp8(name):
+            scales = self._read(scale_name(name))
+            return dequantize(tensor.to(self.device), scales.to(self.device), dtype)
+        return tensor.to(device=self.device, dtype=dtype)
+
+    def stack(
+        self, rows: Sequence[Sequence[str]], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """(len(rows), sum of row heights, width): ``rows[e]`` concatenated along dim 0,
-        copied straight from the file into one device tensor (no intermediate stack)."""
+        copied straight from the file into one device tensor (no intermediate stack), in
+        ``dtype`` (default: the serving dtype)."""
         first = [self._checkpoint.tensors[name].info.shape for name in rows[0]]
         height, width = sum(shape[0] for shape in first), first[0][1]
-        out = torch.empty(len(rows), height, width, device=self.device, dtype=self.dtype)
+        out = torch.empty(len(rows), height, width, device=self.device, dtype=dtype or self.dtype)
         for index, names in enumerate(rows):
             start = 0
             for name in names:
@@ -186,15 +212,29 @@ def _layer(
             swiglu_alpha=spec.swiglu_alpha,
             swiglu_limit=spec.swiglu_limit,
         )
+    w13_scale = w2_scale = None
     if layout is ExpertLayout.FUSED:
         w13, w2 = get(names.gate_up), get(names.down)
     else:
-        w13 = reader.stack(list(zip(names.expert_gate, names.expert_up, strict=True)))
-        w2 = reader.stack([(down,) for down in names.expert_down])
+        gate_up = list(zip(names.expert_gate, names.expert_up, strict=True))
+        down = [(name,) for name in names.expert_down]
+        fp8 = reader.fp8(names.expert_gate[0])
+        w13 = reader.stack(gate_up, FP8_DTYPE if fp8 else None)
+        w2 = reader.stack(down, FP8_DTYPE if fp8 else None)
+        if fp8:  # read_checkpoint checked every scale (and I % 128 == 0: gate/up blocks stack)
+            scales = [[scale_name(name) for name in row] for row in gate_up]
+            w13_scale = reader.stack(scales, torch.float32)
+            w2_scale = reader.stack(
+                [[scale_name(name) for name in row] for row in down], torch.float32
+            )
     shared = None
     if names.shared_gate is not None and names.shared_up is not None:
         shared = SharedExpertWeights(
-            w13=reader.stack([(names.shared_gate, names.shared_up)])[0],
+            w13=(
+                torch.cat((get(names.shared_gate), get(names.shared_up)))
+                if reader.fp8(names.shared_gate)  # dequantised: stack copies bytes as they are
+                else reader.stack([(names.shared_gate, names.shared_up)])[0]
+            ),
             w2=get(names.shared_down),
             gate=None if names.shared_expert_gate is None else get(names.shared_expert_gate),
         )
@@ -205,6 +245,8 @@ def _layer(
         e_score_correction_bias=None if correction is None else get(correction, keep_float32=True),
         w13=w13,
         w2=w2,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
         shared=shared,
         activation=Activation[spec.type.activation.name],
     )
@@ -219,6 +261,8 @@ def _nbytes(layer: MoELayerWeights) -> int:
         layer.w2,
         layer.b13,
         layer.b2,
+        layer.w13_scale,
+        layer.w2_scale,
     ]
     if layer.shared is not None:
         tensors += [layer.shared.w13, layer.shared.w2, layer.shared.gate]

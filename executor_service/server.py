@@ -297,6 +297,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         return executor_pb2.GetExecutorInfoResponse(
             base_model=ModelSpec(**spec).to_proto(info["model_name"]),
             compute_dtype=codec.dtype_from_name(info["compute_dtype"]),
+            weight_format=info["weight_format"],
             num_slots=info["num_slots"],
             max_rank=info["max_rank"],
             device=info["device"],

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kernels.fp8 import quantize
 from moelora.client.model_spec import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -32,6 +34,7 @@ from moelora.client.model_spec import (
     expected_shapes,
     layer_tensors,
     read_model_spec,
+    scale_name,
     spec_from_config,
 )
 from moelora.client.model_types import MODEL_TYPES, ModelType, MoELayerRule
@@ -44,6 +47,13 @@ from shared.adapter_format import (
 )
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: config.json's quantization_config of DeepSeek-V3 (and of Qwen3's "-FP8" checkpoints).
+FP8_QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
 
 
 @dataclass(frozen=True)
@@ -153,14 +163,20 @@ def write_base_checkpoint(
     layout: ExpertLayout | None = None,
     seed: int = 0,
     shard_bytes: int | None = None,
+    fp8: bool = False,
 ) -> ModelSpec:
     """Write a random checkpoint of ``base`` into ``folder``; returns its spec as read back.
 
     ``layout`` defaults to what transformers writes (per expert; gpt_oss fused-transposed);
     ``ExpertLayout.FUSED`` writes transformers' in-memory layout instead. ``shard_bytes``
-    splits the tensors into shards with a model.safetensors.index.json.
+    splits the tensors into shards with a model.safetensors.index.json. ``fp8`` stores the
+    routed and shared experts' projections as DeepSeek-V3 and Qwen3-FP8 do: F8_E4M3 with a
+    float32 ``weight_scale_inv`` per 128×128 block, and a ``quantization_config`` in config.json
+    (the other tensors in ``dtype``).
     """
     config = base.config(dtype)
+    if fp8:
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     draft = spec_from_config(
         config, config_json="", checkpoint_dtype=_DTYPE_NAMES[dtype], fingerprint=""
     )
@@ -170,15 +186,44 @@ def write_base_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     for layer in draft.moe_layers:
         names = layer_tensors(draft, layer, layout)
+        quantized = set(names.projection_tensors) if fp8 else set()
         for name, shape in expected_shapes(draft, names).items():
             transposed = layout is ExpertLayout.FUSED_TRANSPOSED
-            tensors[name] = _random_weight(name, shape, transposed, generator).to(dtype)
+            weight = _random_weight(name, shape, transposed, generator)
+            if name in quantized:
+                tensors[name], tensors[scale_name(name)] = quantize(weight)
+            else:
+                tensors[name] = weight.to(dtype)
         if names.score_correction_bias is not None:
             # transformers keeps this buffer in float32 whatever the model dtype.
             tensors[names.score_correction_bias] = tensors[names.score_correction_bias].float()
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _save_shards(folder, tensors, shard_bytes)
+    return read_model_spec(folder)
+
+
+def quantize_checkpoint(folder: Path) -> ModelSpec:
+    """Rewrite the checkpoint in ``folder`` (per-expert layout) as a block-scaled FP8 one, as
+    ``write_base_checkpoint(..., fp8=True)`` writes it: the experts' projections become
+    F8_E4M3 with their ``weight_scale_inv``, config.json gains the quantization_config."""
+    spec = read_model_spec(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    quantized: set[str] = set()
+    for layer in spec.moe_layers:
+        quantized |= set(layer_tensors(spec, layer, ExpertLayout.PER_EXPERT).projection_tensors)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as stored:
+            for name in stored.keys():  # noqa: SIM118 (safe_open is no mapping)
+                tensors[name] = stored.get_tensor(name)
+        path.unlink()
+    (folder / INDEX_FILE).unlink(missing_ok=True)
+    for name in quantized:
+        tensors[name], tensors[scale_name(name)] = quantize(tensors[name])
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _save_shards(folder, tensors, None)
     return read_model_spec(folder)
 
 

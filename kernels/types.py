@@ -20,6 +20,10 @@ import torch
 
 #: Dtypes the hidden states and the expert / LoRA weights may have.
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Dtype of block-quantised expert weights (DeepSeek-V3/R1 and Qwen3 "-FP8" checkpoints).
+FP8_DTYPE = torch.float8_e4m3fn
+#: Rows and columns of weight that share one FP8 scale (the checkpoints' weight_block_size).
+FP8_BLOCK = 128
 
 
 class Activation(enum.Enum):
@@ -77,9 +81,17 @@ class MoELayerWeights:
     router_bias:            (E,) or None (gpt_oss has one)
     e_score_correction_bias (E,) or None (deepseek_v3's selection bias)
     w13:                    (E, 2*I, H) rows ``[gate; up]``, dtype of the hidden states
+                            (or FP8_DTYPE with w13_scale)
     w2:                     (E, H, I), same dtype
     b13:                    (E, 2*I) or None (gpt_oss)
     b2:                     (E, H) or None (gpt_oss)
+    w13_scale:              (E, ceil(2I/128), ceil(H/128)) float32, or None: with it, w13 is
+                            FP8 and its value is ``w13[e, n, k] * w13_scale[e, n // 128, k // 128]``
+                            (the checkpoints' ``weight_scale_inv``)
+    w2_scale:               (E, ceil(H/128), ceil(I/128)) float32, given with w13_scale
+
+    The compute dtype (``dtype``) is that of the router weight; with FP8 experts the hidden
+    states, LoRA and shared expert use it.
     """
 
     router: RouterSpec
@@ -94,6 +106,23 @@ class MoELayerWeights:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     shared: SharedExpertWeights | None = None
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the routed experts are FP8 with 128×128 block scales."""
+        return self.w13_scale is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: the hidden states', LoRA's and the output's."""
+        return self.router_weight.dtype if self.fp8 else self.w13.dtype
+
+    @property
+    def weight_format(self) -> str:
+        """How the routed experts are stored: "fp8_e4m3_block128", or the dtype's name."""
+        return "fp8_e4m3_block128" if self.fp8 else str(self.w13.dtype).removeprefix("torch.")
 
     @property
     def num_experts(self) -> int:
@@ -193,9 +222,24 @@ def _validate_router(spec: RouterSpec, num_experts: int) -> None:
             raise ValueError(f"top_k={spec.top_k} exceeds the experts of {spec.topk_group} groups")
 
 
+def _scale_blocks(rows: int, columns: int) -> tuple[int, int]:
+    return -(-rows // FP8_BLOCK), -(-columns // FP8_BLOCK)
+
+
+def _validate_fp8(layer: MoELayerWeights) -> None:
+    e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
+    if layer.w2_scale is None or layer.w13_scale is None:
+        raise ValueError("FP8 experts need both w13_scale and w2_scale")
+    _check_dtype("w13", layer.w13, (FP8_DTYPE,))
+    _check_dtype("w2", layer.w2, (FP8_DTYPE,))
+    _check_shape("w13_scale", layer.w13_scale, (e, *_scale_blocks(2 * i, h)))
+    _check_shape("w2_scale", layer.w2_scale, (e, *_scale_blocks(h, i)))
+    _check_dtype("w13_scale", layer.w13_scale, (torch.float32,))
+    _check_dtype("w2_scale", layer.w2_scale, (torch.float32,))
+
+
 def validate_layer(layer: MoELayerWeights) -> None:
     """Check the layer's tensors against each other."""
-    _check_dtype("w13", layer.w13, FLOAT_DTYPES)
     if layer.w13.dim() != 3 or layer.w2.dim() != 3:
         shapes = f"{tuple(layer.w13.shape)} and {tuple(layer.w2.shape)}"
         raise ValueError(f"w13 and w2 must be 3-D, got {shapes}")
@@ -204,7 +248,11 @@ def validate_layer(layer: MoELayerWeights) -> None:
     if layer.w13.shape[1] % 2:
         raise ValueError(f"w13 must be (E, 2*I, H) rows [gate; up], got {tuple(layer.w13.shape)}")
     _check_shape("w2", layer.w2, (e, h, i))
-    _check_dtype("w2", layer.w2, (layer.w13.dtype,))
+    if layer.fp8 or layer.w2_scale is not None:
+        _validate_fp8(layer)
+    else:
+        _check_dtype("w13", layer.w13, FLOAT_DTYPES)
+        _check_dtype("w2", layer.w2, (layer.w13.dtype,))
     _check_shape("router_weight", layer.router_weight, (e, h))
     _check_dtype("router_weight", layer.router_weight, FLOAT_DTYPES)
     optional = {
@@ -219,6 +267,8 @@ def validate_layer(layer: MoELayerWeights) -> None:
             _check_dtype(name, tensor, FLOAT_DTYPES)
     tensors: dict[str, torch.Tensor | None] = {
         "w2": layer.w2,
+        "w13_scale": layer.w13_scale,
+        "w2_scale": layer.w2_scale,
         "router_weight": layer.router_weight,
         **{name: tensor for name, (tensor, _) in optional.items()},
     }
@@ -265,8 +315,8 @@ def validate_forward_inputs(
     t, h = hidden.shape
     if h != layer.hidden_size:
         raise ValueError(f"hidden states have H={h}, the layer has hidden size {layer.hidden_size}")
-    if hidden.dtype != layer.w13.dtype:
-        raise ValueError(f"hidden states are {hidden.dtype}, the expert weights {layer.w13.dtype}")
+    if hidden.dtype != layer.dtype:
+        raise ValueError(f"hidden states are {hidden.dtype}, the layer computes in {layer.dtype}")
     device = hidden.device
     _check_device("expert weights", layer.w13, device)
     e, i = layer.num_experts, layer.intermediate_size

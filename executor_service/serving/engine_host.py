@@ -383,6 +383,7 @@ def _info(runtime: ExecutorRuntime, _args: dict[str, Any]) -> dict[str, Any]:
         "model_name": runtime.model.name,
         "spec": dataclasses.asdict(runtime.model.spec),
         "compute_dtype": str(where.dtype).removeprefix("torch."),
+        "weight_format": runtime.model.weight_format,
         "num_slots": settings.num_slots,
         "max_rank": settings.max_rank,
         "device": where.device_name,

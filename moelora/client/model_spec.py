@@ -40,15 +40,18 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moelora.client.errors import InvalidArgument
 from moelora.client.json_fields import JsonFields, parse_json_object
 from moelora.client.model_types import MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelType, MoELayerRule
 from moelora.client.model_types import ExpertLayout as ExpertLayout  # re-exported: part of this API
 from moelora.client.safetensors_header import SafetensorsHeader, TensorInfo, read_header
-from moelora.client.tensors import dtype_from_name, dtype_name
+from moelora.client.tensors import DataType
 from moelora.v1 import model_pb2
+
+if TYPE_CHECKING:
+    from moelora.client.tensors import DataTypeCode
 
 #: The largest config.json accepted (the BaseModel message carries it verbatim).
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -64,6 +67,21 @@ INDEX_FILE = "model.safetensors.index.json"
 
 #: safetensors dtype → the codec's name, for the dtypes expert weights may have.
 _FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+#: FP8 (e4m3) weights with one float32 scale per 128×128 block in ``<name>_scale_inv``
+#: (DeepSeek-V3/R1 and Qwen3 "-FP8" checkpoints): routed and shared experts' projections only.
+FP8_DTYPE = "F8_E4M3"
+FP8_BLOCK = 128
+FP8_CHECKPOINT_DTYPE = "float8_e4m3fn"
+#: checkpoint_dtype name ↔ its wire code (FP8 is a checkpoint type only, never a Forward tensor).
+_CHECKPOINT_DTYPE_CODES: dict[str, DataTypeCode] = {
+    "bfloat16": DataType.DATA_TYPE_BFLOAT16,
+    "float16": DataType.DATA_TYPE_FLOAT16,
+    "float32": DataType.DATA_TYPE_FLOAT32,
+    FP8_CHECKPOINT_DTYPE: DataType.DATA_TYPE_FLOAT8_E4M3,
+}
+_CHECKPOINT_DTYPE_NAMES: dict[DataTypeCode, str] = {
+    code: name for name, code in _CHECKPOINT_DTYPE_CODES.items()
+}
 
 
 @dataclass(frozen=True)
@@ -87,7 +105,8 @@ class ModelSpec:
     routed_scaling_factor: float
     swiglu_alpha: float
     swiglu_limit: float
-    #: Element type of the expert weights in the checkpoint: bfloat16, float16 or float32.
+    #: Element type of the expert weights in the checkpoint: bfloat16, float16, float32 or
+    #: float8_e4m3fn (block-scaled FP8).
     checkpoint_dtype: str
     fingerprint: str
     #: config.json verbatim.
@@ -121,7 +140,7 @@ class ModelSpec:
             num_layers=self.num_layers,
             moe_layers=list(self.moe_layers),
             shared_expert_intermediate_size=self.shared_expert_intermediate_size,
-            checkpoint_dtype=dtype_from_name(self.checkpoint_dtype),
+            checkpoint_dtype=_CHECKPOINT_DTYPE_CODES[self.checkpoint_dtype],
             config_json=self.config_json,
         )
 
@@ -131,7 +150,7 @@ class ModelSpec:
         spec = spec_from_config(
             parse_json_object(message.config_json.encode(), "BaseModel.config_json"),
             config_json=message.config_json,
-            checkpoint_dtype=dtype_name(message.checkpoint_dtype),
+            checkpoint_dtype=checkpoint_dtype_name(message.checkpoint_dtype),
             fingerprint=message.fingerprint,
         )
         stored = {
@@ -150,6 +169,28 @@ class ModelSpec:
                     f"BaseModel.{field} is {value} but its config_json says {getattr(spec, field)}"
                 )
         return spec
+
+
+def checkpoint_dtype_name(code: DataTypeCode) -> str:
+    """A BaseModel's checkpoint_dtype code → its name; InvalidArgument for others."""
+    name = _CHECKPOINT_DTYPE_NAMES.get(code)
+    if name is None:
+        allowed = ", ".join(DataType.Name(c) for c in _CHECKPOINT_DTYPE_NAMES)
+        raise InvalidArgument(
+            f"checkpoint_dtype: {code} is not a checkpoint weight type; use one of {allowed}",
+            "checkpoint_dtype",
+        )
+    return name
+
+
+def scale_name(weight_name: str) -> str:
+    """The block-scale tensor of an FP8 weight (``….weight`` → ``….weight_scale_inv``)."""
+    return f"{weight_name}_scale_inv"
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """(rows, columns) of a weight → (ceil(rows/128), ceil(columns/128)) of its scales."""
+    return tuple(-(-size // FP8_BLOCK) for size in shape)
 
 
 @dataclass(frozen=True)
@@ -183,6 +224,12 @@ class LayerTensors:
     def expert_tensors(self) -> tuple[str, ...]:
         names = (self.gate_up, self.down, *self.expert_gate, *self.expert_up, *self.expert_down)
         return tuple(name for name in names if name is not None)
+
+    @property
+    def projection_tensors(self) -> tuple[str, ...]:
+        """The weights an FP8 checkpoint may quantise: routed and shared experts'."""
+        shared = (self.shared_gate, self.shared_up, self.shared_down)
+        return (*self.expert_tensors, *(name for name in shared if name is not None))
 
 
 @dataclass(frozen=True)
@@ -244,10 +291,13 @@ def read_checkpoint(folder: Path) -> Checkpoint:
                 raise InvalidArgument(
                     f"checkpoint tensor {name} has shape {list(info.shape)}, expected {list(shape)}"
                 )
-            if info.dtype not in _FLOAT_DTYPES:
+            if info.dtype == FP8_DTYPE and name in names.projection_tensors:
+                tensors[scale_name(name)] = _fp8_scales(draft, layout, name, shape, available)
+            elif info.dtype not in _FLOAT_DTYPES:
                 raise InvalidArgument(
-                    f"checkpoint tensor {name} is {info.dtype}; only BF16, F16 and F32 "
-                    "checkpoints are supported (dequantize quantized checkpoints first)"
+                    f"checkpoint tensor {name} is {info.dtype}; BF16, F16 and F32 checkpoints "
+                    "are supported, and F8_E4M3 expert weights with 128x128 block scales "
+                    "(dequantize other quantized checkpoints first)"
                 )
             tensors[name] = stored
     checkpoint_dtype = _expert_dtype(layers, tensors)
@@ -475,6 +525,46 @@ def _detect_layout(spec: ModelSpec, available: Mapping[str, Any]) -> ExpertLayou
     return ExpertLayout.FUSED if fused in available else ExpertLayout.PER_EXPERT
 
 
+def _fp8_scales(
+    spec: ModelSpec,
+    layout: ExpertLayout,
+    name: str,
+    shape: tuple[int, ...],
+    available: Mapping[str, StoredTensor],
+) -> StoredTensor:
+    """The checked block scales of the FP8 weight ``name``."""
+    if layout is not ExpertLayout.PER_EXPERT:
+        raise InvalidArgument(
+            f"checkpoint tensor {name} is F8_E4M3 in the {layout.value} layout; FP8 experts "
+            "are read as saved per expert (as DeepSeek-V3 and Qwen3-FP8 ship them)"
+        )
+    if spec.moe_intermediate_size % FP8_BLOCK:
+        raise InvalidArgument(
+            f"FP8 experts need moe_intermediate_size to be a multiple of {FP8_BLOCK} (gate and "
+            f"up scale blocks are stacked), got {spec.moe_intermediate_size}"
+        )
+    quantization = spec.config.get("quantization_config")
+    block = [FP8_BLOCK, FP8_BLOCK]
+    if isinstance(quantization, dict):
+        block = quantization.get("weight_block_size", block)
+    if block != [FP8_BLOCK, FP8_BLOCK]:
+        raise InvalidArgument(
+            f"config.json quantization_config.weight_block_size is {block}; FP8 checkpoints "
+            f"with {FP8_BLOCK}x{FP8_BLOCK} blocks are supported"
+        )
+    scales = scale_name(name)
+    if scales not in available:
+        raise InvalidArgument(f"checkpoint tensor {scales} is missing (the scales of FP8 {name})")
+    stored = available[scales]
+    expected = scale_shape(shape)
+    if stored.info.shape != expected or stored.info.dtype != "F32":
+        raise InvalidArgument(
+            f"checkpoint tensor {scales} is {stored.info.dtype} {list(stored.info.shape)}, "
+            f"expected F32 {list(expected)}"
+        )
+    return stored
+
+
 def _expert_dtype(layers: Mapping[int, LayerTensors], tensors: Mapping[str, StoredTensor]) -> str:
     dtypes = {
         name: tensors[name].info.dtype for names in layers.values() for name in names.expert_tensors
@@ -486,7 +576,7 @@ def _expert_dtype(layers: Mapping[int, LayerTensors], tensors: Mapping[str, Stor
                 f"checkpoint tensor {name} is {dtype} but {first_name} is {first}: "
                 "expert weights must share one dtype"
             )
-    return _FLOAT_DTYPES[first]
+    return FP8_CHECKPOINT_DTYPE if first == FP8_DTYPE else _FLOAT_DTYPES[first]
 
 
 def _fingerprint(

@@ -78,22 +78,27 @@ def _make_adapter(world: World, recipe: Recipe) -> PeftModel:
     return model
 
 
+def new_world(model_type: str, checkpoint: Path, adapter_dir: Path) -> World:
+    """A world over a saved checkpoint, with no inputs or references yet."""
+    spec = read_model_spec(checkpoint)
+    return World(
+        model_type=model_type,
+        checkpoint=checkpoint,
+        adapter_dir=adapter_dir,
+        moe_layers=spec.moe_layers,
+        dense_layers=tuple(i for i in range(spec.num_layers) if i not in spec.moe_layers),
+        num_experts=spec.num_experts,
+        top_k=spec.top_k,
+    )
+
+
 def build_world(model_type: str, root: Path, recipes: list[Recipe]) -> World:
     """Saves the base checkpoint to ``root/base`` and the adapters to ``root/adapters/NAME``;
     computes every reference output in float32."""
     base = build_model(model_type)
     checkpoint = root / "base"
     base.save_pretrained(checkpoint)
-    spec = read_model_spec(checkpoint)
-    world = World(
-        model_type=model_type,
-        checkpoint=checkpoint,
-        adapter_dir=root / "adapters",
-        moe_layers=spec.moe_layers,
-        dense_layers=tuple(i for i in range(spec.num_layers) if i not in spec.moe_layers),
-        num_experts=spec.num_experts,
-        top_k=spec.top_k,
-    )
+    world = new_world(model_type, checkpoint, root / "adapters")
     generator = torch.Generator().manual_seed(100)
     for layer in world.moe_layers:
         world.inputs[layer] = torch.randn(TOKENS, HIDDEN, generator=generator)

@@ -16,7 +16,7 @@ from executor_service.synthetic import (
     write_adapter,
     write_base_checkpoint,
 )
-from moelora.v1 import registry_pb2
+from moelora.v1 import registry_pb2, tensor_pb2
 from shared.adapter_format import AdapterFormat
 from tests.registry.conftest import Served
 
@@ -52,3 +52,19 @@ def test_synthetic_adapters_are_accepted(
     assert set(version.target_parameters) == {"gate_up_proj", "down_proj"}
     # 2D gate and up pack into one w13 LoRA of rank 2r (block-diagonal).
     assert version.rank == (8 if layout is AdapterFormat.PER_EXPERT else 4)
+
+
+def test_an_fp8_base_model_registers_and_takes_adapters(
+    serve: Callable[..., Served], tmp_path: Path
+) -> None:
+    """DeepSeek-V3's block-scaled FP8 checkpoints: the registry keeps checkpoint_dtype."""
+    base = SyntheticBase("deepseek_v3", moe_intermediate_size=128)
+    spec = write_base_checkpoint(tmp_path / "base", base, fp8=True)
+    adapter = write_adapter(tmp_path / "adapter", spec, SyntheticAdapter(rank=4))
+    with serve().client() as client:
+        client.register_base_model(spec.to_proto("base"))
+        stored = client.get_base_model("base")
+        version = client.upload(adapter, "a", "base")
+    assert stored.checkpoint_dtype == tensor_pb2.DATA_TYPE_FLOAT8_E4M3
+    assert stored.fingerprint == spec.fingerprint
+    assert list(version.layers) == list(spec.moe_layers)

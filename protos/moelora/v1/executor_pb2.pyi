@@ -849,6 +849,7 @@ class GetExecutorInfoResponse(_message.Message):
     SERVED_LAYERS_FIELD_NUMBER: _builtins.int
     REPLICA_NAME_FIELD_NUMBER: _builtins.int
     REGISTRY_FIELD_NUMBER: _builtins.int
+    WEIGHT_FORMAT_FIELD_NUMBER: _builtins.int
     compute_dtype: _tensor_pb2.DataType.ValueType
     """Element type the expert weights and adapters are computed in."""
     num_slots: _builtins.int
@@ -872,6 +873,11 @@ class GetExecutorInfoResponse(_message.Message):
     replica_name: _builtins.str
     """This replica's name (--replica-name, default the host name: the pod's name in a
     StatefulSet).
+    """
+    weight_format: _builtins.str
+    """How the routed experts' weights are held on the device: "bfloat16", "float16", "float32",
+    or "fp8_e4m3_block128" (FP8 with one float32 scale per 128x128 block, computed in
+    compute_dtype).
     """
     @_builtins.property
     def base_model(self) -> _model_pb2.BaseModel:
@@ -912,10 +918,11 @@ class GetExecutorInfoResponse(_message.Message):
         served_layers: _abc.Iterable[_builtins.int] | None = ...,
         replica_name: _builtins.str = ...,
         registry: Global___RegistryStatus | None = ...,
+        weight_format: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "registry", b"registry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "compute_dtype", b"compute_dtype", "device", b"device", "host_cache_bytes", b"host_cache_bytes", "kernel_configs", b"kernel_configs", "max_message_bytes", b"max_message_bytes", "max_rank", b"max_rank", "max_tokens_per_request", b"max_tokens_per_request", "num_slots", b"num_slots", "registry", b"registry", "replica_name", b"replica_name", "served_layers", b"served_layers", "server_version", b"server_version", "slot_memory_bytes", b"slot_memory_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_model", b"base_model", "compute_dtype", b"compute_dtype", "device", b"device", "host_cache_bytes", b"host_cache_bytes", "kernel_configs", b"kernel_configs", "max_message_bytes", b"max_message_bytes", "max_rank", b"max_rank", "max_tokens_per_request", b"max_tokens_per_request", "num_slots", b"num_slots", "registry", b"registry", "replica_name", b"replica_name", "served_layers", b"served_layers", "server_version", b"server_version", "slot_memory_bytes", b"slot_memory_bytes", "weight_format", b"weight_format"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

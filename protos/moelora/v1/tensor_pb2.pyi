@@ -43,6 +43,10 @@ class _DataTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DataType.Val
     """Unsigned 8-bit integer, 1 byte."""
     DATA_TYPE_BOOL: _DataType.ValueType  # 8
     """Boolean, 1 byte per element (0 or 1)."""
+    DATA_TYPE_FLOAT8_E4M3: _DataType.ValueType  # 9
+    """float8 e4m3 (finite, no infinities), 1 byte: the expert weights of a block-scaled FP8
+    checkpoint (BaseModel.checkpoint_dtype). Never a Forward tensor.
+    """
 
 class DataType(_DataType, metaclass=_DataTypeEnumTypeWrapper):
     """Element type of a Tensor. Every multi-byte type is stored little-endian."""
@@ -65,6 +69,10 @@ DATA_TYPE_UINT8: DataType.ValueType  # 7
 """Unsigned 8-bit integer, 1 byte."""
 DATA_TYPE_BOOL: DataType.ValueType  # 8
 """Boolean, 1 byte per element (0 or 1)."""
+DATA_TYPE_FLOAT8_E4M3: DataType.ValueType  # 9
+"""float8 e4m3 (finite, no infinities), 1 byte: the expert weights of a block-scaled FP8
+checkpoint (BaseModel.checkpoint_dtype). Never a Forward tensor.
+"""
 Global___DataType: _TypeAlias = DataType  # noqa: Y015
 
 @_typing.final
