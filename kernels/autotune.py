@@ -102,11 +102,14 @@ def tile_spaces(block_m: int, group_m: int) -> tuple[list[GemmConfig], list[Gemm
     )
 
 
-def precompile_set(start: MoEConfig, rows_per_expert: float, rank: int) -> list[MoEConfig]:
+def precompile_set(
+    start: MoEConfig, rows_per_expert: float, rank: int, *, fp8: bool = False
+) -> list[MoEConfig]:
     """Configurations whose compilation covers every kernel the search of one bucket may
     launch: each BLOCK_M with every w13 tile paired with a w2 tile (the two GEMMs compile
     apart, so pairing them covers all their combinations), with pair blocks too where the
-    bucket may use them, and each tile also through a TMA descriptor."""
+    bucket may use them, and each tile also through a TMA descriptor (not for FP8 experts,
+    ``fp8``: they take pointer loads)."""
     modes = [False, True] if decode_candidate(rows_per_expert) else [False]
     configs = []
     for decode, bm in itertools.product(modes, block_m_options(rows_per_expert)):
@@ -119,6 +122,7 @@ def precompile_set(start: MoEConfig, rows_per_expert: float, rank: int) -> list[
                     ),
                     2,
                     rank,
+                    fp8=fp8,
                 )
             )
     with_tma = [
@@ -126,6 +130,7 @@ def precompile_set(start: MoEConfig, rows_per_expert: float, rank: int) -> list[
             c, w13=dataclasses.replace(c.w13, tma=True), w2=dataclasses.replace(c.w2, tma=True)
         )
         for c in configs
+        if not fp8
     ]
     # Split K is a kernel variant of its own (a constexpr). Persistent programs are too, but
     # they are searched last and rarely win (kernels/BENCHMARKS.md): they compile while
@@ -174,15 +179,18 @@ def search(
     rank: int,
     deadline: float,
     elem_size: int = 2,
+    *,
+    fp8: bool = False,
 ) -> MoEConfig:
     """Coordinate search from ``start`` until done or ``time.monotonic() > deadline``;
-    returns the fastest configuration timed (``start`` at least)."""
+    returns the fastest configuration timed (``start`` at least). ``elem_size``: bytes of
+    the hidden states' dtype; ``fp8``: FP8 experts (``fit_stages``)."""
     best = start
     best_us = time_us(start)
 
     def consider(candidates: list[MoEConfig]) -> None:
         nonlocal best, best_us
-        for config in dict.fromkeys(fit_stages(c, elem_size, rank) for c in candidates):
+        for config in dict.fromkeys(fit_stages(c, elem_size, rank, fp8=fp8) for c in candidates):
             if time.monotonic() > deadline:
                 return
             us = time_us(config)
@@ -239,7 +247,7 @@ class CellInputs:
         device = layer.w13.device
         experts = experts_hit or layer.num_experts
         hidden = random_hidden(
-            tokens, layer.hidden_size, dtype=layer.w13.dtype, device=device, seed=tokens
+            tokens, layer.hidden_size, dtype=layer.dtype, device=device, seed=tokens
         )
         routing = random_routing(tokens, experts, layer.router.top_k, device=device, seed=tokens)
         lora = None
@@ -308,9 +316,11 @@ def autotune(
     ``budget_s`` seconds (compilation included)."""
     began = time.monotonic()
     shape = layer_shape(layer)
-    elem_size = layer.w13.element_size()
+    elem_size = layer.dtype.itemsize
     starts = {
-        m: heuristic_config(m, shape.experts, shape.hidden, shape.inter, shape.top_k, elem_size)
+        m: heuristic_config(
+            m, shape.experts, shape.hidden, shape.inter, shape.top_k, elem_size, fp8=layer.fp8
+        )
         for m in buckets
     }
     if jobs > 1:
@@ -319,7 +329,9 @@ def autotune(
         tasks = [
             CompileJob.of(layer, m, rank, num_slots, config)
             for m in buckets
-            for config in precompile_set(starts[m], m * shape.top_k / shape.experts, rank)
+            for config in precompile_set(
+                starts[m], m * shape.top_k / shape.experts, rank, fp8=layer.fp8
+            )
         ]
         failures = compile_all(tasks, jobs, deadline=began + budget_s / 2)
         log(
@@ -338,7 +350,7 @@ def autotune(
         if previous is not None and timer(previous) < timer(start):
             start = previous
         rows_per_expert = tokens * shape.top_k / shape.experts
-        found = search(timer, start, rows_per_expert, rank, deadline, elem_size)
+        found = search(timer, start, rows_per_expert, rank, deadline, elem_size, fp8=layer.fp8)
         complete = complete and time.monotonic() <= deadline
         error = timer.error(found)
         if not error < TOLERANCE:  # never keep a wrong configuration
@@ -366,20 +378,24 @@ def refine(
     """``configs`` (bucket → configuration, e.g. a shipped table's rows) with the program
     layout knobs (``program_knobs``) searched around each: the rest of the configuration is
     kept. A variant is kept only if faster and within ``TOLERANCE`` of the reference."""
-    elem_size = layer.w13.element_size()
+    elem_size = layer.dtype.itemsize
+
+    def fit(config: MoEConfig) -> MoEConfig:
+        return fit_stages(config, elem_size, rank, fp8=layer.fp8)
+
     refined = {}
     for tokens, start in sorted(configs.items()):
         timer = Timer(layer, CellInputs.make(layer, tokens, rank, num_slots))
-        best = fit_stages(start, elem_size, rank)
+        best = fit(start)
         for knob in PROGRAM_KNOBS:
             for candidate in program_knobs(best, knob):
-                candidate = fit_stages(candidate, elem_size, rank)
+                candidate = fit(candidate)
                 if timer(candidate) < timer(best) and timer.error(candidate) < TOLERANCE:
                     best = candidate
         refined[tokens] = best
         log(
             f"refine {layer_shape(layer).key} r={rank} M={tokens}: {timer(best):.1f} µs "
-            f"(was {timer(fit_stages(start, elem_size, rank)):.1f})"
+            f"(was {timer(fit(start)):.1f})"
         )
         del timer
     return refined

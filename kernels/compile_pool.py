@@ -23,7 +23,7 @@ from kernels.align import align_pairs
 from kernels.configs import MoEConfig
 from kernels.forward import fused_moe
 from kernels.fused_moe import LoRABuffers, fused_experts
-from kernels.synthetic import random_layer
+from kernels.synthetic import fp8_layer, random_layer
 from kernels.types import Activation, MoELayerWeights
 
 #: Expert weights one compile worker holds at most (beyond the k experts it needs).
@@ -40,7 +40,8 @@ class CompileJob:
     top_k: int
     activation: str
     biases: bool
-    dtype: str
+    dtype: str  # the hidden states'
+    fp8: bool  # FP8 experts (kernels.synthetic.fp8_layer)
     tokens: int
     rank: int
     num_slots: int
@@ -52,23 +53,25 @@ class CompileJob:
     ) -> CompileJob:
         return CompileJob(
             layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.router.top_k,
-            layer.activation.value, layer.b13 is not None, str(layer.w13.dtype).split(".")[-1],
-            tokens, rank, num_slots, json.dumps(config.to_json(), sort_keys=True),
+            layer.activation.value, layer.b13 is not None, str(layer.dtype).split(".")[-1],
+            layer.fp8, tokens, rank, num_slots, json.dumps(config.to_json(), sort_keys=True),
         )  # fmt: skip
 
 
 def worker_experts(job: CompileJob) -> int:
     """Experts a worker holds: as many as fit WORKER_BYTES, at least k, at most all."""
-    per_expert = 3 * job.hidden * job.inter * torch.finfo(getattr(torch, job.dtype)).bits // 8
+    weight_bits = 8 if job.fp8 else torch.finfo(getattr(torch, job.dtype)).bits
+    per_expert = 3 * job.hidden * job.inter * weight_bits // 8
     return min(job.experts, max(job.top_k, WORKER_BYTES // per_expert))
 
 
 def _worker_layer(job: CompileJob) -> MoELayerWeights:
-    return random_layer(
+    layer = random_layer(
         worker_experts(job), job.hidden, job.inter, job.top_k,
         dtype=getattr(torch, job.dtype), device="cuda",
         activation=Activation(job.activation), biases=job.biases,
     )  # fmt: skip
+    return fp8_layer(layer) if job.fp8 else layer
 
 
 def compile_job(job: CompileJob, layer: MoELayerWeights) -> list[torch.Tensor]:
@@ -96,7 +99,7 @@ def compile_job(job: CompileJob, layer: MoELayerWeights) -> list[torch.Tensor]:
         outputs.append(fused_experts(
             inputs.hidden, layer.w13, layer.w2, layer.b13, layer.b2, layer.activation,
             layer.swiglu_alpha, layer.swiglu_limit, inputs.routing.topk_weights,
-            alignment, buffers, config,
+            alignment, buffers, config, w13_scale=layer.w13_scale, w2_scale=layer.w2_scale,
         ))  # fmt: skip
     if layer.w13.is_cuda:
         torch.cuda.synchronize()
@@ -104,11 +107,14 @@ def compile_job(job: CompileJob, layer: MoELayerWeights) -> list[torch.Tensor]:
 
 
 # One worker's layer, kept between its jobs (they come sorted by shape).
-_LAYERS: dict[tuple[int, int, int, int, str, bool, str], MoELayerWeights] = {}
+_LAYERS: dict[tuple[int, int, int, int, str, bool, str, bool], MoELayerWeights] = {}
 
 
 def _run(job: CompileJob) -> str:
-    key = (job.experts, job.hidden, job.inter, job.top_k, job.activation, job.biases, job.dtype)
+    key = (
+        job.experts, job.hidden, job.inter, job.top_k, job.activation, job.biases, job.dtype,
+        job.fp8,
+    )  # fmt: skip
     try:
         if key not in _LAYERS:
             _LAYERS.clear()

@@ -13,6 +13,7 @@ Within a source the nearest tuned token count is used (log distance, ties to the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.config_cache import ConfigCache, RankTable
-from kernels.configs import MoEConfig, device_name, fit_stages, load_table, shape_key
+from kernels.configs import MoEConfig, device_name, fit_stages, load_table
 from kernels.heuristic import heuristic_config
 from kernels.model_shape import LayerShape
 
@@ -63,16 +64,18 @@ class ConfigSelector:
         self._resolved.clear()
 
     def select(self, tokens: int, shape: LayerShape, rank: int, dtype: torch.dtype) -> Selection:
-        """The configuration for ``tokens`` rows of this shape; rank 0 = no LoRA."""
+        """The configuration for ``tokens`` rows of this shape in ``dtype`` (the hidden
+        states'); rank 0 = no LoRA."""
         source, table = self._by_source(_bare(shape), rank)
         elem_size = torch.finfo(dtype).bits // 8
         if table is None:
             config = heuristic_config(
-                tokens, shape.experts, shape.hidden, shape.inter, shape.top_k, elem_size
-            )
+                tokens, shape.experts, shape.hidden, shape.inter, shape.top_k, elem_size,
+                fp8=shape.fp8,
+            )  # fmt: skip
         else:
             config = table[_nearest(list(table), tokens)]
-        return Selection(fit_stages(config, elem_size, rank), source)
+        return Selection(fit_stages(config, elem_size, rank, fp8=shape.fp8), source)
 
     def source(self, shape: LayerShape, rank: int) -> str:
         return self._by_source(_bare(shape), rank)[0]
@@ -89,8 +92,7 @@ class ConfigSelector:
             shipped = load_table(self.gpu)
             table_ranks: RankTable = {}
             for r in _ranks_in(shipped, shape):
-                table_ranks[r] = shipped[shape_key(shape.experts, shape.hidden, shape.inter,
-                                                   shape.top_k, r)]  # fmt: skip
+                table_ranks[r] = shipped[f"{shape.key},r={r}"]
             sources.append((TABLE, table_ranks))
             cached = self.cache.load(self.gpu, shape) if self.cache is not None else {}
             sources.append((AUTOTUNED, {**cached, **self._tuned.get(shape, {})}))
@@ -110,7 +112,7 @@ class ConfigSelector:
 
 def _bare(shape: LayerShape) -> LayerShape:
     """The shape without its display name (the key of tuned configurations)."""
-    return LayerShape(shape.experts, shape.hidden, shape.inter, shape.top_k)
+    return dataclasses.replace(shape, name="")
 
 
 def _ranks_in(table: dict[str, dict[int, MoEConfig]], shape: LayerShape) -> list[int]:

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from kernels.types import FP8_BLOCK
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
@@ -167,11 +169,22 @@ SMEM_BUDGET = 160 * 1024
 MAX_REGISTER_RANK = 64
 
 
-def fit_stages(config: MoEConfig, elem_size: int, lora_rank: int = 16) -> MoEConfig:
-    """Fit a configuration to the LoRA rank and dtype: ranks above ``MAX_REGISTER_RANK``
-    take the separate shrink, and num_stages is lowered where the operand tiles of
-    ``elem_size``-byte elements (fp32: 4) would not fit ``SMEM_BUDGET`` (a fused shrink adds
-    its stacked A tile)."""
+def _fit_fp8(gemm: GemmConfig) -> GemmConfig:
+    """FP8 weights: pointer loads (the W8A16 main loop has no TMA path), and a K step that
+    lies in one 128-wide scale block (block_k, a power of two, at most 128)."""
+    return dataclasses.replace(gemm, tma=False, block_k=min(gemm.block_k, FP8_BLOCK))
+
+
+def fit_stages(
+    config: MoEConfig, elem_size: int, lora_rank: int = 16, *, fp8: bool = False
+) -> MoEConfig:
+    """Fit a configuration to the LoRA rank and dtypes: ranks above ``MAX_REGISTER_RANK``
+    take the separate shrink, FP8 experts (``fp8``) take ``_fit_fp8``'s tiles, and num_stages
+    is lowered where the operand tiles would not fit ``SMEM_BUDGET``: x (and a fused shrink's
+    stacked A) of ``elem_size``-byte elements (the hidden states' dtype, fp32: 4), weights of
+    as many bytes, FP8 of one."""
+    if fp8:
+        config = dataclasses.replace(config, w13=_fit_fp8(config.w13), w2=_fit_fp8(config.w2))
     rp = padded_rank(lora_rank)
     if rp > MAX_REGISTER_RANK:
         config = dataclasses.replace(
@@ -180,10 +193,13 @@ def fit_stages(config: MoEConfig, elem_size: int, lora_rank: int = 16) -> MoECon
             w2=dataclasses.replace(config.w2, fused_shrink=False),
         )
     lora_cols = segments_per_pass(config.lora_segments, rp) * rp
+    weight_size = 1 if fp8 else elem_size
 
     def fit(gemm: GemmConfig, tile_rows: int) -> GemmConfig:
         lora_rows = lora_cols if gemm.fused_shrink else 0
-        per_stage = (config.block_m + tile_rows + lora_rows) * gemm.block_k * elem_size
+        per_stage = (
+            (config.block_m + lora_rows) * elem_size + tile_rows * weight_size
+        ) * gemm.block_k
         stages = max(2, min(gemm.num_stages, SMEM_BUDGET // per_stage))
         return dataclasses.replace(gemm, num_stages=stages)
 

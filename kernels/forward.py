@@ -37,6 +37,8 @@ def fused_moe(
     expert (computed by torch in hidden's dtype) is added before the one final rounding.
     ``config.decode`` runs the GEMMs over one block per pair (``kernels.align.pair_blocks``:
     no alignment launch), else over the expert-sorted blocks of ``kernels.align.align_pairs``.
+    FP8 experts run W8A16 (``kernels.fused_moe``): ``config`` must come through
+    ``kernels.configs.fit_stages`` with ``fp8=True`` (block_k dividing 128).
     """
     slots = None if lora is None else lora.slots
     token_slots = None if lora is None else lora.token_slots
@@ -67,6 +69,8 @@ def fused_moe(
         buffers,
         config,
         addend=shared,
+        w13_scale=layer.w13_scale,
+        w2_scale=layer.w2_scale,
     )
 
 
@@ -85,7 +89,7 @@ def moe_forward(
     routing: precomputed top-k ids/weights, else ``route(hidden, layer)``.
     lora: per-token adapter slots, else no LoRA.
     backend: "triton" (CUDA tensors, or any under TRITON_INTERPRET=1) or "torch" (the float32
-    reference, for CPUs).
+    reference, for CPUs; FP8 experts are dequantised per expert).
     configs: where launch configurations come from (the executor's, with its autotuned ones);
     default: this GPU's tuned table, else the heuristic.
     check_layer: False for a layer validated once at load (``kernels.validate_layer``).
@@ -114,5 +118,9 @@ def moe_forward(
 
 def layer_shape(layer: MoELayerWeights) -> LayerShape:
     return LayerShape(
-        layer.num_experts, layer.hidden_size, layer.intermediate_size, layer.router.top_k
+        layer.num_experts,
+        layer.hidden_size,
+        layer.intermediate_size,
+        layer.router.top_k,
+        fp8=layer.fp8,
     )

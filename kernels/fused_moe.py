@@ -38,7 +38,13 @@ memory), so any rank fits in shared memory and registers.
 
 Dtypes: bf16/fp16 operands with fp32 accumulation (the rank-R vectors and ``a`` are rounded
 to the operand dtype before their dots, as in every fused MoE); fp32 operands use exact IEEE
-dots.
+dots. FP8 experts (float8_e4m3fn W13 and W2 with float32 scales per 128×128 block,
+``kernels.fp8``) run W8A16, with the activations in the compute dtype: the main loop loads the
+weight tile by pointers (no TMA), converts it exactly to x's dtype for the dot, and multiplies
+each K step's product by its output columns' scales before adding it to the fp32 accumulator
+(vLLM's block-FP8 method without quantising x). BLOCK_K divides 128, so a step lies in one
+scale block (``kernels.configs.fit_stages`` sees to it). The LoRA dots, biases and the rest
+stay in the compute dtype.
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
@@ -63,9 +69,10 @@ from kernels.configs import (
     padded_rank,
     segments_per_pass,
 )
-from kernels.types import Activation
+from kernels.types import FP8_BLOCK, Activation
 
 _CLEAR_BLOCK = 1024  # elements each w13 program zeroes per step of the output clear
+_FP8_BLOCK = tl.constexpr(FP8_BLOCK)  # rows and columns of FP8 weight sharing one scale
 _SHRINK_BLOCK_K = 128  # reduction step of the shrink kernel
 _SHRINK_SUB_M = 64  # rows per shrink program
 _SHRINK_STACK = 128  # widest stacked A operand (segments × ranks) of the shrink kernel
@@ -160,6 +167,8 @@ def _main_loop(
     k_base,
     a_cols,
     a_col_mask,
+    s_cols,
+    stride_sk,
     K,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -168,6 +177,7 @@ def _main_loop(
     WITH_SHRINK: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
+    FP8: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """acc + x·Wᵀ of one tile in fp32; WITH_SHRINK also x·Aᵀ (BLOCK_M, SHRINK_N) for the
@@ -178,7 +188,11 @@ def _main_loop(
     descriptor ``w_desc`` (E, N, K), block (1, BLOCK_N, BLOCK_K), from row ``w_row``, column
     ``k_base`` of the expert's (N, K) (the copy engine; out of range reads as zeros), instead of
     ``w_cols``; for W13 (E, 2, I, K) with block (1, 2, BLOCK_N / 2, BLOCK_K): gate rows
-    w_row.. then up rows w_row.."""
+    w_row.. then up rows w_row..
+    FP8 (pointer loads only; BLOCK_K divides 128, so a K step lies in one scale block): W is
+    float8_e4m3fn, converted (exactly) to x's dtype for the dot, and each step's product is
+    multiplied by its columns' scales: s_cols (BLOCK_N,) points at each column's scale of the
+    first K block, the K blocks ``stride_sk`` apart."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_row_ptrs[:, None] + offs_k[None, :]
     w_ptrs = w_cols[None, :] + offs_k[:, None]
@@ -200,7 +214,12 @@ def _main_loop(
             w = tl.load(w_ptrs, mask=w_col_mask[None, :], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=w_col_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if FP8:
+            k_block = (k_base + k0) // _FP8_BLOCK
+            scale = tl.load(s_cols + k_block * stride_sk, mask=w_col_mask, other=0.0)
+            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * scale[None, :]
+        else:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
         if WITH_SHRINK:
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=a_col_mask[None, :], other=0.0)
@@ -311,6 +330,8 @@ def _fused_tile(
     w_desc,
     w_row,
     k_base,
+    s_cols,
+    stride_sk,
     a_ptr,
     b_ptr,
     b_rows,
@@ -333,6 +354,7 @@ def _fused_tile(
     RP: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
+    FP8: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """acc + x·Wᵀ + LoRA of one tile with the shrink fused: the program's first tile computes
@@ -344,8 +366,8 @@ def _fused_tile(
         a_cols = a_ptr + expert * stride_ae + col_slot * stride_as + col_rank * stride_ar
         acc, stacked = _main_loop(
             acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, k_base,
-            a_cols, col_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, NSEG * RP, True, EVEN_K, W_TMA,
-            PRECISION,
+            a_cols, col_ok, s_cols, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, NSEG * RP, True,
+            EVEN_K, W_TMA, FP8, PRECISION,
         )  # fmt: skip
         xa = _collapse(stacked, seg, 0, BLOCK_M, NSEG, RP) + _shrink_rows(
             x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 1, 0, K, R,
@@ -354,7 +376,8 @@ def _fused_tile(
     else:
         acc, _ = _main_loop(
             acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, k_base,
-            w_cols, col_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, W_TMA, PRECISION,
+            w_cols, col_mask, s_cols, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False,
+            EVEN_K, W_TMA, FP8, PRECISION,
         )  # fmt: skip
     return _lora_expand(
         acc, xa, slot, seg, n_seg, b_ptr, expert, b_rows, col_mask, R,
@@ -375,6 +398,7 @@ def _gemm_tile(
     w_desc,
     w_row,
     k_base,
+    scale_ptr,
     a_ptr,
     xa_ptr,
     b_ptr,
@@ -398,6 +422,9 @@ def _gemm_tile(
     stride_bn,
     stride_br,
     stride_bias,
+    stride_se,
+    stride_sn,
+    stride_sk,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
     FUSED_SHRINK: tl.constexpr,
@@ -411,6 +438,7 @@ def _gemm_tile(
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
+    FP8: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One output tile of either GEMM: acc + x·Wᵀ (+ LoRA) (+ bias) in fp32, for the weight
@@ -419,19 +447,22 @@ def _gemm_tile(
     first part the bias and, from the separate shrink, the LoRA; a fused shrink's partial
     x·Aᵀ of the part goes through B — the expand is linear). With the shrink fused the first
     tile of the program computes ``xa`` (passed on to later tiles); else the rows' xa comes
-    from the separate shrink launch, RC ranks at a time. Returns the tile and ``xa``."""
+    from the separate shrink launch, RC ranks at a time. Returns the tile and ``xa``.
+    FP8: ``scale_ptr`` (E, N / 128, K / 128) holds W's block scales."""
     b_rows = out_cols * stride_bn
+    s_cols = scale_ptr + expert * stride_se + (out_cols // _FP8_BLOCK) * stride_sn
     if FUSED_SHRINK:
         acc, xa = _fused_tile(
             acc, xa, is_first_tile, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, w_row,
-            k_base, a_ptr, b_ptr, b_rows, expert, slot, seg, n_seg, K, R,
+            k_base, s_cols, stride_sk, a_ptr, b_ptr, b_rows, expert, slot, seg, n_seg, K, R,
             stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_br,
-            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, EVEN_K, W_TMA, PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, EVEN_K, W_TMA, FP8, PRECISION,
         )  # fmt: skip
     else:
         acc, _ = _main_loop(
             acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, k_base,
-            w_cols, col_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False, EVEN_K, W_TMA, PRECISION,
+            w_cols, col_mask, s_cols, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False,
+            EVEN_K, W_TMA, FP8, PRECISION,
         )  # fmt: skip
         if HAS_LORA and k_base == 0:  # split K: the first part adds the whole LoRA
             # Loaded after the main loop, so they take no registers while it runs.
@@ -509,9 +540,10 @@ def _lora_shrink_kernel(
 def _w13_work(
     pid,
     x_ptr,  # (T, H) hidden states
-    w_ptr,  # (E, 2I, H)
+    w_ptr,  # (E, 2I, H), FP8: float8_e4m3fn
     w_desc,  # W_TMA: a tensor descriptor of w seen as (E, 2, I, H), block (1, 2, BLOCK_N,
     # BLOCK_K); else unused
+    scale_ptr,  # FP8: (E, ceil(2I/128), ceil(H/128)) float32 block scales of w; else unused
     bias_ptr,  # (E, 2I) or unused
     a_ptr,  # (S, E, R, H) LoRA A13 (FUSED_SHRINK) or unused
     xa_ptr,  # (max_rows, RP) x·A13ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
@@ -532,6 +564,9 @@ def _w13_work(
     stride_we,
     stride_wn,
     stride_bias,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_as,
     stride_ae,
     stride_ar,
@@ -556,6 +591,7 @@ def _w13_work(
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
+    FP8: tl.constexpr,  # w is float8_e4m3fn with block scales (W8A16)
     PRECISION: tl.constexpr,
 ):
     """Program ``pid``'s work of ``_w13_kernel``: its N tiles of one block."""
@@ -595,12 +631,13 @@ def _w13_work(
             w_cols = w_ptr + expert * stride_we + w13_rows.to(tl.int64) * stride_wn
             acc, xa = _gemm_tile(
                 tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), xa, tile == first,
-                x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask, w_desc, n0, 0,
+                x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask, w_desc, n0, 0, scale_ptr,
                 a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair, top_k,
                 expert, slot, seg, n_seg, H, R,
                 stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
-                stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
-                BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
+                stride_bias, stride_se, stride_sn, stride_sk, HAS_BIAS, HAS_LORA, FUSED_SHRINK,
+                PAIR_BLOCKS, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA,
+                FP8, PRECISION,
             )  # fmt: skip
             if W_TMA:
                 acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1))
@@ -619,9 +656,10 @@ def _w13_work(
 @triton.jit
 def _w13_kernel(
     x_ptr,  # (T, H) hidden states
-    w_ptr,  # (E, 2I, H)
+    w_ptr,  # (E, 2I, H), FP8: float8_e4m3fn
     w_desc,  # W_TMA: a tensor descriptor of w seen as (E, 2, I, H), block (1, 2, BLOCK_N,
     # BLOCK_K); else unused
+    scale_ptr,  # FP8: (E, ceil(2I/128), ceil(H/128)) float32 block scales of w; else unused
     bias_ptr,  # (E, 2I) or unused
     a_ptr,  # (S, E, R, H) LoRA A13 (FUSED_SHRINK) or unused
     xa_ptr,  # (max_rows, RP) x·A13ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
@@ -645,6 +683,9 @@ def _w13_kernel(
     stride_we,
     stride_wn,
     stride_bias,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_as,
     stride_ae,
     stride_ar,
@@ -669,6 +710,7 @@ def _w13_kernel(
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
+    FP8: tl.constexpr,  # w is float8_e4m3fn with block scales (W8A16)
     PRECISION: tl.constexpr,
     CLEAR_BLOCK: tl.constexpr,
     PERSISTENT: tl.constexpr,  # a program per SM (or so) loops over the work
@@ -686,22 +728,24 @@ def _w13_kernel(
     if PERSISTENT:
         for pid in range(tl.program_id(0), num_work, tl.num_programs(0)):
             _w13_work(
-                pid, x_ptr, w_ptr, w_desc, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr, pair_ids_ptr,
-                row_slots_ptr, enabled_ptr, block_experts_ptr, num_blocks, H, inter, top_k, R,
-                alpha, limit, stride_xt, stride_we, stride_wn, stride_bias, stride_as, stride_ae,
-                stride_ar, stride_bs, stride_be, stride_bn, stride_br, stride_om, ACTIVATION,
-                HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K,
-                TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
+                pid, x_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr,
+                pair_ids_ptr, row_slots_ptr, enabled_ptr, block_experts_ptr, num_blocks, H,
+                inter, top_k, R, alpha, limit, stride_xt, stride_we, stride_wn, stride_bias,
+                stride_se, stride_sn, stride_sk, stride_as, stride_ae, stride_ar, stride_bs,
+                stride_be, stride_bn, stride_br, stride_om, ACTIVATION, HAS_BIAS, HAS_LORA,
+                FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, TILES_PER_PROGRAM,
+                GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, FP8, PRECISION,
             )  # fmt: skip
     else:
         pid = tl.program_id(0)
         _w13_work(
-            pid, x_ptr, w_ptr, w_desc, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr, pair_ids_ptr,
-            row_slots_ptr, enabled_ptr, block_experts_ptr, num_blocks, H, inter, top_k, R,
-            alpha, limit, stride_xt, stride_we, stride_wn, stride_bias, stride_as, stride_ae,
-            stride_ar, stride_bs, stride_be, stride_bn, stride_br, stride_om, ACTIVATION,
-            HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K,
-            TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
+            pid, x_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr,
+            pair_ids_ptr, row_slots_ptr, enabled_ptr, block_experts_ptr, num_blocks, H,
+            inter, top_k, R, alpha, limit, stride_xt, stride_we, stride_wn, stride_bias,
+            stride_se, stride_sn, stride_sk, stride_as, stride_ae, stride_ar, stride_bs,
+            stride_be, stride_bn, stride_br, stride_om, ACTIVATION, HAS_BIAS, HAS_LORA,
+            FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, TILES_PER_PROGRAM,
+            GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, FP8, PRECISION,
         )  # fmt: skip
 
 
@@ -709,8 +753,9 @@ def _w13_kernel(
 def _w2_work(
     pid,
     act_ptr,  # (max_rows, I) activation from _w13_kernel
-    w_ptr,  # (E, H, I)
+    w_ptr,  # (E, H, I), FP8: float8_e4m3fn
     w_desc,  # W_TMA: a tensor descriptor of w, block (1, BLOCK_N, BLOCK_K); else unused
+    scale_ptr,  # FP8: (E, ceil(H/128), ceil(I/128)) float32 block scales of w; else unused
     bias_ptr,  # (E, H) or unused
     a_ptr,  # (S, E, R, I) LoRA A2 (FUSED_SHRINK) or unused
     xa_ptr,  # (max_rows, RP) a·A2ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
@@ -731,6 +776,9 @@ def _w2_work(
     stride_we,
     stride_wn,
     stride_bias,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_as,
     stride_ae,
     stride_ar,
@@ -756,6 +804,7 @@ def _w2_work(
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
+    FP8: tl.constexpr,  # w is float8_e4m3fn with block scales (W8A16)
     PRECISION: tl.constexpr,
 ):
     """Program ``pid``'s work of ``_w2_kernel``: its N tiles of one block (one part of K)."""
@@ -797,11 +846,12 @@ def _w2_work(
             acc, xa = _gemm_tile(
                 tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), xa, tile == first,
                 x_row_ptrs, x_row_mask, w_cols, cols, col_mask, w_desc, tile * BLOCK_N, k_base,
-                a_ptr + k_base, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair,
-                top_k, expert, slot, seg, n_seg, k_len, R,
+                scale_ptr, a_ptr + k_base, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr,
+                row0, pair, top_k, expert, slot, seg, n_seg, k_len, R,
                 stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
-                stride_bias, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS,
-                BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, PRECISION,
+                stride_bias, stride_se, stride_sn, stride_sk, HAS_BIAS, HAS_LORA, FUSED_SHRINK,
+                PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, FP8,
+                PRECISION,
             )  # fmt: skip
             acc *= routed_weight[:, None]
             out_ptrs = out_rows[:, None] + cols[None, :]
@@ -815,8 +865,9 @@ def _w2_work(
 @triton.jit
 def _w2_kernel(
     act_ptr,  # (max_rows, I) activation from _w13_kernel
-    w_ptr,  # (E, H, I)
+    w_ptr,  # (E, H, I), FP8: float8_e4m3fn
     w_desc,  # W_TMA: a tensor descriptor of w, block (1, BLOCK_N, BLOCK_K); else unused
+    scale_ptr,  # FP8: (E, ceil(H/128), ceil(I/128)) float32 block scales of w; else unused
     bias_ptr,  # (E, H) or unused
     a_ptr,  # (S, E, R, I) LoRA A2 (FUSED_SHRINK) or unused
     xa_ptr,  # (max_rows, RP) a·A2ᵀ from _lora_shrink_kernel, or unused (FUSED_SHRINK)
@@ -837,6 +888,9 @@ def _w2_kernel(
     stride_we,
     stride_wn,
     stride_bias,
+    stride_se,
+    stride_sn,
+    stride_sk,
     stride_as,
     stride_ae,
     stride_ar,
@@ -862,6 +916,7 @@ def _w2_kernel(
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
+    FP8: tl.constexpr,  # w is float8_e4m3fn with block scales (W8A16)
     PRECISION: tl.constexpr,
     PERSISTENT: tl.constexpr,  # a program per SM (or so) loops over the work
     PDL: tl.constexpr,
@@ -871,24 +926,24 @@ def _w2_kernel(
     if PERSISTENT:
         for pid in range(tl.program_id(0), num_work, tl.num_programs(0)):
             _w2_work(
-                pid, act_ptr, w_ptr, w_desc, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr, pair_ids_ptr,
-                row_slots_ptr, enabled_ptr, block_experts_ptr, topk_weights_ptr, num_blocks, H,
-                inter, k_split, top_k, R, stride_am, stride_we, stride_wn, stride_bias, stride_as,
-                stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br, stride_out,
-                HAS_BIAS, HAS_LORA, FUSED_SHRINK, ATOMIC_SUM, PAIR_BLOCKS, SPLIT_K, BLOCK_M,
-                BLOCK_N, BLOCK_K, TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA,
-                PRECISION,
+                pid, act_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr,
+                pair_ids_ptr, row_slots_ptr, enabled_ptr, block_experts_ptr, topk_weights_ptr,
+                num_blocks, H, inter, k_split, top_k, R, stride_am, stride_we, stride_wn,
+                stride_bias, stride_se, stride_sn, stride_sk, stride_as, stride_ae, stride_ar,
+                stride_bs, stride_be, stride_bn, stride_br, stride_out, HAS_BIAS, HAS_LORA,
+                FUSED_SHRINK, ATOMIC_SUM, PAIR_BLOCKS, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, FP8, PRECISION,
             )  # fmt: skip
     else:
         pid = tl.program_id(0)
         _w2_work(
-            pid, act_ptr, w_ptr, w_desc, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr, pair_ids_ptr,
-            row_slots_ptr, enabled_ptr, block_experts_ptr, topk_weights_ptr, num_blocks, H,
-            inter, k_split, top_k, R, stride_am, stride_we, stride_wn, stride_bias, stride_as,
-            stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br, stride_out,
-            HAS_BIAS, HAS_LORA, FUSED_SHRINK, ATOMIC_SUM, PAIR_BLOCKS, SPLIT_K, BLOCK_M,
-            BLOCK_N, BLOCK_K, TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA,
-            PRECISION,
+            pid, act_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr,
+            pair_ids_ptr, row_slots_ptr, enabled_ptr, block_experts_ptr, topk_weights_ptr,
+            num_blocks, H, inter, k_split, top_k, R, stride_am, stride_we, stride_wn,
+            stride_bias, stride_se, stride_sn, stride_sk, stride_as, stride_ae, stride_ar,
+            stride_bs, stride_be, stride_bn, stride_br, stride_out, HAS_BIAS, HAS_LORA,
+            FUSED_SHRINK, ATOMIC_SUM, PAIR_BLOCKS, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
+            TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, FP8, PRECISION,
         )  # fmt: skip
 
 
@@ -1092,6 +1147,18 @@ def _cuda_multiprocessors(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _scale_args(
+    w: torch.Tensor, scale: torch.Tensor | None, gemm: GemmConfig
+) -> tuple[torch.Tensor, int, int, int]:
+    """The block-scale arguments of a GEMM launch, (E, N/128, K/128) scales and their three
+    strides: those of FP8 weights ``w``, else placeholders the kernel does not read."""
+    if scale is None:
+        return w, 0, 0, 0
+    # A K step must lie in one scale block: the main loop takes one scale per column and step.
+    assert FP8_BLOCK % gemm.block_k == 0, f"FP8 weights need BLOCK_K | 128, got {gemm.block_k}"
+    return scale, scale.stride(0), scale.stride(1), scale.stride(2)
+
+
 def w13_stage(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -1104,30 +1171,35 @@ def w13_stage(
     lora: LoRABuffers | None,
     config: MoEConfig,
     clear: torch.Tensor | None,
+    w13_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act = activation(x W13ᵀ (+ b13) + LoRA) for every aligned row: (max_rows, I).
 
     hidden (T, H); w13 (E, 2I, H); b13 (E, 2I) or None. ``clear``: a float32 buffer this
-    launch zeroes on the side.
+    launch zeroes on the side. ``w13_scale`` (E, ceil(2I/128), ceil(H/128)) float32: w13 is
+    FP8 with these block scales.
     """
     h = hidden.shape[1]
     inter = w13.shape[1] // 2
     block_m, max_blocks = alignment.block_m, alignment.max_blocks
     act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
     cfg = config.w13
+    scale, *scale_strides = _scale_args(w13, w13_scale, cfg)
     la = _lora_args(hidden, "13", True, top_k, alignment, lora, config, cfg)
     bias = b13 if b13 is not None else w13
     grid = _grid(alignment, triton.cdiv(inter, cfg.block_n), cfg, 1, hidden.device)
     clear_numel = 0 if clear is None else clear.numel()
     # Pair blocks take pointer loads: ptxas (CUDA 13.0, sm_90a) crashed compiling them with TMA.
-    w_desc = None if alignment.pair_blocks else w13_descriptor(w13, cfg)
+    # So do FP8 weights (their main loop is written for pointer loads).
+    tma = not alignment.pair_blocks and w13_scale is None
+    w_desc = w13_descriptor(w13, cfg) if tma else None
     clear_per_program = triton.cdiv(triton.cdiv(clear_numel, grid[0]), _CLEAR_BLOCK)
     _w13_kernel[grid](
-        hidden, w13, w_desc if w_desc is not None else w13, bias, la.a, la.xa, la.b, act,
+        hidden, w13, w_desc if w_desc is not None else w13, scale, bias, la.a, la.xa, la.b, act,
         alignment.sorted_pair_ids, la.row_slots, _enabled(alignment), alignment.block_experts,
         clear if clear is not None else act, clear_numel, clear_per_program * _CLEAR_BLOCK,
         max_blocks, h, inter, top_k, la.rank, alpha, limit,
-        hidden.stride(0), w13.stride(0), w13.stride(1), bias.stride(0),
+        hidden.stride(0), w13.stride(0), w13.stride(1), bias.stride(0), *scale_strides,
         la.a.stride(0), la.a.stride(1), la.a.stride(2),
         la.b.stride(0), la.b.stride(1), la.b.stride(2), la.b.stride(3),
         act.stride(0),
@@ -1138,7 +1210,7 @@ def w13_stage(
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
         EVEN_K=h % cfg.block_k == 0, W_TMA=0 if w_desc is None else 4,
-        PRECISION=_dot_precision(hidden.dtype),
+        FP8=w13_scale is not None, PRECISION=_dot_precision(hidden.dtype),
         CLEAR_BLOCK=_CLEAR_BLOCK, PERSISTENT=cfg.persistent > 0,
         **_pdl_launch(hidden.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -1164,27 +1236,32 @@ def w2_stage(
     lora: LoRABuffers | None,
     config: MoEConfig,
     out: torch.Tensor,
+    w2_scale: torch.Tensor | None = None,
 ) -> None:
     """y = w_j · (a W2ᵀ (+ b2) + LoRA) for every pair, into ``out``.
 
     act (max_rows, I) from ``w13_stage``; w2 (E, H, I); b2 (E, H) or None; topk_weights
     (T, k) float32. With ``config.atomic_sum`` ``out`` is (T, H) float32, zeroed, and
-    receives Σ_j y_j; else it is (T*k, H) and row p receives pair p's y.
+    receives Σ_j y_j; else it is (T*k, H) and row p receives pair p's y. ``w2_scale``
+    (E, ceil(H/128), ceil(I/128)) float32: w2 is FP8 with these block scales.
     """
     h, inter = w2.shape[1], w2.shape[2]
     top_k = topk_weights.shape[1]
     cfg = config.w2
+    scale, *scale_strides = _scale_args(w2, w2_scale, cfg)
     la = _lora_args(act, "2", False, top_k, alignment, lora, config, cfg)
     bias = b2 if b2 is not None else w2
     # Pair blocks take pointer loads: ptxas (CUDA 13.0, sm_90a) crashed compiling them with TMA.
-    w_desc = None if alignment.pair_blocks else weight_descriptor(w2, cfg)
+    # So do FP8 weights (their main loop is written for pointer loads).
+    tma = not alignment.pair_blocks and w2_scale is None
+    w_desc = weight_descriptor(w2, cfg) if tma else None
     split_k, k_split = _split_k(inter, cfg, config.atomic_sum)
     _w2_kernel[_grid(alignment, triton.cdiv(h, cfg.block_n), cfg, split_k, act.device)](
-        act, w2, w_desc if w_desc is not None else w2, bias, la.a, la.xa, la.b, out,
+        act, w2, w_desc if w_desc is not None else w2, scale, bias, la.a, la.xa, la.b, out,
         alignment.sorted_pair_ids, la.row_slots, _enabled(alignment), alignment.block_experts,
         topk_weights,
         alignment.max_blocks, h, inter, k_split, top_k, la.rank,
-        act.stride(0), w2.stride(0), w2.stride(1), bias.stride(0),
+        act.stride(0), w2.stride(0), w2.stride(1), bias.stride(0), *scale_strides,
         la.a.stride(0), la.a.stride(1), la.a.stride(2),
         la.b.stride(0), la.b.stride(1), la.b.stride(2), la.b.stride(3),
         out.stride(0),
@@ -1194,7 +1271,8 @@ def w2_stage(
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
         EVEN_K=inter % cfg.block_k == 0, W_TMA=0 if w_desc is None else 3,
-        PRECISION=_dot_precision(act.dtype), PERSISTENT=cfg.persistent > 0,
+        FP8=w2_scale is not None, PRECISION=_dot_precision(act.dtype),
+        PERSISTENT=cfg.persistent > 0,
         **_pdl_launch(act.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -1231,23 +1309,27 @@ def fused_experts(
     lora: LoRABuffers | None,
     config: MoEConfig,
     addend: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_j w_j · expert_j(x) (+ LoRA) (+ addend) for every token: (T, H) in hidden's dtype.
 
     hidden (T, H); w13 (E, 2I, H); w2 (E, H, I); b13 (E, 2I) / b2 (E, H) or None;
     topk_weights (T, k) float32; addend (T, H) (the shared expert's output) is added before
     the one final rounding. All operands share hidden's dtype and have a contiguous last
-    dimension.
+    dimension, but for FP8 experts: w13 and w2 float8_e4m3fn with their float32 block scales
+    ``w13_scale`` (E, ceil(2I/128), ceil(H/128)) and ``w2_scale`` (E, ceil(H/128),
+    ceil(I/128)); the configuration's block_k must then divide 128.
     """
     t, h = hidden.shape
     top_k = topk_weights.shape[1]
     args = (hidden, w13, b13, activation, alpha, limit, top_k, alignment, lora, config)
     if config.atomic_sum:
         acc = torch.empty((t, h), dtype=torch.float32, device=hidden.device)
-        act = w13_stage(*args, clear=acc)
-        w2_stage(act, w2, b2, topk_weights, alignment, lora, config, acc)
+        act = w13_stage(*args, clear=acc, w13_scale=w13_scale)
+        w2_stage(act, w2, b2, topk_weights, alignment, lora, config, acc, w2_scale)
         return sum_over_k(acc, 1, addend, hidden.dtype)
-    act = w13_stage(*args, clear=None)
+    act = w13_stage(*args, clear=None, w13_scale=w13_scale)
     y = torch.empty((t * top_k, h), dtype=hidden.dtype, device=hidden.device)
-    w2_stage(act, w2, b2, topk_weights, alignment, lora, config, y)
+    w2_stage(act, w2, b2, topk_weights, alignment, lora, config, y, w2_scale)
     return sum_over_k(y, top_k, addend, hidden.dtype)

@@ -87,8 +87,11 @@ def heuristic_config(
     inter: int,
     top_k: int,
     elem_size: int = 2,
+    *,
+    fp8: bool = False,
 ) -> MoEConfig:
-    """A reasonable configuration for a shape nobody tuned."""
+    """A reasonable configuration for a shape nobody tuned; ``elem_size``: bytes of the
+    hidden states' dtype; ``fp8``: FP8 experts (``fit_stages``)."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 48:
         config = _streaming(num_tokens, hidden, inter, rows_per_expert)
@@ -104,4 +107,4 @@ def heuristic_config(
             w13=dataclasses.replace(config.w13, fused_shrink=True),
             w2=dataclasses.replace(config.w2, fused_shrink=True),
         )
-    return fit_stages(config, elem_size)
+    return fit_stages(config, elem_size, fp8=fp8)

@@ -29,18 +29,22 @@ MODEL_TYPES = tuple(_INTERMEDIATE_KEY)
 
 @dataclass(frozen=True)
 class LayerShape:
-    """One MoE layer's expert shape: E experts of (2I, H) / (H, I), k experts per token."""
+    """One MoE layer's expert shape: E experts of (2I, H) / (H, I), k experts per token;
+    ``fp8``: the experts are FP8 with block scales (``MoELayerWeights.fp8``)."""
 
     experts: int
     hidden: int
     inter: int
     top_k: int
     name: str = ""
+    fp8: bool = False
 
     @property
     def key(self) -> str:
-        """The shape part of a configuration key (``kernels.configs.shape_key`` adds r)."""
-        return f"E={self.experts},H={self.hidden},I={self.inter},k={self.top_k}"
+        """The shape part of a configuration key (``kernels.configs.shape_key`` adds r). FP8
+        experts are keyed apart: their configurations differ (``kernels.configs.fit_stages``)."""
+        key = f"E={self.experts},H={self.hidden},I={self.inter},k={self.top_k}"
+        return key + ",weights=fp8" if self.fp8 else key
 
     @property
     def label(self) -> str:

@@ -8,8 +8,9 @@ For a token x routed to experts e_1..e_k with weights w_1..w_k, whose adapter si
     y_e = W2[e] a (+ b2[e]) + B2[s,e] (A2[s,e] a)
     out = Σ_j w_j y_{e_j}  (+ shared expert)
 
-Everything is computed in ``compute_dtype`` (float32, or float64 for checking the checkers) and
-the result is returned in the hidden states' dtype. The loops run over experts and, inside, over
+Everything is computed in ``compute_dtype`` (float32, or float64 for checking the checkers),
+FP8 experts with their weights dequantised into it (``kernels.fp8.dequantize``), and the
+result is returned in the hidden states' dtype. The loops run over experts and, inside, over
 the adapter slots present; token rows are gathered with index ops, so the cost is that of a
 per-expert GEMM loop and it is usable on the CPU at serving sizes. The GEMMs go through
 ``kernels.row_blocks`` so that a token's result never depends on the other tokens of the batch
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8 import dequantize
 from kernels.routing import route
 from kernels.row_blocks import linear
 from kernels.shared_expert import shared_expert_forward
@@ -71,6 +73,18 @@ def _add_lora(
         out[rows] += linear(shrunk, lora_b[slot].to(inputs.dtype))
 
 
+def _expert_weights(
+    layer: MoELayerWeights, expert: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W13[e], W2[e]) of one expert in ``dtype``, dequantised where they are FP8."""
+    if layer.w13_scale is not None and layer.w2_scale is not None:
+        return (
+            dequantize(layer.w13[expert], layer.w13_scale[expert], dtype),
+            dequantize(layer.w2[expert], layer.w2_scale[expert], dtype),
+        )
+    return layer.w13[expert].to(dtype), layer.w2[expert].to(dtype)
+
+
 def moe_forward_reference(
     hidden: torch.Tensor,
     layer: MoELayerWeights,
@@ -92,14 +106,15 @@ def moe_forward_reference(
     for expert in torch.unique(routing.topk_ids).tolist():
         tokens, position = torch.nonzero(routing.topk_ids == expert, as_tuple=True)
         xe = x[tokens]
-        gate_up = linear(xe, layer.w13[expert].to(compute_dtype))
+        w13, w2 = _expert_weights(layer, expert, compute_dtype)
+        gate_up = linear(xe, w13)
         if layer.b13 is not None:
             gate_up += layer.b13[expert].to(compute_dtype)
         row_slots = None if token_slots is None else token_slots[tokens]
         if slots is not None and row_slots is not None:
             _add_lora(gate_up, xe, row_slots, slots.a13[:, expert], slots.b13[:, expert])
         a = activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
-        y = linear(a, layer.w2[expert].to(compute_dtype))
+        y = linear(a, w2)
         if layer.b2 is not None:
             y += layer.b2[expert].to(compute_dtype)
         if slots is not None and row_slots is not None:

@@ -6,8 +6,11 @@ something; the LoRA deltas are made large enough to matter (a kernel that drops 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from kernels.fp8 import quantize
 from kernels.types import (
     Activation,
     LoRAContext,
@@ -79,6 +82,14 @@ def random_layer(
     )
 
 
+def fp8_layer(layer: MoELayerWeights) -> MoELayerWeights:
+    """``layer`` with its routed experts quantised to FP8 (``kernels.fp8.quantize``); the rest
+    (router, biases, shared expert) stays in its dtype, which becomes the compute dtype."""
+    w13, w13_scale = quantize(layer.w13)
+    w2, w2_scale = quantize(layer.w2)
+    return dataclasses.replace(layer, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
+
+
 def random_slots(
     layer: MoELayerWeights,
     num_slots: int,
@@ -91,7 +102,7 @@ def random_slots(
     """Slot buffers for ``layer`` (its dtype and device); the delta B·A has norm ~delta_scale
     relative to the base weight's. All slots are enabled unless ``enabled`` says otherwise."""
     e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_size
-    dtype, device = layer.w13.dtype, layer.w13.device
+    dtype, device = layer.dtype, layer.w13.device
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape: int, scale: float) -> torch.Tensor:

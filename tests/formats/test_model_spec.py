@@ -151,7 +151,7 @@ def test_rejects_missing_misshaped_and_quantized_tensors(
         read_model_spec(folder)
 
     _edit_tensors(folder, lambda t: t.update({name: original.to(torch.int8)}))
-    with pytest.raises(InvalidArgument, match=f"{name} is I8; BF16, F16 and F32 checkpoints are supported"):
+    with pytest.raises(InvalidArgument, match=f"{name} is I8; BF16, F16 and F32 checkpoints"):
         read_model_spec(folder)
 
     _edit_tensors(folder, lambda t: t.update({name: original.to(torch.bfloat16)}))
