@@ -15,13 +15,19 @@ each cell's launch configuration came from (``kernels.config_select``). ``--auto
 first autotunes, in S seconds per shape, every shape that has no tuned table (as the executor
 does at start-up; cached in ``--cache-dir``), and ``--heuristic`` ignores tables and cache.
 
+``--fp8`` adds, beside each bf16 row, the same layer with its experts quantised to FP8 with
+128×128 block scales (``kernels.synthetic.fp8_layer``; activations, LoRA and output stay bf16):
+its floor counts one byte per expert weight, and the summary gives FP8 time / bf16 time.
+
 First every cell is checked against the float32 reference (relative error below
-``BF16_TOLERANCE``); a failure stops the run with exit status 1.
+``BF16_TOLERANCE``; for FP8 rows the reference of the dequantised weights); a failure stops
+the run with exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -45,6 +51,7 @@ from kernels.fused_moe import LoRABuffers, w13_stage
 from kernels.model_shape import LayerShape, shape_from_checkpoint
 from kernels.reference import moe_forward_reference
 from kernels.synthetic import (
+    fp8_layer,
     random_hidden,
     random_layer,
     random_routing,
@@ -117,7 +124,8 @@ def matmul_rate(device: torch.device) -> float:
 def floor_us(
     shape: Shape, routing: Routing, lora: LoRAContext, bandwidth: float, rate: float
 ) -> float:
-    """The memory/compute floor of base+LoRA for this routing."""
+    """The memory/compute floor of base+LoRA for this routing (FP8 experts: 1 byte a weight;
+    the compute floor stays bf16's, as the W8A16 path multiplies in bf16)."""
     e, h, i = shape.experts, shape.hidden, shape.inter
     rank = lora.slots.max_rank
     experts_hit = torch.unique(routing.topk_ids).numel()
@@ -125,7 +133,8 @@ def floor_us(
     lora_pairs_hit = torch.unique(pair_slots * e + routing.topk_ids.long()).numel()
     tokens, pairs = routing.topk_ids.shape[0], routing.topk_ids.numel()
     lora_elements = rank * (2 * h + 3 * i)  # A13, B13, A2, B2 of one (slot, expert)
-    nbytes = 2 * (experts_hit * 3 * h * i + lora_pairs_hit * lora_elements + 2 * tokens * h)
+    expert_bytes = (1 if shape.fp8 else 2) * experts_hit * 3 * h * i
+    nbytes = expert_bytes + 2 * (lora_pairs_hit * lora_elements + 2 * tokens * h)
     flops = 2 * pairs * (3 * h * i + lora_elements)
     return float(max(nbytes / bandwidth, flops / rate) * 1e6)
 
@@ -144,6 +153,7 @@ class Row:
     naive_us: float | None
     floor_us: float
     stages_us: dict[str, float] | None = None
+    weights: str = "bf16"
 
     @property
     def overhead(self) -> float:
@@ -176,6 +186,7 @@ def stage_times_us(
         return w13_stage(
             hidden, layer.w13, layer.b13, layer.activation, layer.swiglu_alpha,
             layer.swiglu_limit, routing.topk_ids.shape[1], alignment, buffers, config, None,
+            w13_scale=layer.w13_scale,
         )  # fmt: skip
 
     def align_base() -> Alignment:
@@ -230,6 +241,7 @@ def bench_cell(
     return Row(
         key, shape.label, tokens, config.to_json(), selection.source, err_lora, err_base,
         base_us, lora_us, naive_us, floor_us(shape, routing, lora, bandwidth, rate), stages,
+        "fp8" if shape.fp8 else "bf16",
     )  # fmt: skip
 
 
@@ -258,19 +270,21 @@ def markdown(rows: list[Row], gpu: str, bandwidth: float, rate: float) -> str:
         f"GPU: {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
         f"bf16 matmul {rate / 1e12:.0f} TFLOP/s; {date.today().isoformat()}",
         "",
-        "| shape | M | config source | base µs | base+LoRA µs | LoRA overhead | naive torch µs "
-        "| floor µs | % of floor | vLLM base→LoRA µs (H100) | vs vLLM | rel err LoRA / base |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| shape | weights | M | config source | base µs | base+LoRA µs | LoRA overhead "
+        "| naive torch µs | floor µs | % of floor | vLLM base→LoRA µs (H100) | vs vLLM "
+        "| rel err LoRA / base |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        known = r.shape in VLLM_H100 and r.tokens in TOKENS
+        known = r.weights == "bf16" and r.shape in VLLM_H100 and r.tokens in TOKENS
         vllm = VLLM_H100[r.shape][TOKENS.index(r.tokens)] if known else None
         naive = f"{r.naive_us:.0f}" if r.naive_us is not None else "-"
         vs = f"{vllm[1] / r.lora_us:.2f}×" if vllm else "-"
         vllm_s = f"{vllm[0]} → {vllm[1]}" if vllm else "-"
         lines.append(
-            f"| {r.name} | {r.tokens} | {r.source} | {r.base_us:.1f} | {r.lora_us:.1f} | "
-            f"{100 * r.overhead:+.1f}% | {naive} | {r.floor_us:.1f} | {100 * r.of_floor:.0f}% | "
+            f"| {r.name} | {r.weights} | {r.tokens} | {r.source} | {r.base_us:.1f} | "
+            f"{r.lora_us:.1f} | {100 * r.overhead:+.1f}% | {naive} | {r.floor_us:.1f} | "
+            f"{100 * r.of_floor:.0f}% | "
             f"{vllm_s} | {vs} | {r.err_lora:.1e} / {r.err_base:.1e} |"
         )
     return "\n".join(lines)
@@ -298,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--jobs", type=int, default=8, help="compile processes of autotuning")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    parser.add_argument("--fp8", action="store_true", help="add FP8-expert rows beside bf16")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -336,21 +351,26 @@ def main(argv: list[str] | None = None) -> int:
                 if selector.cache is not None:
                     selector.cache.store(selector.gpu, shape, rank, result.configs)
         slots = random_slots(layer, SLOTS, RANK)
+        variants = [(shape, layer)]
+        if args.fp8:
+            variants.append((dataclasses.replace(shape, fp8=True), fp8_layer(layer)))
         for tokens in map(int, args.tokens.split(",")):
-            row = bench_cell(
-                key, shape, selector, layer, slots, tokens, bandwidth, rate,
-                naive=not args.no_naive, breakdown=args.breakdown,
-            )  # fmt: skip
-            print(json.dumps(asdict(row)), flush=True)
-            if not (row.err_lora < BF16_TOLERANCE and row.err_base < BF16_TOLERANCE):
-                print(
-                    f"FAILED: {key} M={tokens} relative error ≥ {BF16_TOLERANCE}", file=sys.stderr
-                )
-                return 1
-            rows.append(row)
+            for variant, weights in variants:
+                row = bench_cell(
+                    key, variant, selector, weights, slots, tokens, bandwidth, rate,
+                    naive=not args.no_naive, breakdown=args.breakdown,
+                )  # fmt: skip
+                print(json.dumps(asdict(row)), flush=True)
+                if not (row.err_lora < BF16_TOLERANCE and row.err_base < BF16_TOLERANCE):
+                    print(
+                        f"FAILED: {key} {row.weights} M={tokens} relative error ≥ {BF16_TOLERANCE}",
+                        file=sys.stderr,
+                    )
+                    return 1
+                rows.append(row)
         if key == "qwen3" and not args.no_rank64:
             ratio = rank_ratio(layer, 64)
-        del layer, slots
+        del layer, slots, variants
         torch.cuda.empty_cache()
     print()
     print(markdown(rows, gpu, bandwidth, rate))
@@ -376,6 +396,8 @@ def summary(rows: list[Row]) -> str:
         met = sum(r.of_floor <= bound for r in cells)
         return f"{met}/{len(cells)}"
 
+    fp8 = {(r.shape, r.tokens): r.lora_us for r in rows if r.weights == "fp8"}
+    rows = [r for r in rows if r.weights == "bf16"]
     mid = [r for r in rows if 8 <= r.tokens <= 512]
     ends = [r for r in rows if r.tokens in (1, 4096)]
     overhead = [r for r in rows if r.tokens >= 8]
@@ -393,6 +415,18 @@ def summary(rows: list[Row]) -> str:
     if ratios:
         geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         lines.append(f"vs vLLM geometric mean: {geomean:.2f}× (min {min(ratios):.2f}×)")
+    for tokens, target in ((1, 0.6), (4096, 0.65)):
+        pairs = [
+            fp8[(r.shape, tokens)] / r.lora_us
+            for r in rows
+            if r.tokens == tokens and (r.shape, tokens) in fp8
+        ]
+        if pairs:
+            met = sum(x <= target for x in pairs)
+            lines.append(
+                f"FP8 / bf16 base+LoRA time, M = {tokens}: {min(pairs):.2f}–{max(pairs):.2f} "
+                f"(≤ {target}: {met}/{len(pairs)})"
+            )
     return "\n".join(lines)
 
 

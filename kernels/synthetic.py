@@ -85,9 +85,16 @@ def random_layer(
 def fp8_layer(layer: MoELayerWeights) -> MoELayerWeights:
     """``layer`` with its routed experts quantised to FP8 (``kernels.fp8.quantize``); the rest
     (router, biases, shared expert) stays in its dtype, which becomes the compute dtype."""
-    w13, w13_scale = quantize(layer.w13)
-    w2, w2_scale = quantize(layer.w2)
+    w13, w13_scale = _quantize_per_expert(layer.w13)
+    w2, w2_scale = _quantize_per_expert(layer.w2)
     return dataclasses.replace(layer, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+def _quantize_per_expert(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize`` one expert at a time: its float32 temporaries stay one expert's size
+    (DeepSeek-V3's whole w13 would need 30 GB of them)."""
+    parts = [quantize(expert) for expert in weight]
+    return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
 
 
 def random_slots(

@@ -1,0 +1,32 @@
+"""kernels.bench's summary and table (the timing itself needs a GPU): FP8 rows are compared
+with the bf16 row of the same shape and M, and never with vLLM's bf16 anchors."""
+
+from __future__ import annotations
+
+from kernels.bench import Row, markdown, summary
+
+
+def _row(tokens: int, weights: str, lora_us: float) -> Row:
+    return Row(
+        "qwen3", "Qwen3-30B-A3B", tokens, {}, "table", 1e-3, 1e-3, 40.0, lora_us, None, 30.0,
+        weights=weights,
+    )  # fmt: skip
+
+
+def test_fp8_rows_are_timed_against_their_bf16_twin() -> None:
+    rows = [
+        _row(1, "bf16", 100.0), _row(1, "fp8", 55.0),
+        _row(4096, "bf16", 1000.0), _row(4096, "fp8", 700.0),
+    ]  # fmt: skip
+    text = summary(rows)
+    assert "FP8 / bf16 base+LoRA time, M = 1: 0.55–0.55 (≤ 0.6: 1/1)" in text
+    assert "FP8 / bf16 base+LoRA time, M = 4096: 0.70–0.70 (≤ 0.65: 0/1)" in text
+    # vLLM's anchors (bf16, M = 1 and 4096) are compared with the bf16 rows only.
+    assert "vs vLLM geometric mean: 1.10×" in text
+    table = markdown(rows, "GPU", 3e12, 9e14).splitlines()
+    fp8_lines = [line for line in table if "| fp8 |" in line]
+    assert len(fp8_lines) == 2 and all(line.count("| - |") >= 2 for line in fp8_lines)
+
+
+def test_no_fp8_rows_no_fp8_line() -> None:
+    assert "FP8" not in summary([_row(1, "bf16", 100.0)])
