@@ -358,6 +358,11 @@ def main(argv: list[str] | None = None) -> None:
         "--frontends", type=int, help="the executor's --frontends (default: its own)"
     )
     parser.add_argument("--modes", default="unary,stream")
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="serve an FP8 checkpoint (experts F8_E4M3 with 128x128 block scales)",
+    )
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--slots", type=int, default=8, help="the executor's --num-slots")
     parser.add_argument("--iters", type=int, default=200, help="timed calls per client and row")
@@ -398,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-forward-") as tmp:
         root = Path(tmp)
         _progress(f"writing the {args.shape} checkpoint and {churn_pool} adapters")
-        spec = write_base_checkpoint(root / "base", SHAPES[args.shape], dtype=dtype)
+        spec = write_base_checkpoint(root / "base", SHAPES[args.shape], dtype=dtype, fp8=args.fp8)
         for seed in range(churn_pool):
             write_adapter(
                 root / "adapters" / f"bench-{seed}",
@@ -531,7 +536,8 @@ def main(argv: list[str] | None = None) -> None:
     _print(
         rows,
         f"Forward over {args.transport}, {args.shape} layer on {info.device} ({info.backend}), "
-        f"compute {str(dtype).removeprefix('torch.')}, bf16 tensors, rank {args.rank}, "
+        f"experts {info.weight_format}, compute {str(dtype).removeprefix('torch.')}, "
+        f"bf16 tensors, rank {args.rank}, "
         f"{PER_REQUEST} adapters per request ({len(pinned)} pinned; churn row: {churn_pool} "
         f"adapters over {args.slots} slots), {args.iters} calls per client and row",
         frontend_count(args.frontends),
