@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.config_cache import ConfigCache, RankTable
-from kernels.configs import MoEConfig, device_name, fit_stages, load_table
+from kernels.configs import MoEConfig, device_name, fit_stages, load_table, table_key
 from kernels.heuristic import heuristic_config
 from kernels.model_shape import LayerShape
 
@@ -92,7 +92,7 @@ class ConfigSelector:
             shipped = load_table(self.gpu)
             table_ranks: RankTable = {}
             for r in _ranks_in(shipped, shape):
-                table_ranks[r] = shipped[f"{shape.key},r={r}"]
+                table_ranks[r] = shipped[table_key(shape, r)]
             sources.append((TABLE, table_ranks))
             cached = self.cache.load(self.gpu, shape) if self.cache is not None else {}
             sources.append((AUTOTUNED, {**cached, **self._tuned.get(shape, {})}))

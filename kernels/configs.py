@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kernels.model_shape import LayerShape
 from kernels.types import FP8_BLOCK
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -104,15 +105,16 @@ class MoEConfig:
         )
 
 
-def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, rank: int) -> str:
-    return f"E={num_experts},H={hidden},I={inter},k={top_k},r={rank}"
+def table_key(shape: LayerShape, rank: int) -> str:
+    """The key of a (shape, rank) row of a tuned table: ``E=…,H=…,I=…,k=…[,weights=fp8],r=…``."""
+    return f"{shape.key},r={rank}"
 
 
-def parse_shape_key(key: str) -> tuple[int, int, int, int, int]:
-    """(E, H, I, k, rank) of a ``shape_key``."""
+def parse_table_key(key: str) -> tuple[LayerShape, int]:
+    """The (shape, rank) of a ``table_key``."""
     fields = dict(part.split("=") for part in key.split(","))
     experts, hidden, inter, top_k, rank = (int(fields[name]) for name in ("E", "H", "I", "k", "r"))
-    return experts, hidden, inter, top_k, rank
+    return LayerShape(experts, hidden, inter, top_k, fp8=fields.get("weights") == "fp8"), rank
 
 
 def device_name(device: torch.device) -> str:

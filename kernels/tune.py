@@ -3,10 +3,11 @@
 ``--model PATH`` tunes the layer shape of a checkpoint (config.json; any supported model type),
 ``--shapes`` / ``--zoo`` the benchmark's shapes, for each of ``--ranks`` and every token bucket
 the executor uses (``kernels.autotune.BUCKETS``), with ``kernels.autotune`` in ``--seconds``
-per (shape, rank). Results go to the on-disk cache the executor reads (``--cache-dir``), or
-with ``--table`` into the shipped table of this GPU, ``kernels/configs/<GPU name>.json``. The
-first rank's configurations also serve the base model (rank 0). The layer is random: the
-timings depend on the shape, not on the values.
+per (shape, rank); ``--fp8`` tunes the shapes with FP8 experts instead (rows of their own,
+``weights=fp8`` in the key). Results go to the on-disk cache the executor reads
+(``--cache-dir``), or with ``--table`` into the shipped table of this GPU,
+``kernels/configs/<GPU name>.json``. The first rank's configurations also serve the base model
+(rank 0). The layer is random: the timings depend on the shape, not on the values.
 
 ``--refine`` searches only the program-layout knobs (persistent programs, w2's split K;
 ``kernels.autotune.refine``) around the rows this GPU's shipped table already has for
@@ -19,6 +20,7 @@ by the version of this file at commit 02b4e9d.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -33,18 +35,18 @@ from kernels.configs import (
     config_path,
     device_name,
     load_table,
-    parse_shape_key,
-    shape_key,
+    parse_table_key,
+    table_key,
 )
 from kernels.model_shape import LayerShape, shape_from_checkpoint
-from kernels.synthetic import random_layer
+from kernels.synthetic import fp8_layer, random_layer
+from kernels.types import MoELayerWeights
 
 
 def store_in_table(path: Path, shape: LayerShape, rank: int, configs: dict[int, MoEConfig]) -> None:
     """Merge ``configs`` into the shipped-table JSON at ``path``."""
     table = json.loads(path.read_text()) if path.exists() else {}
-    key = shape_key(shape.experts, shape.hidden, shape.inter, shape.top_k, rank)
-    entry = table.setdefault(key, {})
+    entry = table.setdefault(table_key(shape, rank), {})
     entry.update({str(m): cfg.to_json() for m, cfg in configs.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
@@ -60,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=300.0, help="budget per shape and rank")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--table", action="store_true", help="write the shipped GPU table")
+    parser.add_argument(
+        "--fp8", action="store_true", help="tune the shapes with FP8 experts (their own rows)"
+    )
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument(
         "--refine", action="store_true", help="search the program-layout knobs around the table"
@@ -79,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     cache = ConfigCache(args.cache_dir)
     ranks = [int(r) for r in args.ranks.split(",")]
     buckets = [int(t) for t in args.tokens.split(",")]
+    if args.fp8:
+        shapes = [dataclasses.replace(shape, fp8=True) for shape in shapes]
     for shape in shapes:
-        layer = random_layer(shape.experts, shape.hidden, shape.inter, shape.top_k, device=device)
+        layer = _layer(shape, device)
         for rank in ranks:
             result = autotune(
                 layer, rank, budget_s=args.seconds, buckets=buckets, num_slots=SLOTS,
@@ -104,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _layer(shape: LayerShape, device: torch.device) -> MoELayerWeights:
+    """A random layer of ``shape`` (its experts FP8 where the shape says so)."""
+    layer = random_layer(shape.experts, shape.hidden, shape.inter, shape.top_k, device=device)
+    return fp8_layer(layer) if shape.fp8 else layer
+
+
 def refine_table(names: str, zoo: bool, ranks: set[int]) -> int:
     """``--refine``: the (shape, rank) rows of this GPU's table of ``ranks`` (and of the
     shapes named, if any)."""
@@ -114,11 +127,10 @@ def refine_table(names: str, zoo: bool, ranks: set[int]) -> int:
         wanted |= set(ZOO.values())
     table = load_table(gpu)
     for key, configs in table.items():
-        experts, hidden, inter, top_k, rank = parse_shape_key(key)
-        shape = LayerShape(experts, hidden, inter, top_k)
+        shape, rank = parse_table_key(key)
         if rank not in ranks or (wanted and not any(shape.key == w.key for w in wanted)):
             continue
-        layer = random_layer(shape.experts, shape.hidden, shape.inter, shape.top_k, device=device)
+        layer = _layer(shape, device)
         store_in_table(config_path(gpu), shape, rank, refine(layer, rank, configs, num_slots=SLOTS))
         del layer
         torch.cuda.empty_cache()

@@ -33,7 +33,9 @@ from kernels.configs import (
     fit_stages,
     load_table,
     padded_rank,
+    parse_table_key,
     segments_per_pass,
+    table_key,
 )
 from kernels.heuristic import decode_pays, heuristic_config
 from kernels.model_shape import LayerShape, shape_from_checkpoint, shape_from_config
@@ -301,3 +303,12 @@ def test_compile_worker_launch_with_fewer_experts_is_exact(biases: bool, decode:
     assert relative_error(with_lora, expected) < TOLERANCE[torch.float32]
     expected = moe_forward_reference(inputs.hidden, few, None, inputs.routing)
     assert relative_error(base, expected) < TOLERANCE[torch.float32]
+
+
+def test_table_keys_round_trip_and_keep_fp8_rows_apart() -> None:
+    bf16 = LayerShape(128, 2048, 768, 8)
+    fp8 = dataclasses.replace(bf16, fp8=True)
+    assert table_key(bf16, 16) == "E=128,H=2048,I=768,k=8,r=16"
+    assert table_key(fp8, 16) == "E=128,H=2048,I=768,k=8,weights=fp8,r=16"
+    for shape in (bf16, fp8):
+        assert parse_table_key(table_key(shape, 16)) == (shape, 16)
