@@ -342,6 +342,8 @@ def build_runtime(
         fingerprint=model.spec.fingerprint,
         device=where.device_name,
         dtype=str(where.dtype).removeprefix("torch."),
+        weight_format=model.weight_format,
+        base_model_bytes=model.nbytes,
         backend=where.backend_name,
         moe_layers=len(model.layers),
         served_layers=format_layers(model.layers),
