@@ -5,7 +5,8 @@ A request for layer L goes to the replicas that serve L. Among them (normally on
 replicas of one StatefulSet) the order comes from ``policy.AffinityTable`` by the batch's main
 adapter, or least-in-flight first for a base-only batch. Then, keeping that order otherwise:
 replicas at ``max_in_flight`` move behind the others (a spill), and replicas that answered
-UNAVAILABLE in the last ``eject_seconds`` move to the end (tried only when nothing else is left).
+UNAVAILABLE (or CANCELLED: a server that stopped) in the last ``eject_seconds`` move to the end
+(tried only when nothing else is left).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Segments = Sequence[tuple[int, str | None]]
+
+#: Answers that mean the replica, not the request, failed: UNAVAILABLE, and CANCELLED, which a
+#: caller of these clients never causes itself (they end calls by deadline) but gets when the
+#: replica's server stops with the call still queued (an executor killed or its front end
+#: exiting after its engine died).
+_REPLICA_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -227,7 +234,7 @@ class Router:
     def failed(self, address: str, error: MoeLoraError) -> bool:
         """Records a failed attempt; True when the next replica should be tried."""
         with self._lock:
-            if error.code is grpc.StatusCode.UNAVAILABLE:
+            if error.code in _REPLICA_GONE:
                 replica = self._replicas.get(address)
                 if replica is not None:
                     replica.down_until = time.monotonic() + self.settings.eject_seconds
