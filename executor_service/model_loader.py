@@ -45,9 +45,7 @@ from kernels.types import (
 from moelora.client.errors import InvalidArgument
 from moelora.client.layer_set import format_layers
 from moelora.client.model_spec import (
-    FP8_DTYPE as FP8_STORED,
-)
-from moelora.client.model_spec import (
+    FP8_STORED_DTYPE,
     Checkpoint,
     ExpertLayout,
     LayerTensors,
@@ -159,7 +157,7 @@ class _Reader:
         return tensor
 
     def fp8(self, name: str) -> bool:
-        return self._checkpoint.tensors[name].info.dtype == FP8_STORED
+        return self._checkpoint.tensors[name].info.dtype == FP8_STORED_DTYPE
 
     def get(self, name: str | None, keep_float32: bool = False) -> torch.Tensor:
         """One tensor on the device in the serving dtype (or float32); an FP8 one
@@ -222,11 +220,8 @@ def _layer(
         w13 = reader.stack(gate_up, FP8_DTYPE if fp8 else None)
         w2 = reader.stack(down, FP8_DTYPE if fp8 else None)
         if fp8:  # read_checkpoint checked every scale (and I % 128 == 0: gate/up blocks stack)
-            scales = [[scale_name(name) for name in row] for row in gate_up]
-            w13_scale = reader.stack(scales, torch.float32)
-            w2_scale = reader.stack(
-                [[scale_name(name) for name in row] for row in down], torch.float32
-            )
+            w13_scale = reader.stack(_scale_rows(gate_up), torch.float32)
+            w2_scale = reader.stack(_scale_rows(down), torch.float32)
     shared = None
     if names.shared_gate is not None and names.shared_up is not None:
         shared = SharedExpertWeights(
@@ -250,6 +245,11 @@ def _layer(
         shared=shared,
         activation=Activation[spec.type.activation.name],
     )
+
+
+def _scale_rows(rows: Sequence[Sequence[str]]) -> list[list[str]]:
+    """The block-scale tensors of ``_Reader.stack``'s rows of FP8 weights, row for row."""
+    return [[scale_name(name) for name in row] for row in rows]
 
 
 def _nbytes(layer: MoELayerWeights) -> int:

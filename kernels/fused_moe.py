@@ -450,7 +450,10 @@ def _gemm_tile(
     from the separate shrink launch, RC ranks at a time. Returns the tile and ``xa``.
     FP8: ``scale_ptr`` (E, N / 128, K / 128) holds W's block scales."""
     b_rows = out_cols * stride_bn
-    s_cols = scale_ptr + expert * stride_se + (out_cols // _FP8_BLOCK) * stride_sn
+    if FP8:
+        s_cols = scale_ptr + expert * stride_se + (out_cols // _FP8_BLOCK) * stride_sn
+    else:
+        s_cols = scale_ptr  # unread
     if FUSED_SHRINK:
         acc, xa = _fused_tile(
             acc, xa, is_first_tile, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, w_row,

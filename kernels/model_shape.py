@@ -41,7 +41,7 @@ class LayerShape:
 
     @property
     def key(self) -> str:
-        """The shape part of a configuration key (``kernels.configs.shape_key`` adds r). FP8
+        """The shape part of a configuration key (``kernels.configs.table_key`` adds r). FP8
         experts are keyed apart: their configurations differ (``kernels.configs.fit_stages``)."""
         key = f"E={self.experts},H={self.hidden},I={self.inter},k={self.top_k}"
         return key + ",weights=fp8" if self.fp8 else key

@@ -16,7 +16,7 @@ from typing import TypeVar
 from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE, files_digest
 from moelora.client.errors import DataLoss, InvalidArgument, MoeLoraError, OutOfRange
 from moelora.client.logs import log_event
-from moelora.client.model_spec import FP8_CHECKPOINT_DTYPE, ModelSpec
+from moelora.client.model_spec import CHECKPOINT_DTYPES, ModelSpec
 from registry_service import metrics
 from registry_service.blobs import BlobStore, blob_key
 from registry_service.disk_full import SpaceReserve, is_disk_full, storage_full
@@ -114,7 +114,7 @@ class Registry:
         self, name: str, spec: ModelSpec, by: str
     ) -> tuple[BaseModelRecord, bool]:
         validate_name(name, "base_model.name")
-        if spec.checkpoint_dtype not in ("bfloat16", "float16", "float32", FP8_CHECKPOINT_DTYPE):
+        if spec.checkpoint_dtype not in CHECKPOINT_DTYPES:
             raise InvalidArgument(
                 f"base_model.checkpoint_dtype: {spec.checkpoint_dtype} is not a float type",
                 "checkpoint_dtype",

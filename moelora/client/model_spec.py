@@ -69,7 +69,8 @@ INDEX_FILE = "model.safetensors.index.json"
 _FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 #: FP8 (e4m3) weights with one float32 scale per 128×128 block in ``<name>_scale_inv``
 #: (DeepSeek-V3/R1 and Qwen3 "-FP8" checkpoints): routed and shared experts' projections only.
-FP8_DTYPE = "F8_E4M3"
+FP8_STORED_DTYPE = "F8_E4M3"
+#: Rows and columns per scale (kernels.types.FP8_BLOCK; this package imports no kernels).
 FP8_BLOCK = 128
 FP8_CHECKPOINT_DTYPE = "float8_e4m3fn"
 #: checkpoint_dtype name ↔ its wire code (FP8 is a checkpoint type only, never a Forward tensor).
@@ -82,6 +83,8 @@ _CHECKPOINT_DTYPE_CODES: dict[str, DataTypeCode] = {
 _CHECKPOINT_DTYPE_NAMES: dict[DataTypeCode, str] = {
     code: name for name, code in _CHECKPOINT_DTYPE_CODES.items()
 }
+#: Every ``ModelSpec.checkpoint_dtype``.
+CHECKPOINT_DTYPES = frozenset(_CHECKPOINT_DTYPE_CODES)
 
 
 @dataclass(frozen=True)
@@ -291,8 +294,8 @@ def read_checkpoint(folder: Path) -> Checkpoint:
                 raise InvalidArgument(
                     f"checkpoint tensor {name} has shape {list(info.shape)}, expected {list(shape)}"
                 )
-            if info.dtype == FP8_DTYPE and name in names.projection_tensors:
-                tensors[scale_name(name)] = _fp8_scales(draft, layout, name, shape, available)
+            if info.dtype == FP8_STORED_DTYPE and name in names.projection_tensors:
+                tensors[scale_name(name)] = _fp8_scales(name, shape, available)
             elif info.dtype not in _FLOAT_DTYPES:
                 raise InvalidArgument(
                     f"checkpoint tensor {name} is {info.dtype}; BF16, F16 and F32 checkpoints "
@@ -301,6 +304,8 @@ def read_checkpoint(folder: Path) -> Checkpoint:
                 )
             tensors[name] = stored
     checkpoint_dtype = _expert_dtype(layers, tensors)
+    if checkpoint_dtype == FP8_CHECKPOINT_DTYPE:
+        _check_fp8_experts(draft, layout, next(iter(layers.values())).expert_tensors[0])
     fingerprint = _fingerprint(draft, layers, tensors)
     spec = replace(draft, checkpoint_dtype=checkpoint_dtype, fingerprint=fingerprint)
     return Checkpoint(folder, spec, layout, layers, tensors)
@@ -525,17 +530,11 @@ def _detect_layout(spec: ModelSpec, available: Mapping[str, Any]) -> ExpertLayou
     return ExpertLayout.FUSED if fused in available else ExpertLayout.PER_EXPERT
 
 
-def _fp8_scales(
-    spec: ModelSpec,
-    layout: ExpertLayout,
-    name: str,
-    shape: tuple[int, ...],
-    available: Mapping[str, StoredTensor],
-) -> StoredTensor:
-    """The checked block scales of the FP8 weight ``name``."""
+def _check_fp8_experts(spec: ModelSpec, layout: ExpertLayout, first: str) -> None:
+    """What the kernels' FP8 layout needs of the routed experts (``first``: one of them)."""
     if layout is not ExpertLayout.PER_EXPERT:
         raise InvalidArgument(
-            f"checkpoint tensor {name} is F8_E4M3 in the {layout.value} layout; FP8 experts "
+            f"checkpoint tensor {first} is F8_E4M3 in the {layout.value} layout; FP8 experts "
             "are read as saved per expert (as DeepSeek-V3 and Qwen3-FP8 ship them)"
         )
     if spec.moe_intermediate_size % FP8_BLOCK:
@@ -552,6 +551,12 @@ def _fp8_scales(
             f"config.json quantization_config.weight_block_size is {block}; FP8 checkpoints "
             f"with {FP8_BLOCK}x{FP8_BLOCK} blocks are supported"
         )
+
+
+def _fp8_scales(
+    name: str, shape: tuple[int, ...], available: Mapping[str, StoredTensor]
+) -> StoredTensor:
+    """The checked block scales of the FP8 weight ``name``."""
     scales = scale_name(name)
     if scales not in available:
         raise InvalidArgument(f"checkpoint tensor {scales} is missing (the scales of FP8 {name})")
@@ -576,7 +581,7 @@ def _expert_dtype(layers: Mapping[int, LayerTensors], tensors: Mapping[str, Stor
                 f"checkpoint tensor {name} is {dtype} but {first_name} is {first}: "
                 "expert weights must share one dtype"
             )
-    return FP8_CHECKPOINT_DTYPE if first == FP8_DTYPE else _FLOAT_DTYPES[first]
+    return FP8_CHECKPOINT_DTYPE if first == FP8_STORED_DTYPE else _FLOAT_DTYPES[first]
 
 
 def _fingerprint(
