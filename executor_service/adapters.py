@@ -126,11 +126,22 @@ class AdapterManager:
         """The version ``ref`` names now, as the source says: even a version the executor
         holds may have been deleted since, and only the source knows how fresh its answer is
         (the registry source answers from memory while that is fresh enough)."""
+        return self._usable(self._source(ref).resolve(ref))
+
+    def resolve_at_once(self, ref: AdapterRef) -> ResolvedAdapter | None:
+        """``resolve``'s answer if the source has it without waiting, else None."""
+        adapter = self._source(ref).resolve_at_once(ref)
+        return None if adapter is None else self._usable(adapter)
+
+    def _source(self, ref: AdapterRef) -> AdapterSource:
         if self.source is None:
             raise NotFound(
                 f"adapter {ref} not found: the executor has no adapter source (set --adapter-dir)"
             )
-        adapter = self.source.resolve(ref)
+        return self.source
+
+    def _usable(self, adapter: ResolvedAdapter) -> ResolvedAdapter:
+        """``adapter`` if this executor can serve it (its base model, its rank)."""
         fingerprint = adapter.base_model_fingerprint
         if fingerprint is not None and fingerprint != self._pack.spec.fingerprint:
             raise FailedPrecondition(
@@ -163,6 +174,22 @@ class AdapterManager:
         return [
             Wanted(a, None if self.slots.holds(a.digest) else self._packed(a)) for a in adapters
         ]
+
+    def prepare_at_once(self, adapters: Sequence[ResolvedAdapter]) -> list[Wanted] | None:
+        """``prepare``'s answer if every adapter is in a slot or the host cache (nothing to
+        fetch or pack), else None."""
+        self.slots.check_capacity(adapters)
+        wanted = []
+        for adapter in adapters:
+            if self.slots.holds(adapter.digest):
+                wanted.append(Wanted(adapter, None))
+                continue
+            entry = self.host.get(adapter.digest)
+            if entry is None:
+                return None
+            self._metrics.cache_hits.labels(HOST).inc()
+            wanted.append(Wanted(adapter, entry.packed))
+        return wanted
 
     def can_lease(self, digests: Iterable[str]) -> bool:
         """Whether adapters with these digests fit in the slots at the same time."""

@@ -188,6 +188,14 @@ class ExecutorSettings(ServerSettings):
         "the launching thread waits up to this long for the GIL after each GPU call while "
         "handler threads decode (Python's default: 5000)",
     )
+    launch_torch_threads: int = Field(
+        1,
+        ge=0,
+        description="torch intra-op threads of the launch loop on a GPU (its copies of "
+        "requests' rows into and out of page-locked staging); 0: the process's count. One "
+        "thread copies a launch's rows in well under a millisecond, and waits for no other: "
+        "on a host busy with gRPC front ends, a team of threads waits for its slowest",
+    )
     max_batch_tokens: int = Field(
         512,
         ge=1,

@@ -171,24 +171,29 @@ class DeviceWatch:
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Fails fast after a fault, and turns a sticky error raised inside into
-        DeviceFaultError, a device out of memory into ResourceExhausted (other errors pass
-        unchanged)."""
+        """Fails fast after a fault, and raises what ``translate`` makes of an error raised
+        inside."""
         self.check()
         try:
             yield
-        except DeviceFaultError:
-            raise
-        except torch.OutOfMemoryError as exc:
-            raise ResourceExhausted(
+        except Exception as exc:
+            translated = self.translate(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
+
+    def translate(self, exc: BaseException) -> BaseException:
+        """A sticky device error as DeviceFaultError, a device out of memory as
+        ResourceExhausted; any other error unchanged."""
+        if isinstance(exc, DeviceFaultError):
+            return exc
+        if isinstance(exc, torch.OutOfMemoryError):
+            return ResourceExhausted(
                 f"the device ran out of memory for this request ({_first_line(exc)}); retry "
                 "later, with fewer tokens, or on another replica"
-            ) from exc
-        except Exception as exc:
-            fault = self.observe(exc)
-            if fault is None:
-                raise
-            raise DeviceFaultError(fault) from exc
+            )
+        fault = self.observe(exc)
+        return exc if fault is None else DeviceFaultError(fault)
 
 
 def _first_line(exc: BaseException) -> str:

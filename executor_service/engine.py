@@ -28,6 +28,7 @@ from executor_service.batch import (
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel
 from executor_service.runner import Launch, Runner
+from executor_service.slots import Wanted
 from kernels import MoELayerWeights, Routing
 from moelora.client.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from moelora.client.layer_set import format_layers
@@ -85,8 +86,20 @@ class ForwardEngine:
         self._metrics = metrics
 
     def prepare(self, request: ForwardInput, slot_wait: float) -> Prepared:
-        """Checks the request, resolves its adapters and brings their data to the host; it
-        may wait up to ``slot_wait`` seconds for GPU slots that requests in flight hold."""
+        """Checks the request, resolves its adapters and brings their data to the host
+        (which may wait on the adapter source); the launch may then wait up to
+        ``slot_wait`` seconds for GPU slots that other requests hold."""
+        prepared = self._prepare(request, slot_wait, at_once=False)
+        assert prepared is not None
+        return prepared
+
+    def prepare_at_once(self, request: ForwardInput, slot_wait: float) -> Prepared | None:
+        """``prepare``'s answer if it needs no waiting (adapters known to the source without
+        asking, their data in a slot or the host cache), else None. A bad request raises
+        here as in ``prepare``."""
+        return self._prepare(request, slot_wait, at_once=True)
+
+    def _prepare(self, request: ForwardInput, slot_wait: float, at_once: bool) -> Prepared | None:
         layer = self._layer(request.layer)
         hidden = request.hidden
         tokens = self._check_hidden(hidden)
@@ -97,9 +110,21 @@ class ForwardEngine:
             for i, s in enumerate(segments)
             if s.adapter
         }
-        resolved = {text: self.adapters.resolve(ref) for text, ref in refs.items()}
+        resolved = {}
+        for text, ref in refs.items():
+            adapter = self.adapters.resolve_at_once(ref) if at_once else self.adapters.resolve(ref)
+            if adapter is None:
+                return None
+            resolved[text] = adapter
         distinct = list({a.digest: a for a in resolved.values()}.values())
-        wanted = self.adapters.prepare(distinct) if distinct else []
+        wanted: list[Wanted] | None = []
+        if distinct:
+            if at_once:
+                wanted = self.adapters.prepare_at_once(distinct)
+            else:
+                wanted = self.adapters.prepare(distinct)
+        if wanted is None:
+            return None
         return Prepared(
             layer=request.layer,
             hidden=hidden,

@@ -125,6 +125,13 @@ class RegistrySource:
 
     # -- AdapterSource -------------------------------------------------------------------
 
+    def resolve_at_once(self, ref: AdapterRef) -> ResolvedAdapter | None:
+        """A fresh answer from memory; None when the registry would have to be asked."""
+        found = self.resolutions.lookup(str(ref))
+        if found.resolution is not None and found.fresh:
+            return found.resolution.adapter
+        return None
+
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
         key = str(ref)
         found = self.resolutions.lookup(key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,13 @@ from executor_service.graphs import GraphCache
 from executor_service.host_cache import HostCache
 from executor_service.host_pool import HostPool
 from executor_service.kernel_configs import KernelConfigReport, prepare_kernel_configs
-from executor_service.loader import CONCURRENT_PACKS, Loader, default_threads, load_threads
+from executor_service.loader import (
+    CONCURRENT_PACKS,
+    Loader,
+    default_threads,
+    limit_torch_threads,
+    load_threads,
+)
 from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel, load_base_model
 from executor_service.pack_warmup import warm_up_packing
@@ -116,8 +123,9 @@ class ExecutorRuntime:
     prefetcher: Prefetcher | None = None
 
     def close(self) -> None:
-        """Stops background work (the registry watch, prefetch, the loader's threads); the
-        server has drained."""
+        """Stops background work (the launch loop, the registry watch, prefetch, the loader's
+        threads); the server has drained."""
+        self.scheduler.close()
         if self.watcher is not None:
             self.watcher.close()
         if self.prefetcher is not None:
@@ -296,6 +304,7 @@ def build_runtime(
         ),
         metrics,
         watch,
+        on_start=_launch_thread_setup(settings, where.device),
     )
     watcher = None
     prefetcher = None
@@ -350,3 +359,13 @@ def build_runtime(
         replica=replica_name(settings),
     )
     return runtime
+
+
+def _launch_thread_setup(
+    settings: ExecutorSettings, device: torch.device
+) -> Callable[[], object] | None:
+    """What the launch loop's thread sets for itself first: on a GPU, its torch thread count
+    (``--launch-torch-threads``; on the CPU the loop computes, with the process's count)."""
+    if device.type != "cuda" or settings.launch_torch_threads == 0:
+        return None
+    return functools.partial(limit_torch_threads, settings.launch_torch_threads)

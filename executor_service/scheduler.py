@@ -1,18 +1,16 @@
 """The one owner of a device's launches: requests wait here and leave merged into batches.
 
-gRPC handler threads prepare their request (decode, validate, resolve, load adapters) and
-``submit`` it. Whichever handler finds no launch under way becomes the *leader*: it takes the
-waiting requests for the head request's layer, up to ``max_batch_tokens`` (a longer request
-goes alone) and only as many distinct adapters as fit in the slots together (a request that
-does not fit alongside the others waits for the next batch), runs them as one launch, hands
-every request its answer, and goes on while its own request is unanswered. Then it steps down
-and hands the lead to the oldest waiting request's thread. There is no thread hand-off on the
-fast path: an idle executor runs a lone request on the thread that received it. Each waiting
-thread sleeps on its own event and wakes once, for its answer or the lead: with dozens of
-requests waiting, a shared condition's notify-all woke every one of them per launch, and each
-took the GIL from the leader.
+Whoever prepared a request (decoded, validated, resolved, adapters at hand) ``submit``s it with
+a callback and goes on: nothing waits on a thread per request. One loop thread, the only one
+that launches on the device, takes the waiting requests for the head request's layer, up to
+``max_batch_tokens`` (a longer request goes alone) and only as many distinct adapters as fit in
+the slots together (a request that does not fit alongside the others waits for the next
+batch), runs them as one launch, and calls each request's callback with its answer. With
+dozens of requests in flight the engine thus holds a handful of threads, not one per request:
+a thread per waiting request once had every one of them fight the launching thread for the
+GIL after each device call.
 
-With ``batch_window_us`` > 0, a leader that finds the device idle waits that long for company
+With ``batch_window_us`` > 0, the loop that finds the device idle waits that long for company
 before launching (unless the batch is full already). Beyond ``max_queued_requests`` waiting
 requests, ``submit`` refuses with ``Overloaded`` and a retry hint.
 
@@ -24,6 +22,7 @@ still waiting and every later ``submit`` fail with ``DeviceFaultError`` (UNAVAIL
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -34,10 +33,16 @@ from executor_service.batch import Prepared, batch_key
 from executor_service.device_fault import DeviceFaultError, DeviceWatch
 from executor_service.engine import ForwardOutput
 from executor_service.metrics import ExecutorMetrics
-from moelora.client.errors import Overloaded
+from moelora.client.errors import Overloaded, Unavailable
+from moelora.client.logs import log_event
 
 RunBatch = Callable[[Sequence[Prepared]], list[ForwardOutput]]
 Fits = Callable[[Iterable[str]], bool]
+#: Called once per request on the loop thread with its answer or its error; it must be quick
+#: (the next launch waits for it) and raise nothing.
+Done = Callable[[ForwardOutput | None, BaseException | None], None]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,21 +53,16 @@ class SchedulerSettings:
 
 
 class _Pending:
-    __slots__ = ("done", "enqueued", "error", "lead", "request", "result", "wake")
+    __slots__ = ("done", "enqueued", "request")
 
-    def __init__(self, request: Prepared) -> None:
+    def __init__(self, request: Prepared, done: Done) -> None:
         self.request = request
+        self.done = done
         self.enqueued = time.perf_counter()
-        self.result: ForwardOutput | None = None
-        self.error: BaseException | None = None
-        self.done = False
-        #: Set (with the scheduler's lock held) when this request's thread is to lead.
-        self.lead = False
-        self.wake = threading.Event()
 
 
 class Scheduler:
-    """Batches and launches the Forward requests of one device."""
+    """Batches and launches the Forward requests of one device on its own thread."""
 
     def __init__(
         self,
@@ -71,24 +71,30 @@ class Scheduler:
         settings: SchedulerSettings,
         metrics: ExecutorMetrics,
         watch: DeviceWatch,
+        on_start: Callable[[], object] | None = None,
     ) -> None:
         self._run = run
+        self._on_start = on_start
         self._fits = fits
         self._watch = watch
         self.settings = settings
         self._metrics = metrics
-        # Guards the queue and the lead; the leader alone waits on it (for a batch window).
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[_Pending] = deque()
-        self._leading = False
+        self._tasks: list[Callable[[], None]] = []
+        self._closed = False
         #: Seconds the last batch took (the retry hint's unit of work).
         self._last_batch = 0.001
+        self._thread = threading.Thread(target=self._loop, name="launch-loop", daemon=True)
+        self._thread.start()
 
-    def submit(self, request: Prepared) -> ForwardOutput:
-        """Runs ``request`` in some batch and returns its answer (or raises its error)."""
+    def submit(self, request: Prepared, done: Done) -> None:
+        """Queues ``request``; ``done`` gets its answer from the loop thread. Raises (and
+        never calls ``done``) if the request cannot wait: Overloaded, or the device's fault."""
         self._watch.check()
-        pending = _Pending(request)
         with self._cond:
+            if self._closed:
+                raise Unavailable("the executor is stopping; retry on another replica")
             if len(self._queue) >= self.settings.max_queued_requests:
                 self._metrics.overloaded.inc()
                 raise Overloaded(
@@ -97,54 +103,84 @@ class Scheduler:
                     "or on another replica",
                     retry_after_ms=self._retry_after_ms(),
                 )
-            self._queue.append(pending)
+            self._queue.append(_Pending(request, done))
             self._metrics.queued_requests.set(len(self._queue))
-            if self._leading:
-                self._cond.notify()  # a leader waiting out its batch window
-            else:
-                self._leading = pending.lead = True
-        if not pending.lead:
-            pending.wake.wait()
-        if not pending.done:
-            self._lead(pending)
-        if pending.error is not None:
-            raise pending.error
-        assert pending.result is not None
-        return pending.result
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stops the loop after its launch under way; requests still waiting fail UNAVAILABLE."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _retry_after_ms(self) -> int:
         batches = 1 + len(self._queue) // 8
         return max(1, round(self._last_batch * batches * 1000))
 
-    def _lead(self, own: _Pending) -> None:
-        """Launches batches until ``own`` is answered, then hands the lead on."""
-        idle = True
-        try:
-            while not own.done:
-                with self._cond:
-                    batch = self._take(idle)
-                idle = False
-                self._launch(batch)
-        finally:
-            with self._cond:
-                if self._queue:
-                    successor = self._queue[0]
-                    successor.lead = True
-                    successor.wake.set()
-                else:
-                    self._leading = False
+    def post(self, task: Callable[[], None]) -> None:
+        """Runs ``task`` on the loop thread between launches (the engine prepares requests
+        there: one thread, no fight for the GIL). It must be quick and raise nothing."""
+        with self._cond:
+            if self._closed:
+                raise Unavailable("the executor is stopping; retry on another replica")
+            self._tasks.append(task)
+            self._cond.notify()
 
-    def _take(self, idle: bool) -> list[_Pending]:
-        """The next batch, removed from the queue (called with the lock held; the queue is
-        not empty: the leader's own request is in it until answered)."""
+    def _loop(self) -> None:
+        stopping = Unavailable("the executor is stopping; retry on another replica")
         window = self.settings.batch_window_us / 1e6
-        if idle and window > 0:
-            deadline = time.monotonic() + window
-            while (
-                self._tokens_like(self._queue[0]) < self.settings.max_batch_tokens
-                and (remaining := deadline - time.monotonic()) > 0
-            ):
-                self._cond.wait(remaining)
+        idle = True  # the device has nothing to do: a batch window may wait for company
+        deadline: float | None = None
+        try:
+            if self._on_start is not None:
+                self._on_start()
+            while True:
+                with self._cond:
+                    if not self._queue:
+                        idle = True
+                    while not self._queue and not self._tasks and not self._closed:
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                    tasks, self._tasks = self._tasks, []
+                self._run_tasks(tasks)
+                with self._cond:
+                    if not self._queue:
+                        continue
+                    if idle and window > 0:
+                        deadline = deadline or time.monotonic() + window
+                        remaining = deadline - time.monotonic()
+                        full = self._tokens_like(self._queue[0]) >= self.settings.max_batch_tokens
+                        if remaining > 0 and not full:
+                            if not self._tasks:
+                                self._cond.wait(remaining)
+                            continue
+                    batch = self._take()
+                    deadline, idle = None, False
+                self._launch(batch)
+        except BaseException:
+            log_event(log, "launch_loop_failed", logging.CRITICAL, exc_info=True)
+            stopping = Unavailable("the executor's launch loop failed; retry on another replica")
+        with self._cond:
+            self._closed = True
+            left, self._queue = list(self._queue), deque()
+            tasks, self._tasks = self._tasks, []
+        self._run_tasks(tasks)  # they answer their requests (the queue is closed to them)
+        self._answer([(p, None, stopping) for p in left])
+
+    @staticmethod
+    def _run_tasks(tasks: list[Callable[[], None]]) -> None:
+        for task in tasks:
+            try:
+                task()
+            except Exception:
+                log_event(log, "engine_task_failed", logging.ERROR, exc_info=True)
+
+    def _take(self) -> list[_Pending]:
+        """The next batch, removed from the queue (called with the lock held; the queue is
+        not empty)."""
         head = self._queue[0]
         key = batch_key(head.request)
         batch = [head]
@@ -176,6 +212,7 @@ class Scheduler:
         for pending in batch:
             self._metrics.queue_wait_seconds.observe(start - pending.enqueued)
             self._metrics.stage["queue"].observe(start - pending.enqueued)
+        answers: list[tuple[_Pending, ForwardOutput | None, BaseException | None]] = []
         groups = [batch]
         while groups:
             group = groups.pop()
@@ -185,17 +222,21 @@ class Scheduler:
             except BaseException as exc:
                 fault = self._watch.observe(exc)
                 if fault is not None:  # nobody's own error: no rerun on a lost context
-                    for pending in group:
-                        pending.error = DeviceFaultError(fault)
+                    answers.extend((p, None, DeviceFaultError(fault)) for p in group)
                     continue
                 if len(group) > 1:  # retried alone: only who fails alone fails
                     groups.extend([p] for p in group)
                     continue
-                group[0].error = exc
+                answers.append((group[0], None, exc))
             else:
-                for pending, result in zip(group, results, strict=True):
-                    pending.result = result
+                answers.extend((p, r, None) for p, r in zip(group, results, strict=True))
         self._last_batch = time.perf_counter() - start
-        for pending in batch:
-            pending.done = True
-            pending.wake.set()
+        self._answer(answers)
+
+    @staticmethod
+    def _answer(answers: list[tuple[_Pending, ForwardOutput | None, BaseException | None]]) -> None:
+        for pending, result, error in answers:
+            try:
+                pending.done(result, error)
+            except Exception:
+                log_event(log, "forward_callback_failed", logging.ERROR, exc_info=True)

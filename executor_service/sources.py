@@ -82,6 +82,12 @@ class AdapterSource(Protocol):
 
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter: ...
 
+    def resolve_at_once(self, ref: AdapterRef) -> ResolvedAdapter | None:
+        """``resolve``'s answer when giving it waits on nothing (no network, no reading of
+        files), else None. The engine's launch thread asks this, and leaves a request that
+        gets None to threads that may wait. Errors as ``resolve``."""
+        ...
+
     def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles: ...
 
     def cached(self) -> list[ResolvedAdapter]:
@@ -149,6 +155,15 @@ class LocalFolderSource:
         self._hashes: dict[Path, tuple[_FileStamp, str]] = {}
 
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
+        resolved = self._resolve(ref, at_once=False)
+        assert resolved is not None
+        return resolved
+
+    def resolve_at_once(self, ref: AdapterRef) -> ResolvedAdapter | None:
+        """None until the version's files have been hashed once (by ``resolve``)."""
+        return self._resolve(ref, at_once=True)
+
+    def _resolve(self, ref: AdapterRef, at_once: bool) -> ResolvedAdapter | None:
         versions = self._versions(ref.name)
         if ref.alias is not None:
             raise NotFound(
@@ -161,15 +176,17 @@ class LocalFolderSource:
                     f"adapter {ref}: no version {ref.version} in {self.root / ref.name} "
                     f"(versions: {sorted(versions)})"
                 )
-            return self._resolved(ref.name, ref.version, versions[ref.version])
+            return self._resolved(ref.name, ref.version, versions[ref.version], at_once)
         if ref.digest is not None:
             for version, folder in sorted(versions.items()):
-                resolved = self._resolved(ref.name, version, folder)
+                resolved = self._resolved(ref.name, version, folder, at_once)
+                if resolved is None:
+                    return None
                 if resolved.digest == ref.digest:
                     return resolved
             raise NotFound(f"adapter {ref}: no version of {ref.name} has that digest")
         newest = max(versions)
-        return self._resolved(ref.name, newest, versions[newest])
+        return self._resolved(ref.name, newest, versions[newest], at_once)
 
     def fetch(self, adapter: ResolvedAdapter) -> AdapterFiles:
         folder = self._versions(adapter.name).get(adapter.version)
@@ -206,11 +223,19 @@ class LocalFolderSource:
             )
         return versions
 
-    def _resolved(self, name: str, version: int, folder: Path) -> ResolvedAdapter:
-        hashes = {file: self._sha256(folder / file) for file in ADAPTER_FILES}
+    def _resolved(
+        self, name: str, version: int, folder: Path, at_once: bool
+    ) -> ResolvedAdapter | None:
+        hashes = {}
+        for file in ADAPTER_FILES:
+            sha = self._sha256(folder / file, at_once)
+            if sha is None:
+                return None
+            hashes[file] = sha
         return ResolvedAdapter(name=name, version=version, digest=files_digest(hashes))
 
-    def _sha256(self, path: Path) -> str:
+    def _sha256(self, path: Path, at_once: bool) -> str | None:
+        """The file's hash (None if at_once and it would have to be read)."""
         try:
             stat = path.stat()
         except FileNotFoundError:
@@ -220,6 +245,8 @@ class LocalFolderSource:
             known = self._hashes.get(path)
         if known is not None and known[0] == stamp:
             return known[1]
+        if at_once:
+            return None
         sha = hashlib.sha256(self._read(path)).hexdigest()
         with self._lock:
             self._hashes[path] = (stamp, sha)

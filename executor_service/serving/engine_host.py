@@ -18,6 +18,7 @@ dropped, and its arena's mapping is released once none of them holds a view of i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -33,8 +34,8 @@ import grpc
 import torch
 
 from executor_service.adapters import AdapterStatus
-from executor_service.batch import Segment
-from executor_service.engine import ForwardInput
+from executor_service.batch import Prepared, Segment
+from executor_service.engine import ForwardInput, ForwardOutput
 from executor_service.registry_source import registry_status
 from executor_service.runtime import ExecutorRuntime, replica_name
 from executor_service.serving.regions import HeldRegion, SharedRegions
@@ -124,7 +125,7 @@ class EngineHost:
                 kind, payload = link.connection.recv()
                 if kind is Kind.FORWARD:
                     link.enter()
-                    self._pool.submit(self._forward, link, payload, time.perf_counter())
+                    self._dispatch(link, payload, time.perf_counter())
                 elif kind is Kind.CALL:
                     self._pool.submit(self._call, link, payload)
                 elif kind is Kind.HELLO:
@@ -159,26 +160,96 @@ class EngineHost:
             raise Unavailable(f"{self._reason}; retry shortly or on another replica")
         return runtime
 
+    def _dispatch(self, link: _Link, payload: bytes, received: float) -> None:
+        """Hands a Forward descriptor to the launch loop's thread (``_forward``)."""
+        runtime = self._runtime
+        try:
+            if runtime is None:
+                self._ready()  # raises: not loaded yet
+                return
+            runtime.scheduler.post(functools.partial(self._forward, link, payload, received))
+        except MoeLoraError as exc:
+            self._finish(link, [], _failure(ForwardDescriptor.peek_id(payload), exc))
+
     def _forward(self, link: _Link, payload: bytes, received: float) -> None:
+        """On the launch loop's thread: checks and prepares one request and queues it for a
+        launch when that needs no waiting; else a worker thread prepares it (``_wait_ready``).
+        Its answer goes back from the launch loop (``_answered``)."""
         request_id = 0
+        held: list[HeldRegion] = []
         try:
             descriptor = ForwardDescriptor.decode(payload)
             request_id = descriptor.request_id
-            result = self._run_forward(link, descriptor, received)
+            runtime = self._ready()
+            with runtime.device.guard():
+                request = self._request(link, descriptor, held)
+                preparing = time.perf_counter()
+                stage = runtime.metrics.stage
+                stage["decode"].observe(descriptor.decode_seconds)
+                stage["dispatch"].observe(preparing - received)
+                prepared = runtime.engine.prepare_at_once(request, descriptor.slot_wait)
+            if prepared is None:
+                self._pool.submit(
+                    self._wait_ready, runtime, link, descriptor, request, held, received
+                )
+                return
+            stage["prepare"].observe(time.perf_counter() - preparing)
+            self._submit(runtime, link, descriptor, prepared, held, received)
+            return
         except MoeLoraError as exc:
             result = _failure(request_id, exc)
         except Exception:
             message = internal_error_message("forward_internal_error", request_id=request_id)
             result = ForwardResult(request_id, grpc.StatusCode.INTERNAL.value[0], message)
-        finally:
-            link.leave()
-        link.send(Kind.RESULT, result.encode())
+        self._finish(link, held, result)
 
-    def _run_forward(
-        self, link: _Link, descriptor: ForwardDescriptor, received: float
-    ) -> ForwardResult:
-        runtime = self._ready()
-        held: list[HeldRegion] = []
+    def _wait_ready(
+        self,
+        runtime: ExecutorRuntime,
+        link: _Link,
+        descriptor: ForwardDescriptor,
+        request: ForwardInput,
+        held: list[HeldRegion],
+        received: float,
+    ) -> None:
+        """On a worker thread: prepares a request whose adapters must be asked for, fetched
+        or packed first, then queues it."""
+        try:
+            preparing = time.perf_counter()
+            with runtime.device.guard():
+                prepared = runtime.engine.prepare(request, descriptor.slot_wait)
+            runtime.metrics.stage["prepare"].observe(time.perf_counter() - preparing)
+            self._submit(runtime, link, descriptor, prepared, held, received)
+            return
+        except MoeLoraError as exc:
+            result = _failure(descriptor.request_id, exc)
+        except Exception:
+            message = internal_error_message(
+                "forward_internal_error", request_id=descriptor.request_id
+            )
+            result = ForwardResult(
+                descriptor.request_id, grpc.StatusCode.INTERNAL.value[0], message
+            )
+        self._finish(link, held, result)
+
+    def _submit(
+        self,
+        runtime: ExecutorRuntime,
+        link: _Link,
+        descriptor: ForwardDescriptor,
+        prepared: Prepared,
+        held: list[HeldRegion],
+        received: float,
+    ) -> None:
+        """Queues ``prepared``; from here the regions and the link's count are the
+        callback's to release (raises, releasing nothing, if it cannot wait)."""
+        done = functools.partial(self._answered, runtime, link, descriptor, held, received)
+        runtime.scheduler.submit(prepared, done)
+
+    def _request(
+        self, link: _Link, descriptor: ForwardDescriptor, held: list[HeldRegion]
+    ) -> ForwardInput:
+        """The request's tensors viewed where they lie (regions it names join ``held``)."""
 
         def tensor(ref: TensorRef, field: str) -> torch.Tensor:
             if not ref.segment:
@@ -189,36 +260,54 @@ class EngineHost:
             flat = self.regions.view(region, ref.offset, math.prod(ref.shape), dtype, field)
             return flat.view(ref.shape)
 
-        try:
-            with runtime.device.guard():
-                ids, weights = descriptor.topk_ids, descriptor.topk_weights
-                request = ForwardInput(
-                    layer=descriptor.layer,
-                    hidden=tensor(descriptor.hidden, "shared_hidden_states"),
-                    segments=[Segment(n, adapter) for n, adapter in descriptor.segments],
-                    topk_ids=None if ids is None else tensor(ids, "routing.topk_ids"),
-                    topk_weights=None
-                    if weights is None
-                    else tensor(weights, "routing.topk_weights"),
-                    output=tensor(descriptor.output, "shared_output"),
-                )
-                stage = runtime.metrics.stage
-                stage["decode"].observe(descriptor.decode_seconds)
-                preparing = time.perf_counter()
-                stage["dispatch"].observe(preparing - received)
-                prepared = runtime.engine.prepare(request, descriptor.slot_wait)
-                stage["prepare"].observe(time.perf_counter() - preparing)
-                answer = runtime.scheduler.submit(prepared)
-        finally:
-            for region in held:
-                self.regions.release(region)
-        return ForwardResult(
-            descriptor.request_id,
-            _OK,
-            resolved_adapters=tuple(answer.resolved_adapters),
-            adapters_loaded=answer.adapters_loaded,
-            server_time_us=int((time.perf_counter() - received + descriptor.decode_seconds) * 1e6),
+        ids, weights = descriptor.topk_ids, descriptor.topk_weights
+        return ForwardInput(
+            layer=descriptor.layer,
+            hidden=tensor(descriptor.hidden, "shared_hidden_states"),
+            segments=[Segment(n, adapter) for n, adapter in descriptor.segments],
+            topk_ids=None if ids is None else tensor(ids, "routing.topk_ids"),
+            topk_weights=None if weights is None else tensor(weights, "routing.topk_weights"),
+            output=tensor(descriptor.output, "shared_output"),
         )
+
+    def _answered(
+        self,
+        runtime: ExecutorRuntime,
+        link: _Link,
+        descriptor: ForwardDescriptor,
+        held: list[HeldRegion],
+        received: float,
+        answer: ForwardOutput | None,
+        error: BaseException | None,
+    ) -> None:
+        """The launch loop's callback: the request's answer is in its output region."""
+        request_id = descriptor.request_id
+        if answer is not None:
+            result = ForwardResult(
+                request_id,
+                _OK,
+                resolved_adapters=tuple(answer.resolved_adapters),
+                adapters_loaded=answer.adapters_loaded,
+                server_time_us=int(
+                    (time.perf_counter() - received + descriptor.decode_seconds) * 1e6
+                ),
+            )
+        else:
+            exc = runtime.device.translate(error) if error is not None else None
+            if isinstance(exc, MoeLoraError):
+                result = _failure(request_id, exc)
+            else:
+                message = internal_error_message(
+                    "forward_internal_error", exc=exc, request_id=request_id
+                )
+                result = ForwardResult(request_id, grpc.StatusCode.INTERNAL.value[0], message)
+        self._finish(link, held, result)
+
+    def _finish(self, link: _Link, held: list[HeldRegion], result: ForwardResult) -> None:
+        for region in held:
+            self.regions.release(region)
+        link.leave()
+        link.send(Kind.RESULT, result.encode())
 
     def _call(self, link: _Link, payload: bytes) -> None:
         call = json.loads(payload)

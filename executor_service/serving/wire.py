@@ -124,6 +124,11 @@ class ForwardDescriptor:
     def _flags(self) -> int:
         return 1 if self.topk_ids is not None else 0
 
+    @staticmethod
+    def peek_id(data: bytes | memoryview) -> int:
+        """The request id of an encoded descriptor (0 if too short to hold one)."""
+        return int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ForwardDescriptor:
         reader = _Reader(data)

@@ -89,9 +89,12 @@ def log_event(
         logger.log(level, event, exc_info=exc_info, extra={_FIELDS_ATTR: fields})
 
 
-def internal_error_message(event: str, **fields: object) -> str:
-    """Logs the exception being handled under a fresh error id (with its traceback) and
-    returns the message a caller gets: the id, never the internals."""
+def internal_error_message(
+    event: str, *, exc: BaseException | None = None, **fields: object
+) -> str:
+    """Logs ``exc`` (default: the exception being handled) under a fresh error id with its
+    traceback, and returns the message a caller gets: the id, never the internals."""
     error_id = uuid.uuid4().hex[:12]
-    log_event(_INTERNAL, event, logging.ERROR, exc_info=True, error_id=error_id, **fields)
+    exc_info: BaseException | bool = exc if exc is not None else True
+    log_event(_INTERNAL, event, logging.ERROR, exc_info=exc_info, error_id=error_id, **fields)
     return f"internal error (id {error_id}); see the server log"

@@ -251,6 +251,9 @@ class GatedSource:
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
         return self._inner.resolve(ref)
 
+    def resolve_at_once(self, ref: AdapterRef) -> ResolvedAdapter | None:
+        return self._inner.resolve_at_once(ref)
+
     def cached(self) -> list[ResolvedAdapter]:
         return self._inner.cached()
 

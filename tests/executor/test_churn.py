@@ -104,3 +104,33 @@ def test_one_load_per_digest_however_many_ask_at_once(
         thread.join(60)
     assert len(results) == 6
     assert source.fetches == {"alpha:1": 1}
+
+
+def test_a_request_waiting_for_its_adapter_holds_up_no_other(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """The launch loop prepares requests whose adapters are at hand; one whose adapter must
+    be fetched waits on a worker thread, so the base request behind it is answered first."""
+    gate = threading.Event()
+    source = GatedSource(LocalFolderSource(qwen_world.adapter_dir), gate)
+    running = start_executor(qwen_world, source=source)
+    layer = qwen_world.moe_layers[0]
+    cold: list[object] = []
+
+    def ask_cold() -> None:
+        with ExecutorClient(running.app.address, timeout=60) as client:
+            out = client.forward(layer, qwen_world.inputs[layer], [(TOKENS, "alpha")])
+            assert_close(out.output, qwen_world.reference[("alpha", layer)])
+            cold.append(out.resolved_adapters)
+
+    thread = threading.Thread(target=ask_cold)
+    thread.start()
+    while not source.fetches:  # the cold request reached the source and is held there
+        threading.Event().wait(0.01)
+    with ExecutorClient(running.app.address, timeout=20) as client:
+        out = client.forward(layer, qwen_world.inputs[layer], [(TOKENS, None)])
+    assert not gate.is_set() and not cold
+    assert_close(out.output, qwen_world.reference[(None, layer)])
+    gate.set()
+    thread.join(60)
+    assert cold == [["alpha:1"]]

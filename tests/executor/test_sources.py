@@ -76,3 +76,16 @@ def test_changed_and_missing_files(root: Path) -> None:
     bad = source.resolve(AdapterRef.parse("bad"))
     with pytest.raises(FailedPrecondition, match="not valid JSON"):
         source.fetch(bad)
+
+
+def test_resolve_at_once_answers_only_from_remembered_hashes(root: Path) -> None:
+    source = LocalFolderSource(root)
+    flat = AdapterRef.parse("flat", "adapter")
+    assert source.resolve_at_once(flat) is None  # its files were never read
+    resolved = source.resolve(flat)
+    assert source.resolve_at_once(flat) == resolved
+    (root / "flat" / WEIGHTS_FILE).write_bytes(b"changed!")
+    assert source.resolve_at_once(flat) is None  # a changed file is read again first
+    assert source.resolve(flat).digest != resolved.digest
+    with pytest.raises(NotFound):
+        source.resolve_at_once(AdapterRef.parse("missing", "adapter"))
