@@ -223,9 +223,9 @@ class ExecutorMetrics:
         )
         self.stage_seconds = Histogram(
             "moelora_executor_stage_seconds",
-            "Time per stage: decode (front end), dispatch (the engine's reader to a worker), "
-            "prepare (check and resolve), queue, stage (into the pinned input), h2d, kernel, "
-            "d2h (device times on a GPU), encode",
+            "Time per stage: decode (front end), dispatch (the engine's reader to the launch "
+            "loop), prepare (check and resolve), queue, stage (into the pinned input), h2d, "
+            "kernel, d2h (device times on a GPU), encode",
             ["stage"],
             buckets=_STAGE_BUCKETS,
             registry=registry,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,22 +147,37 @@ class LocalFolderSource:
     numbered version folders ``ROOT/NAME/1/``, ``ROOT/NAME/2/``, ... A bare name resolves
     to the highest version. Local folders have no aliases.
 
-    File hashes are remembered by (size, mtime) so that resolving a bare name on every
-    request does not re-read the weights."""
+    File hashes are remembered by (size, mtime) so that resolving a bare name does not
+    re-read the weights. ``resolve`` looks at the folder every time; ``resolve_at_once`` (the
+    launch loop's, once per request) trusts its last answer for ``recheck_seconds``: a file
+    changed or a version added is seen within that long."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, recheck_seconds: float = 1.0) -> None:
         self.root = root
+        self.recheck_seconds = recheck_seconds
         self._lock = threading.Lock()
         self._hashes: dict[Path, tuple[_FileStamp, str]] = {}
+        #: str(ref) -> (time.monotonic() when looked at, the answer then).
+        self._recent: dict[str, tuple[float, ResolvedAdapter]] = {}
 
     def resolve(self, ref: AdapterRef) -> ResolvedAdapter:
         resolved = self._resolve(ref, at_once=False)
         assert resolved is not None
+        self._recent[str(ref)] = (time.monotonic(), resolved)
         return resolved
 
     def resolve_at_once(self, ref: AdapterRef) -> ResolvedAdapter | None:
-        """None until the version's files have been hashed once (by ``resolve``)."""
-        return self._resolve(ref, at_once=True)
+        """The answer of the last ``recheck_seconds``, else the folder's if its files'
+        hashes are known; None until they have been hashed (by ``resolve``)."""
+        key = str(ref)
+        now = time.monotonic()
+        recent = self._recent.get(key)
+        if recent is not None and now - recent[0] < self.recheck_seconds:
+            return recent[1]
+        resolved = self._resolve(ref, at_once=True)
+        if resolved is not None:
+            self._recent[key] = (now, resolved)
+        return resolved
 
     def _resolve(self, ref: AdapterRef, at_once: bool) -> ResolvedAdapter | None:
         versions = self._versions(ref.name)

@@ -79,7 +79,7 @@ def test_changed_and_missing_files(root: Path) -> None:
 
 
 def test_resolve_at_once_answers_only_from_remembered_hashes(root: Path) -> None:
-    source = LocalFolderSource(root)
+    source = LocalFolderSource(root, recheck_seconds=0)
     flat = AdapterRef.parse("flat", "adapter")
     assert source.resolve_at_once(flat) is None  # its files were never read
     resolved = source.resolve(flat)
@@ -89,3 +89,14 @@ def test_resolve_at_once_answers_only_from_remembered_hashes(root: Path) -> None
     assert source.resolve(flat).digest != resolved.digest
     with pytest.raises(NotFound):
         source.resolve_at_once(AdapterRef.parse("missing", "adapter"))
+
+
+def test_resolve_at_once_trusts_its_last_answer_for_recheck_seconds(root: Path) -> None:
+    source = LocalFolderSource(root, recheck_seconds=3600)
+    flat = AdapterRef.parse("flat", "adapter")
+    first = source.resolve(flat)
+    (root / "flat" / WEIGHTS_FILE).write_bytes(b"changed!")
+    assert source.resolve_at_once(flat) == first  # not looked at again within the hour
+    second = source.resolve(flat)  # resolve always looks, and is remembered
+    assert second.digest != first.digest
+    assert source.resolve_at_once(flat) == second
