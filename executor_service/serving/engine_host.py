@@ -17,12 +17,14 @@ dropped, and its arena's mapping is released once none of them holds a view of i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import math
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -58,12 +60,18 @@ log = logging.getLogger(__name__)
 
 _OK = grpc.StatusCode.OK.value[0]
 
+#: How long a send to a front end may block before the engine gives that front end up: the
+#: launch loop answers every front end, so one that stops reading (stopped, wedged) must not
+#: stall the others' answers.
+SEND_TIMEOUT_SECONDS = 5.0
+
 
 class EngineHost:
     """Serves front ends' requests with the runtime attached once the model loaded; until
     then (and after ``set_state(False, ...)``) every request answers UNAVAILABLE."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, send_timeout: float = SEND_TIMEOUT_SECONDS) -> None:
+        self._send_timeout = send_timeout
         self._runtime: ExecutorRuntime | None = None
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="engine")
         self._lock = threading.Lock()
@@ -112,7 +120,7 @@ class EngineHost:
 
     def serve(self, sock: socket.socket) -> None:
         """Serves the front end at the other end of ``sock``."""
-        link = _Link(Connection(sock))
+        link = _Link(Connection(sock), self._send_timeout)
         with self._lock:
             self._links.add(link)
             serving, reason = self._serving, self._reason
@@ -352,8 +360,15 @@ def _failure(request_id: int, exc: MoeLoraError) -> ForwardResult:
 class _Link:
     """One front end, as the engine sees it."""
 
-    def __init__(self, connection: Connection) -> None:
+    def __init__(self, connection: Connection, send_timeout: float) -> None:
         self.connection = connection
+        seconds, fraction = divmod(send_timeout, 1.0)
+        # SO_SNDTIMEO bounds sends alone; the reader's receives still block as they should.
+        connection.sock.setsockopt(
+            socket.SOL_SOCKET,
+            socket.SO_SNDTIMEO,
+            struct.pack("ll", int(seconds), int(fraction * 1e6)),
+        )
         self.pid = 0
         self._arena: ShmSegment | None = None
         self._in_flight = 0
@@ -387,14 +402,22 @@ class _Link:
             return  # its front end went away: nobody waits for this answer
         try:
             self.connection.send(kind, payload)
-        except OSError:
-            self._open = False
+        except OSError as exc:
+            self._give_up(exc)
 
     def send_state(self, serving: bool, reason: str) -> None:
-        try:
-            self.connection.send_json(Kind.STATE, {"serving": serving, "reason": reason})
-        except OSError:
-            self._open = False
+        self.send(Kind.STATE, json.dumps({"serving": serving, "reason": reason}).encode())
+
+    def _give_up(self, exc: OSError) -> None:
+        """The front end is gone, or stopped reading: a frame may be half sent, so the
+        connection ends (its reader sees it; the front end exits and is started again)."""
+        if not self._open:
+            return
+        self._open = False
+        if isinstance(exc, BlockingIOError | TimeoutError):
+            log_event(log, "front_end_stalled", logging.ERROR, pid=self.pid)
+        with contextlib.suppress(OSError):
+            self.connection.sock.shutdown(socket.SHUT_RDWR)
 
     def enter(self) -> None:
         with self._idle:

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor_service.serving.arena import ALIGN, Arena, ArenaFull, Region
+from executor_service.serving.engine_host import EngineHost
 from executor_service.serving.wire import (
     Connection,
     ForwardDescriptor,
@@ -100,3 +101,38 @@ def test_frames_arrive_whole_and_a_closed_end_is_eof() -> None:
     with pytest.raises(EOFError):
         b.recv()
     b.close()
+
+
+def test_the_engine_gives_up_a_front_end_that_stops_reading() -> None:
+    """One thread answers every front end, so a front end that stops reading its answers is
+    cut off after the send timeout instead of stalling the engine."""
+    host = EngineHost(workers=1, send_timeout=0.2)
+    engine_end, front_end = socket.socketpair()
+    host.serve(engine_end)
+    flooding = Connection(front_end)
+
+    def flood() -> None:  # descriptors the engine answers at once (it has no model yet)
+        request_id = 0
+        try:
+            while True:
+                request_id += 1
+                flooding.send(Kind.FORWARD, request_id.to_bytes(8, "little"))
+        except OSError:
+            pass  # the engine shut the connection
+
+    sender = threading.Thread(target=flood, daemon=True)
+    sender.start()
+    sender.join(30)  # ends once the engine has given up on us (or the test fails below)
+    assert not sender.is_alive(), "the engine kept waiting on a front end that never reads"
+    front_end.settimeout(30)
+    frames = 0
+    try:
+        while True:
+            kind, _ = flooding.recv()
+            assert kind in (Kind.STATE, Kind.RESULT)
+            frames += 1
+    except EOFError:
+        pass
+    assert frames > 0  # it answered until the socket's buffers were full
+    host.close()
+    flooding.close()
