@@ -324,7 +324,7 @@ class EngineHost:
             region_call = _REGION_CALLS.get(call["method"])
             if region_call is not None:
                 reply["value"] = region_call(self.regions, call["args"])
-                link.connection.send_json(Kind.REPLY, reply)
+                link.send(Kind.REPLY, json.dumps(reply).encode())
                 return
             runtime = self._ready()
             method = _CALLS.get(call["method"])
@@ -341,7 +341,7 @@ class EngineHost:
                 code=grpc.StatusCode.INTERNAL.value[0],
                 message=internal_error_message("engine_call_failed", method=call["method"]),
             )
-        link.connection.send_json(Kind.REPLY, reply)
+        link.send(Kind.REPLY, json.dumps(reply).encode())
 
 
 def _torch_dtype(ref: TensorRef, field: str) -> torch.dtype:
