@@ -187,6 +187,12 @@ class ExecutorMetrics:
             "Forward requests waiting for the GPU",
             registry=registry,
         )
+        self.launch_loop_busy = Counter(
+            "moelora_executor_launch_loop_busy_seconds_total",
+            "Seconds the engine's launch loop spent working (preparing, launching, answering) "
+            "rather than waiting for requests; a rate near 1 means the engine is short of CPU",
+            registry=registry,
+        )
         self.overloaded = Counter(
             "moelora_executor_overloaded_total",
             "Forward requests refused because --max-queued-requests were waiting",

@@ -85,6 +85,8 @@ class Scheduler:
         self._closed = False
         #: Seconds the last batch took (the retry hint's unit of work).
         self._last_batch = 0.001
+        #: When the loop last stopped waiting (see ``_wait``).
+        self._busy_since = time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="launch-loop", daemon=True)
         self._thread.start()
 
@@ -141,7 +143,7 @@ class Scheduler:
                     if not self._queue:
                         idle = True
                     while not self._queue and not self._tasks and not self._closed:
-                        self._cond.wait()
+                        self._wait(None)
                     if self._closed:
                         break
                     tasks, self._tasks = self._tasks, []
@@ -155,7 +157,7 @@ class Scheduler:
                         full = self._tokens_like(self._queue[0]) >= self.settings.max_batch_tokens
                         if remaining > 0 and not full:
                             if not self._tasks:
-                                self._cond.wait(remaining)
+                                self._wait(remaining)
                             continue
                     batch = self._take()
                     deadline, idle = None, False
@@ -163,12 +165,20 @@ class Scheduler:
         except BaseException:
             log_event(log, "launch_loop_failed", logging.CRITICAL, exc_info=True)
             stopping = Unavailable("the executor's launch loop failed; retry on another replica")
+        self._metrics.launch_loop_busy.inc(time.perf_counter() - self._busy_since)
         with self._cond:
             self._closed = True
             left, self._queue = list(self._queue), deque()
             tasks, self._tasks = self._tasks, []
         self._run_tasks(tasks)  # they answer their requests (the queue is closed to them)
         self._answer([(p, None, stopping) for p in left])
+
+    def _wait(self, timeout: float | None) -> None:
+        """Waits on the condition (its lock held), counting the work since the last wait."""
+        start = time.perf_counter()
+        self._metrics.launch_loop_busy.inc(start - self._busy_since)
+        self._cond.wait(timeout)
+        self._busy_since = time.perf_counter()
 
     @staticmethod
     def _run_tasks(tasks: list[Callable[[], None]]) -> None:
