@@ -76,7 +76,7 @@ def test_every_alert_evaluates_over_series_that_exist(
 
 def test_promtool_checks_the_rules(monitoring: Monitoring, tmp_path: Path) -> None:
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(monitoring.rules))
-    assert "SUCCESS: 8 rules found" in promtool("check", "rules", str(tmp_path / "rules.yaml"))
+    assert "SUCCESS: 9 rules found" in promtool("check", "rules", str(tmp_path / "rules.yaml"))
 
 
 def test_each_alert_fires_when_it_should(monitoring: Monitoring, tmp_path: Path) -> None:
