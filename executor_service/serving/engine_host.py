@@ -3,16 +3,18 @@
 Front ends connect over a local socket (a Unix socket path, or one end of a socket pair when
 the front end runs in the engine's process), introduce the shared-memory arena their requests'
 tensors live in (HELLO), then send Forward descriptors and admin calls. One reader thread per
-front end receives them; worker threads do what a gRPC handler thread once did, minus the
-bytes: view the request's tensors in shared memory (no copy), check and resolve it
-(``ForwardEngine.prepare``), hand it to the scheduler, which merges it with others and writes
-its answer straight into the front end's output region, and send the result back. Admin calls
-(load, pin, list, info) run on the same workers against the ``AdapterManager``.
+front end receives them and posts each Forward to the scheduler's launch loop, which views the
+request's tensors in shared memory (no copy), checks and prepares it when that waits on nothing
+(``ForwardEngine.prepare_at_once``), merges it with others, writes its answer straight into the
+front end's output region and sends the result back, all on that one thread. A request whose
+adapters must first be asked for, fetched or packed is prepared on a worker thread and then
+queued. Admin calls (load, pin, list, info) run on the workers against the ``AdapterManager``.
 
 The engine speaks no gRPC and no protobuf: statuses travel as ``grpc.StatusCode`` numbers with
 the domain error's message, everything else as the small structs of ``wire`` and JSON. A front
 end that goes away takes nothing with it: its requests in flight finish and their answers are
-dropped, and its arena's mapping is released once none of them holds a view of it.
+dropped, and its arena's mapping is released once none of them holds a view of it. One that
+stops reading is cut off after ``SEND_TIMEOUT_SECONDS``.
 """
 
 from __future__ import annotations
