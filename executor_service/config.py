@@ -208,6 +208,11 @@ class ExecutorSettings(ServerSettings):
         description="how long an idle GPU waits for more requests to merge, in microseconds "
         "(0 = never wait)",
     )
+    prepare_during_launch: bool = Field(
+        False,
+        description="on a GPU, the launch loop prepares newly arrived requests while the "
+        "device computes a launch, instead of waiting for it first (off until measured)",
+    )
     max_queued_requests: int = Field(
         256,
         ge=1,

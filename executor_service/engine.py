@@ -11,7 +11,7 @@ where its request said (``Prepared.output``), before the next launch reuses the 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -149,8 +149,11 @@ class ForwardEngine:
             )
         return given
 
-    def run(self, requests: Sequence[Prepared]) -> list[ForwardOutput]:
-        """Computes ``requests`` (same layer, see ``batch.batch_key``) as one launch."""
+    def run(
+        self, requests: Sequence[Prepared], meanwhile: Callable[[], None] | None = None
+    ) -> list[ForwardOutput]:
+        """Computes ``requests`` (same layer, see ``batch.batch_key``) as one launch; on a GPU
+        ``meanwhile`` runs while the device computes (``Launch.meanwhile``)."""
         start = time.perf_counter()
         index = requests[0].layer
         layer = self.model.layers[index]
@@ -166,6 +169,7 @@ class ForwardEngine:
                 token_slots=slots,
                 lora_slots=self.adapters.lora_slots(index),
                 routing=merged_routing(requests),
+                meanwhile=meanwhile,
             )
             out = self._runner.run(launch)
         encoding = time.perf_counter()

@@ -13,7 +13,7 @@ graph.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,9 @@ class Launch:
     token_slots: torch.Tensor | None
     lora_slots: LoRASlots
     routing: Routing | None
+    #: Work for the launching thread between enqueueing the launch on a GPU and waiting for it
+    #: (it must not touch the device or the staging). None, and on the CPU: nothing.
+    meanwhile: Callable[[], None] | None = None
 
 
 class Runner:
@@ -108,6 +111,8 @@ class Runner:
         begin.record()
         graph.replay()
         end.record()
+        if launch.meanwhile is not None:
+            launch.meanwhile()
         end.synchronize()
         self._metrics.graph_runs.inc()
         self._metrics.graph_replays.labels(str(graph.bucket)).inc()
@@ -138,6 +143,8 @@ class Runner:
         events[2].record()
         copy_bytes(staging.output[:rows], out.contiguous())
         events[3].record()
+        if launch.meanwhile is not None:
+            launch.meanwhile()
         events[3].synchronize()
         stage = self._metrics.stage
         stage["stage"].observe(staged - start)

@@ -300,6 +300,7 @@ def build_runtime(
         SchedulerSettings(
             max_batch_tokens=settings.max_batch_tokens,
             batch_window_us=settings.batch_window_us,
+            prepare_during_launch=settings.prepare_during_launch,
             max_queued_requests=settings.max_queued_requests,
         ),
         metrics,

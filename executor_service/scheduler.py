@@ -36,7 +36,8 @@ from executor_service.metrics import ExecutorMetrics
 from moelora.client.errors import Overloaded, Unavailable
 from moelora.client.logs import log_event
 
-RunBatch = Callable[[Sequence[Prepared]], list[ForwardOutput]]
+#: Runs a batch as one launch; the callable, if any, is work to do while the device computes.
+RunBatch = Callable[[Sequence[Prepared], Callable[[], None] | None], list[ForwardOutput]]
 Fits = Callable[[Iterable[str]], bool]
 #: Called once per request on the loop thread with its answer or its error; it must be quick
 #: (the next launch waits for it) and raise nothing.
@@ -50,6 +51,8 @@ class SchedulerSettings:
     max_batch_tokens: int = 512
     batch_window_us: int = 0
     max_queued_requests: int = 256
+    #: Run posted tasks (preparing new arrivals) while the device computes a launch.
+    prepare_during_launch: bool = False
 
 
 class _Pending:
@@ -180,6 +183,12 @@ class Scheduler:
         self._cond.wait(timeout)
         self._busy_since = time.perf_counter()
 
+    def _run_posted(self) -> None:
+        """Runs the tasks posted so far (from inside a launch, while the device computes)."""
+        with self._cond:
+            tasks, self._tasks = self._tasks, []
+        self._run_tasks(tasks)
+
     @staticmethod
     def _run_tasks(tasks: list[Callable[[], None]]) -> None:
         for task in tasks:
@@ -223,12 +232,13 @@ class Scheduler:
             self._metrics.queue_wait_seconds.observe(start - pending.enqueued)
             self._metrics.stage["queue"].observe(start - pending.enqueued)
         answers: list[tuple[_Pending, ForwardOutput | None, BaseException | None]] = []
+        meanwhile = self._run_posted if self.settings.prepare_during_launch else None
         groups = [batch]
         while groups:
             group = groups.pop()
             try:
                 self._watch.check()
-                results = self._run([p.request for p in group])
+                results = self._run([p.request for p in group], meanwhile)
             except BaseException as exc:
                 fault = self._watch.observe(exc)
                 if fault is not None:  # nobody's own error: no rerun on a lost context

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -60,10 +60,18 @@ class _Device:
         self.gate.set()
         self.entered = threading.Event()
 
-    def run(self, requests: Sequence[Prepared]) -> list[ForwardOutput]:
+        self.in_run = False
+
+    def run(
+        self, requests: Sequence[Prepared], meanwhile: Callable[[], None] | None
+    ) -> list[ForwardOutput]:
+        self.in_run = True
         self.entered.set()
         assert self.gate.wait(30)
+        if meanwhile is not None:  # as the runner does between a launch and its sync
+            meanwhile()
         time.sleep(self.seconds)
+        self.in_run = False
         if any(r.tokens == 3 for r in requests):
             raise InvalidArgument("3 tokens fail", "hidden_states")
         self.batches.append(len(requests))
@@ -75,11 +83,13 @@ def metrics() -> ExecutorMetrics:
     return ExecutorMetrics(CollectorRegistry())
 
 
-def _scheduler(device: _Device, metrics: ExecutorMetrics) -> Scheduler:
+def _scheduler(
+    device: _Device, metrics: ExecutorMetrics, prepare_during_launch: bool = False
+) -> Scheduler:
     return Scheduler(
         device.run,
         lambda digests: True,
-        SchedulerSettings(max_batch_tokens=64),
+        SchedulerSettings(max_batch_tokens=64, prepare_during_launch=prepare_during_launch),
         metrics,
         DeviceWatch("test device", metrics),
     )
@@ -162,3 +172,21 @@ def test_busy_time_counts_work_and_not_waiting(metrics: ExecutorMetrics) -> None
     scheduler.close()  # counts the last stretch of work
     seconds = busy._value.get()
     assert 0.6 <= seconds < 1.6  # two 0.3 s launches, not the 2 s idle between them
+
+
+@pytest.mark.parametrize("during", [True, False])
+def test_posted_work_runs_during_a_launch_only_when_asked(
+    metrics: ExecutorMetrics, during: bool
+) -> None:
+    device = _Device()
+    device.gate.clear()
+    scheduler = _scheduler(device, metrics, prepare_during_launch=during)
+    answers = _Answers()
+    scheduler.submit(_request(), answers)
+    assert device.entered.wait(30)
+    ran_in_launch: list[bool] = []
+    scheduler.post(lambda: ran_in_launch.append(device.in_run))
+    device.gate.set()
+    answers.wait_for(1)
+    scheduler.close()
+    assert ran_in_launch == [during]
