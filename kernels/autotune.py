@@ -109,7 +109,7 @@ def precompile_set(
     launch: each BLOCK_M with every w13 tile paired with a w2 tile (the two GEMMs compile
     apart, so pairing them covers all their combinations), with pair blocks too where the
     bucket may use them, and each tile also through a TMA descriptor (not for FP8 experts,
-    ``fp8``: they take pointer loads)."""
+    ``fp8``: they take pointer loads, and each tile with both FP8 main loops)."""
     modes = [False, True] if decode_candidate(rows_per_expert) else [False]
     configs = []
     for decode, bm in itertools.product(modes, block_m_options(rows_per_expert)):
@@ -132,6 +132,16 @@ def precompile_set(
         for c in configs
         if not fp8
     ]
+    # FP8's two main loops (GemmConfig.fp8_dequant) are kernel variants of their own too.
+    dequant = [
+        dataclasses.replace(
+            c,
+            w13=dataclasses.replace(c.w13, fp8_dequant=True),
+            w2=dataclasses.replace(c.w2, fp8_dequant=True),
+        )
+        for c in configs
+        if fp8
+    ]
     # Split K is a kernel variant of its own (a constexpr). Persistent programs are too, but
     # they are searched last and rarely win (kernels/BENCHMARKS.md): they compile while
     # timing, if the budget gets that far, rather than double the compile set.
@@ -141,7 +151,7 @@ def precompile_set(
         for parts in SPLIT_K_OPTIONS[1:]
         if _streaming(c.block_m)
     ]
-    return list(dict.fromkeys(configs + with_tma + split))
+    return list(dict.fromkeys(configs + with_tma + dequant + split))
 
 
 def program_knobs(best: MoEConfig, knob: str) -> list[MoEConfig]:
@@ -212,6 +222,18 @@ def search(
             + [dataclasses.replace(best, lora_segments=s) for s in (1, 2, 4)]
         )
     consider([dataclasses.replace(best, atomic_sum=not best.atomic_sum)])
+    if fp8:
+        w13, w2 = best.w13, best.w2
+        consider(
+            [
+                dataclasses.replace(
+                    best, w13=dataclasses.replace(w13, fp8_dequant=not w13.fp8_dequant)
+                )
+            ]
+        )
+        consider(
+            [dataclasses.replace(best, w2=dataclasses.replace(w2, fp8_dequant=not w2.fp8_dequant))]
+        )
     consider([dataclasses.replace(best, w13=dataclasses.replace(best.w13, tma=not best.w13.tma))])
     consider([dataclasses.replace(best, w2=dataclasses.replace(best.w2, tma=not best.w2.tma))])
     if not _streaming(best.block_m):

@@ -16,8 +16,11 @@ first autotunes, in S seconds per shape, every shape that has no tuned table (as
 does at start-up; cached in ``--cache-dir``), and ``--heuristic`` ignores tables and cache.
 
 ``--fp8`` adds, beside each bf16 row, the same layer with its experts quantised to FP8 with
-128×128 block scales (``kernels.synthetic.fp8_layer``; activations, LoRA and output stay bf16):
-its floor counts one byte per expert weight, and the summary gives FP8 time / bf16 time.
+128×128 block scales (``kernels.synthetic.fp8_layer``; activations, LoRA and output stay bf16),
+twice: "fp8" with the configurations as selected, "fp8 dequant" with both GEMMs switched to
+the main loop that dequantises each weight tile (``GemmConfig.fp8_dequant``), side by side in
+one run. Their floor counts one byte per expert weight, and the summary gives each FP8 time /
+bf16 time.
 
 First every cell is checked against the float32 reference (relative error below
 ``BF16_TOLERANCE``; for FP8 rows the reference of the dequantised weights); a failure stops
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import sys
@@ -139,6 +143,19 @@ def floor_us(
     return float(max(nbytes / bandwidth, flops / rate) * 1e6)
 
 
+#: How a row changes the configurations it is given (for variants of one knob side by side).
+ConfigTransform = Callable[[MoEConfig], MoEConfig]
+
+
+def dequantising(config: MoEConfig) -> MoEConfig:
+    """The FP8 main loop that dequantises each weight tile (``GemmConfig.fp8_dequant``)."""
+    return dataclasses.replace(
+        config,
+        w13=dataclasses.replace(config.w13, fp8_dequant=True),
+        w2=dataclasses.replace(config.w2, fp8_dequant=True),
+    )
+
+
 @dataclass
 class Row:
     shape: str
@@ -212,14 +229,26 @@ def bench_cell(
     *,
     naive: bool,
     breakdown: bool,
+    label: str = "bf16",
+    transform: ConfigTransform | None = None,
 ) -> Row:
+    """One row: ``layer`` at M = ``tokens``, base and base+LoRA, with the configurations
+    ``selector`` picks (through ``transform`` where given), checked against the reference."""
     device = layer.w13.device
     hidden = random_hidden(tokens, shape.hidden, device=device, seed=tokens)
     routing = random_routing(tokens, shape.experts, shape.top_k, device=device, seed=tokens)
     lora = LoRAContext(slots, round_robin_slots(tokens, min(tokens, MAX_ADAPTERS), device))
     selection = selector.select(tokens, shape, RANK, torch.bfloat16)
-    config = selection.config
-    forward = functools.partial(moe_forward, configs=selector)
+    transform = transform or (lambda c: c)
+    config = transform(selection.config)
+    base_config = transform(selector.select(tokens, shape, 0, torch.bfloat16).config)
+
+    def forward(
+        x: torch.Tensor, w: MoELayerWeights, adapters: LoRAContext | None, r: Routing
+    ) -> torch.Tensor:
+        # As moe_forward, with this row's configurations: rank 16 with LoRA, else rank 0.
+        return fused_moe(x, w, adapters, r, config if adapters is not None else base_config)
+
     err_lora = relative_error(
         forward(hidden, layer, lora, routing),
         moe_forward_reference(hidden, layer, lora, routing),
@@ -241,7 +270,7 @@ def bench_cell(
     return Row(
         key, shape.label, tokens, config.to_json(), selection.source, err_lora, err_base,
         base_us, lora_us, naive_us, floor_us(shape, routing, lora, bandwidth, rate), stages,
-        "fp8" if shape.fp8 else "bf16",
+        label,
     )  # fmt: skip
 
 
@@ -351,14 +380,19 @@ def main(argv: list[str] | None = None) -> int:
                 if selector.cache is not None:
                     selector.cache.store(selector.gpu, shape, rank, result.configs)
         slots = random_slots(layer, SLOTS, RANK)
-        variants = [(shape, layer)]
+        variants: list[tuple[Shape, MoELayerWeights, str, ConfigTransform | None]] = [
+            (shape, layer, "bf16", None)
+        ]
         if args.fp8:
-            variants.append((dataclasses.replace(shape, fp8=True), fp8_layer(layer)))
+            fp8_shape, fp8_weights = dataclasses.replace(shape, fp8=True), fp8_layer(layer)
+            variants.append((fp8_shape, fp8_weights, "fp8", None))
+            variants.append((fp8_shape, fp8_weights, "fp8 dequant", dequantising))
         for tokens in map(int, args.tokens.split(",")):
-            for variant, weights in variants:
+            for variant, weights, label, transform in variants:
                 row = bench_cell(
                     key, variant, selector, weights, slots, tokens, bandwidth, rate,
-                    naive=not args.no_naive, breakdown=args.breakdown,
+                    naive=not args.no_naive, breakdown=args.breakdown, label=label,
+                    transform=transform,
                 )  # fmt: skip
                 print(json.dumps(asdict(row)), flush=True)
                 if not (row.err_lora < BF16_TOLERANCE and row.err_base < BF16_TOLERANCE):
@@ -396,7 +430,8 @@ def summary(rows: list[Row]) -> str:
         met = sum(r.of_floor <= bound for r in cells)
         return f"{met}/{len(cells)}"
 
-    fp8 = {(r.shape, r.tokens): r.lora_us for r in rows if r.weights == "fp8"}
+    fp8_labels = sorted({r.weights for r in rows if r.weights != "bf16"})
+    fp8 = {(r.weights, r.shape, r.tokens): r.lora_us for r in rows if r.weights != "bf16"}
     rows = [r for r in rows if r.weights == "bf16"]
     mid = [r for r in rows if 8 <= r.tokens <= 512]
     ends = [r for r in rows if r.tokens in (1, 4096)]
@@ -415,17 +450,17 @@ def summary(rows: list[Row]) -> str:
     if ratios:
         geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         lines.append(f"vs vLLM geometric mean: {geomean:.2f}× (min {min(ratios):.2f}×)")
-    for tokens, target in ((1, 0.6), (4096, 0.65)):
+    for label, (tokens, target) in itertools.product(fp8_labels, ((1, 0.6), (4096, 0.65))):
         pairs = [
-            fp8[(r.shape, tokens)] / r.lora_us
+            fp8[(label, r.shape, tokens)] / r.lora_us
             for r in rows
-            if r.tokens == tokens and (r.shape, tokens) in fp8
+            if r.tokens == tokens and (label, r.shape, tokens) in fp8
         ]
         if pairs:
             met = sum(x <= target for x in pairs)
             lines.append(
-                f"FP8 / bf16 base+LoRA time, M = {tokens}: {min(pairs):.2f}–{max(pairs):.2f} "
-                f"(≤ {target}: {met}/{len(pairs)})"
+                f"{label.replace('fp8', 'FP8')} / bf16 base+LoRA time, M = {tokens}: "
+                f"{min(pairs):.2f}–{max(pairs):.2f} (≤ {target}: {met}/{len(pairs)})"
             )
     return "\n".join(lines)
 

@@ -55,6 +55,9 @@ class GemmConfig:
     persistent: launch this many programs per multiprocessor (0: one program per piece of
         work), each looping over the (block, N program) work in the launch order: no program
         launch and retirement per tile, and a program's next tile follows its last at once.
+    fp8_dequant: FP8 weights only: dequantise each weight tile (q·scale, rounded to the
+        activations' dtype) and accumulate in the dot, instead of converting the tile exactly
+        and scaling each K step's product (a second accumulator's worth of registers).
     """
 
     block_n: int
@@ -67,6 +70,7 @@ class GemmConfig:
     tma: bool = False
     split_k: int = 1
     persistent: int = 0
+    fp8_dequant: bool = False
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,12 @@ Dtypes: bf16/fp16 operands with fp32 accumulation (the rank-R vectors and ``a`` 
 to the operand dtype before their dots, as in every fused MoE); fp32 operands use exact IEEE
 dots. FP8 experts (float8_e4m3fn W13 and W2 with float32 scales per 128×128 block,
 ``kernels.fp8``) run W8A16, with the activations in the compute dtype: the main loop loads the
-weight tile by pointers (no TMA), converts it exactly to x's dtype for the dot, and multiplies
-each K step's product by its output columns' scales before adding it to the fp32 accumulator
-(vLLM's block-FP8 method without quantising x). BLOCK_K divides 128, so a step lies in one
-scale block (``kernels.configs.fit_stages`` sees to it). The LoRA dots, biases and the rest
+weight tile by pointers (no TMA) and, as ``GemmConfig.fp8_dequant`` says, either converts it
+exactly to x's dtype for the dot and multiplies each K step's product by its output columns'
+scales before adding it to the fp32 accumulator (vLLM's block-FP8 method without quantising x),
+or dequantises the tile itself (q·scale in fp32, rounded to x's dtype, as the reference
+dequantises) and accumulates in the dot. BLOCK_K divides 128, so a step lies in one scale block
+(``kernels.configs.fit_stages`` sees to it). The LoRA dots, biases and the rest
 stay in the compute dtype.
 """
 
@@ -73,6 +75,9 @@ from kernels.types import FP8_BLOCK, Activation
 
 _CLEAR_BLOCK = 1024  # elements each w13 program zeroes per step of the output clear
 _FP8_BLOCK = tl.constexpr(FP8_BLOCK)  # rows and columns of FP8 weight sharing one scale
+#: The kernels' FP8 mode (0: the weights are not FP8): scale each product, or dequantise the tile.
+FP8_SCALE_PRODUCT = tl.constexpr(1)
+FP8_DEQUANT = tl.constexpr(2)
 _SHRINK_BLOCK_K = 128  # reduction step of the shrink kernel
 _SHRINK_SUB_M = 64  # rows per shrink program
 _SHRINK_STACK = 128  # widest stacked A operand (segments × ranks) of the shrink kernel
@@ -190,9 +195,11 @@ def _main_loop(
     ``w_cols``; for W13 (E, 2, I, K) with block (1, 2, BLOCK_N / 2, BLOCK_K): gate rows
     w_row.. then up rows w_row..
     FP8 (pointer loads only; BLOCK_K divides 128, so a K step lies in one scale block): W is
-    float8_e4m3fn, converted (exactly) to x's dtype for the dot, and each step's product is
-    multiplied by its columns' scales: s_cols (BLOCK_N,) points at each column's scale of the
-    first K block, the K blocks ``stride_sk`` apart."""
+    float8_e4m3fn with its columns' scales, s_cols (BLOCK_N,) pointing at each column's scale of
+    the first K block, the K blocks ``stride_sk`` apart. FP8 == FP8_SCALE_PRODUCT: the tile is
+    converted (exactly) to x's dtype and each step's product multiplied by the scales;
+    FP8 == FP8_DEQUANT: the tile is dequantised (q·scale in fp32, rounded to x's dtype) and the
+    dot accumulates."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_row_ptrs[:, None] + offs_k[None, :]
     w_ptrs = w_cols[None, :] + offs_k[:, None]
@@ -217,7 +224,11 @@ def _main_loop(
         if FP8:
             k_block = (k_base + k0) // _FP8_BLOCK
             scale = tl.load(s_cols + k_block * stride_sk, mask=w_col_mask, other=0.0)
-            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * scale[None, :]
+            if FP8 == FP8_DEQUANT:
+                w = (w.to(tl.float32) * scale[None, :]).to(x.dtype)
+                acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            else:
+                acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * scale[None, :]
         else:
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
         if WITH_SHRINK:
@@ -996,6 +1007,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _fp8_mode(scale: torch.Tensor | None, cfg: GemmConfig) -> int:
+    """The kernels' FP8 constexpr: 0 without scales (the weights are not FP8)."""
+    if scale is None:
+        return 0
+    return int(FP8_DEQUANT) if cfg.fp8_dequant else int(FP8_SCALE_PRODUCT)
+
+
 def lora_shrink_stage(
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -1213,7 +1231,7 @@ def w13_stage(
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
         EVEN_K=h % cfg.block_k == 0, W_TMA=0 if w_desc is None else 4,
-        FP8=w13_scale is not None, PRECISION=_dot_precision(hidden.dtype),
+        FP8=_fp8_mode(w13_scale, cfg), PRECISION=_dot_precision(hidden.dtype),
         CLEAR_BLOCK=_CLEAR_BLOCK, PERSISTENT=cfg.persistent > 0,
         **_pdl_launch(hidden.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -1274,7 +1292,7 @@ def w2_stage(
         TILES_PER_PROGRAM=cfg.tiles_per_program, GROUP_M=cfg.group_m,
         NSEG=la.nseg, RP=la.rp, RC=la.rc, S_P2=la.s_p2,
         EVEN_K=inter % cfg.block_k == 0, W_TMA=0 if w_desc is None else 3,
-        FP8=w2_scale is not None, PRECISION=_dot_precision(act.dtype),
+        FP8=_fp8_mode(w2_scale, cfg), PRECISION=_dot_precision(act.dtype),
         PERSISTENT=cfg.persistent > 0,
         **_pdl_launch(act.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

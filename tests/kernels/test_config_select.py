@@ -228,6 +228,31 @@ def test_search_tries_persistent_programs_and_split_k() -> None:
     assert all(c.atomic_sum for c in covered if c.w2.split_k > 1)
 
 
+def test_search_tries_both_fp8_main_loops_for_fp8_experts_only() -> None:
+    """FP8 experts: each GEMM's main loop (scale the product, or dequantise the tile) is a
+    knob of the search, and the precompile set covers both; bf16 experts never see it."""
+    start = heuristic_config(4096, 128, 2048, 768, 8, fp8=True)
+    timed: list[MoEConfig] = []
+
+    def w13_dequant_wins(config: MoEConfig) -> float:
+        timed.append(config)
+        return _cost(config) - 3 * config.w13.fp8_dequant
+
+    best = search(w13_dequant_wins, start, 256.0, 16, deadline=time.monotonic() + 60, fp8=True)
+    assert best.w13.fp8_dequant and not best.w2.fp8_dequant
+    assert {c.w2.fp8_dequant for c in timed} == {False, True}
+    covered = precompile_set(start, 256.0, 16, fp8=True)
+    assert {(c.w13.fp8_dequant, c.w2.fp8_dequant) for c in covered} == {
+        (False, False),
+        (True, True),
+    }
+    timed.clear()
+    bf16 = heuristic_config(4096, 128, 2048, 768, 8)
+    search(w13_dequant_wins, bf16, 256.0, 16, deadline=time.monotonic() + 60)
+    assert not any(c.w13.fp8_dequant or c.w2.fp8_dequant for c in timed)
+    assert not any(c.w13.fp8_dequant for c in precompile_set(bf16, 256.0, 16))
+
+
 def test_search_stops_at_its_deadline() -> None:
     start = heuristic_config(4096, 128, 2048, 768, 8)
     calls = 0

@@ -45,10 +45,12 @@ from kernels.types import (
 from .conftest import DEVICE, assert_rows_close
 
 # Tolerances: the Triton path is compared with the float64 reference of the dequantised
-# weights using the usual bounds of conftest.TOLERANCE / ROW_TOLERANCE. The kernel's FP8 →
-# x-dtype conversion is exact (e4m3 fits bf16, fp16 and fp32) and it computes (x·q)·s per
-# K step where the reference takes x·(q·s): one more fp32 rounding per step, far below the
-# bounds (measured: fp32 2-4e-7 against 2e-5, fp16 3-5e-4 against 3e-3).
+# weights using the usual bounds of conftest.TOLERANCE / ROW_TOLERANCE. Scaling the product
+# (GemmConfig.fp8_dequant off), the kernel's FP8 → x-dtype conversion is exact (e4m3 fits
+# bf16, fp16 and fp32) and it computes (x·q)·s per K step where the reference takes x·(q·s):
+# one more fp32 rounding per step, far below the bounds (measured: fp32 2-4e-7 against 2e-5,
+# fp16 3-5e-4 against 3e-3). Dequantising the tile, q·s is rounded to x's dtype as a layer
+# stored in that dtype would be: the bounds are those of such a layer.
 
 #: Activation dtypes of the Triton path: bf16 only on a GPU (the interpreter's bf16 dots
 #: are wrong).
@@ -82,12 +84,20 @@ class Case:
     decode: bool = False
     gpt_oss: bool = False
 
-    def config(self) -> MoEConfig:
+    def config(self, dequant: bool = False) -> MoEConfig:
         return MoEConfig(
             block_m=self.block_m,
             lora_segments=2,
-            w13=GemmConfig(*self.w13, 1, 4, 2, fused_shrink=self.fused_shrink),
-            w2=GemmConfig(*self.w2, 1, 4, 2, fused_shrink=self.fused_shrink, split_k=self.split_k),
+            w13=GemmConfig(*self.w13, 1, 4, 2, fused_shrink=self.fused_shrink, fp8_dequant=dequant),
+            w2=GemmConfig(
+                *self.w2,
+                1,
+                4,
+                2,
+                fused_shrink=self.fused_shrink,
+                split_k=self.split_k,
+                fp8_dequant=dequant,
+            ),
             atomic_sum=self.atomic_sum,
             decode=self.decode,
         )
@@ -143,17 +153,20 @@ def _inputs(
 
 
 @pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("dequant", [False, True], ids=["scale_product", "dequant_tile"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_triton_fp8_matches_dequantised_reference(name: str, dtype: torch.dtype) -> None:
+def test_triton_fp8_matches_dequantised_reference(
+    name: str, dtype: torch.dtype, dequant: bool
+) -> None:
     case = CASES[name]
     hidden, layer, lora = _inputs(case, dtype)
     assert layer.fp8 and layer.dtype == dtype
     routing = route(hidden, layer)
-    got = fused_moe(hidden, layer, lora, routing, case.config())
+    got = fused_moe(hidden, layer, lora, routing, case.config(dequant))
     assert got.dtype == dtype and got.shape == hidden.shape
     expected = moe_forward_reference(hidden, layer, lora, routing, torch.float64)
-    assert_rows_close(got, expected, f"{name} {dtype}")
+    assert_rows_close(got, expected, f"{name} {dtype} dequant={dequant}")
 
 
 @pytest.mark.usefixtures("poison_allocations")
