@@ -185,8 +185,8 @@ class ExecutorSettings(ServerSettings):
         200,
         ge=1,
         description="Python's thread switch interval in microseconds (sys.setswitchinterval); "
-        "the launching thread waits up to this long for the GIL after each GPU call while "
-        "handler threads decode (Python's default: 5000)",
+        "the launch loop waits up to this long for the GIL after each GPU call while other "
+        "threads (front-end readers, loads) run (Python's default: 5000)",
     )
     launch_torch_threads: int = Field(
         1,

@@ -22,8 +22,8 @@ def configure_process(
     settings: ExecutorSettings, environ: MutableMapping[str, str] = os.environ
 ) -> None:
     """Applies the process-wide settings; call before the first CUDA allocation."""
-    # The launching thread gives up the GIL in every torch call and must win it back from
-    # handler threads decoding requests: a short switch interval bounds that wait.
+    # The launch loop gives up the GIL in device waits and must win it back from the other
+    # threads (front-end readers, loads): a short switch interval bounds that wait.
     sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
     current = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "pinned_" not in current:  # an operator's own page-locked settings win

@@ -55,8 +55,8 @@ class Staging:
         ``pad_to`` get slot -1 (no adapter). Returns the rows."""
         rows = sum(int(p.shape[0]) for p in parts)
         self._grow(max(rows, pad_to))
-        # One torch call for all parts: each call gives up the GIL, and the launching thread
-        # may wait a switch interval per call to win it back from busy handler threads.
+        # One torch call for all parts: each call may give up the GIL, and the launch loop may
+        # wait a switch interval per call to win it back from busy threads.
         if parts:  # none while a graph is captured
             torch.cat(list(parts), out=self.input[:rows])
         padded = max(rows, pad_to)
