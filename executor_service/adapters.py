@@ -181,14 +181,11 @@ class AdapterManager:
         self.slots.check_capacity(adapters)
         wanted = []
         for adapter in adapters:
-            if self.slots.holds(adapter.digest):
-                wanted.append(Wanted(adapter, None))
-                continue
-            entry = self.host.get(adapter.digest)
-            if entry is None:
+            held = self.slots.holds(adapter.digest)
+            packed = None if held else self._cached(adapter)
+            if not held and packed is None:
                 return None
-            self._metrics.cache_hits.labels(HOST).inc()
-            wanted.append(Wanted(adapter, entry.packed))
+            wanted.append(Wanted(adapter, packed))
         return wanted
 
     def can_lease(self, digests: Iterable[str]) -> bool:
@@ -388,13 +385,20 @@ class AdapterManager:
             )
         return adapter
 
+    def _cached(self, adapter: ResolvedAdapter) -> PackedAdapter | None:
+        """The packed adapter if the host cache holds it (counted as a hit)."""
+        entry = self.host.get(adapter.digest)
+        if entry is None:
+            return None
+        self._metrics.cache_hits.labels(HOST).inc()
+        return entry.packed
+
     def _packed(self, adapter: ResolvedAdapter) -> PackedAdapter:
         """The packed adapter from the host cache, else fetched and packed once per digest
         however many callers ask at the same time."""
-        entry = self.host.get(adapter.digest)
-        if entry is not None:
-            self._metrics.cache_hits.labels(HOST).inc()
-            return entry.packed
+        cached = self._cached(adapter)
+        if cached is not None:
+            return cached
         with self._lock:
             future = self._loading.get(adapter.digest)
             leader = future is None

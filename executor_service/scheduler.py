@@ -149,8 +149,7 @@ class Scheduler:
                         self._wait(None)
                     if self._closed:
                         break
-                    tasks, self._tasks = self._tasks, []
-                self._run_tasks(tasks)
+                self._run_posted()
                 with self._cond:
                     if not self._queue:
                         continue
@@ -172,8 +171,7 @@ class Scheduler:
         with self._cond:
             self._closed = True
             left, self._queue = list(self._queue), deque()
-            tasks, self._tasks = self._tasks, []
-        self._run_tasks(tasks)  # they answer their requests (the queue is closed to them)
+        self._run_posted()  # they answer their requests (the queue is closed to them)
         self._answer([(p, None, stopping) for p in left])
 
     def _wait(self, timeout: float | None) -> None:
@@ -184,13 +182,10 @@ class Scheduler:
         self._busy_since = time.perf_counter()
 
     def _run_posted(self) -> None:
-        """Runs the tasks posted so far (from inside a launch, while the device computes)."""
+        """Runs the tasks posted so far (between launches, or inside one while the device
+        computes)."""
         with self._cond:
             tasks, self._tasks = self._tasks, []
-        self._run_tasks(tasks)
-
-    @staticmethod
-    def _run_tasks(tasks: list[Callable[[], None]]) -> None:
         for task in tasks:
             try:
                 task()

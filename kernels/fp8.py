@@ -4,7 +4,7 @@ A weight W (N, K) is stored as ``q`` (N, K) float8_e4m3fn and ``scale`` (ceil(N/
 ceil(K/128)) float32 (the checkpoints' ``weight_scale_inv``): ``W[n, k] ≈ q[n, k] ·
 scale[n // 128, k // 128]``. Leading dimensions (experts) broadcast. These are the plain torch
 forms that the references, the loader's checks and the synthetic checkpoints use; the Triton
-kernels apply the same scales to their fp32 accumulators.
+kernels apply the same scales inside their main loops (``kernels.fused_moe``).
 """
 
 from __future__ import annotations

@@ -206,11 +206,8 @@ class EngineHost:
             stage["prepare"].observe(time.perf_counter() - preparing)
             self._submit(runtime, link, descriptor, prepared, held, received)
             return
-        except MoeLoraError as exc:
-            result = _failure(request_id, exc)
-        except Exception:
-            message = internal_error_message("forward_internal_error", request_id=request_id)
-            result = ForwardResult(request_id, grpc.StatusCode.INTERNAL.value[0], message)
+        except Exception as exc:
+            result = _error_result(request_id, exc)
         self._finish(link, held, result)
 
     def _wait_ready(
@@ -231,15 +228,8 @@ class EngineHost:
             runtime.metrics.stage["prepare"].observe(time.perf_counter() - preparing)
             self._submit(runtime, link, descriptor, prepared, held, received)
             return
-        except MoeLoraError as exc:
-            result = _failure(descriptor.request_id, exc)
-        except Exception:
-            message = internal_error_message(
-                "forward_internal_error", request_id=descriptor.request_id
-            )
-            result = ForwardResult(
-                descriptor.request_id, grpc.StatusCode.INTERNAL.value[0], message
-            )
+        except Exception as exc:
+            result = _error_result(descriptor.request_id, exc)
         self._finish(link, held, result)
 
     def _submit(
@@ -303,14 +293,8 @@ class EngineHost:
                 ),
             )
         else:
-            exc = runtime.device.translate(error) if error is not None else None
-            if isinstance(exc, MoeLoraError):
-                result = _failure(request_id, exc)
-            else:
-                message = internal_error_message(
-                    "forward_internal_error", exc=exc, request_id=request_id
-                )
-                result = ForwardResult(request_id, grpc.StatusCode.INTERNAL.value[0], message)
+            assert error is not None  # the scheduler gives an answer or an error
+            result = _error_result(request_id, runtime.device.translate(error))
         self._finish(link, held, result)
 
     def _finish(self, link: _Link, held: list[HeldRegion], result: ForwardResult) -> None:
@@ -352,6 +336,15 @@ def _torch_dtype(ref: TensorRef, field: str) -> torch.dtype:
         raise InvalidArgument(f"{field}.dtype: unsupported dtype {ref.dtype}", f"{field}.dtype")
     dtype: torch.dtype = getattr(torch, wire.torch)
     return dtype
+
+
+def _error_result(request_id: int, exc: BaseException) -> ForwardResult:
+    """A Forward that failed: a domain error's status and message, anything else INTERNAL
+    (logged under an error id)."""
+    if isinstance(exc, MoeLoraError):
+        return _failure(request_id, exc)
+    message = internal_error_message("forward_internal_error", exc=exc, request_id=request_id)
+    return ForwardResult(request_id, grpc.StatusCode.INTERNAL.value[0], message)
 
 
 def _failure(request_id: int, exc: MoeLoraError) -> ForwardResult:
