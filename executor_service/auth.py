@@ -27,10 +27,13 @@ _ROLES_BY_NAME = {
             "ListLoadedAdapters",
             "GetExecutorInfo",
             "WatchResidency",
-            # A caller's own shared memory, for its own Forward calls (scoped to its token).
+            # A caller's own shared and CUDA memory, for its own Forward calls (its token's).
             "RegisterSharedMemory",
             "UnregisterSharedMemory",
             "ListSharedMemory",
+            "RegisterCudaMemory",
+            "UnregisterCudaMemory",
+            "ListCudaMemory",
         ),
         Role.READ,
     ),

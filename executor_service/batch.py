@@ -38,7 +38,8 @@ class Prepared:
     """One validated Forward request with its adapters resolved and their data at hand."""
 
     layer: int
-    #: (T, H) on the CPU in the wire dtype (may view the message's bytes: read only).
+    #: (T, H) in the wire dtype, on the CPU (may view the message's bytes: read only) or on
+    #: the GPU (a client's CUDA memory).
     hidden: torch.Tensor
     segments: tuple[Segment, ...]
     #: Per segment: its adapter version, None for the base model.
@@ -49,8 +50,9 @@ class Prepared:
     routing: Routing | None
     #: time.monotonic() after which waiting for GPU slots fails the request.
     slot_deadline: float
-    #: (T, H) on the CPU in the wire dtype: where the launch writes this request's answer
-    #: (a fresh tensor, or a view of shared memory that a front end reads).
+    #: (T, H) in the wire dtype, where the launch writes this request's answer: a fresh
+    #: tensor, a view of shared memory that a front end reads, or (with ``hidden`` on the GPU)
+    #: a view of the client's CUDA memory.
     output: torch.Tensor
 
     @property
@@ -67,10 +69,10 @@ class Prepared:
         return [a.label if a is not None else "" for a in self.adapters]
 
 
-def batch_key(request: Prepared) -> tuple[int, bool]:
-    """Requests merge only with others of the same key: one layer, and routing given by the
-    caller for all of them or for none."""
-    return request.layer, request.routing is not None
+def batch_key(request: Prepared) -> tuple[int, bool, bool]:
+    """Requests merge only with others of the same key: one layer, routing given by the
+    caller for all of them or for none, and tensors all in host memory or all on the GPU."""
+    return request.layer, request.routing is not None, request.hidden.is_cuda
 
 
 def merged_wanted(requests: Sequence[Prepared]) -> list[Wanted]:

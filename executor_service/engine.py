@@ -162,6 +162,7 @@ class ForwardEngine:
             slots = None
             if any(a is not None for r in requests for a in r.adapters):
                 slots = token_slots(requests, lease.slots)
+            on_device = requests[0].hidden.is_cuda  # all or none: batch.batch_key
             launch = Launch(
                 layer_index=index,
                 layer=layer,
@@ -170,12 +171,14 @@ class ForwardEngine:
                 lora_slots=self.adapters.lora_slots(index),
                 routing=merged_routing(requests),
                 meanwhile=meanwhile,
+                outputs=[r.output for r in requests] if on_device else None,
             )
             out = self._runner.run(launch)
         encoding = time.perf_counter()
-        # One torch call for all requests (see Staging.fill); casts to the wire dtype.
-        rows = torch.split(out, [r.tokens for r in requests])
-        torch._foreach_copy_([r.output for r in requests], list(rows))
+        if not on_device:  # else the runner wrote them before its synchronisation
+            # One torch call for all requests (see Staging.fill); casts to the wire dtype.
+            rows = torch.split(out, [r.tokens for r in requests])
+            torch._foreach_copy_([r.output for r in requests], list(rows))
         loaded = {adapter.digest for adapter in lease.loaded}
         outputs = [
             ForwardOutput(

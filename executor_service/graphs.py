@@ -1,4 +1,4 @@
-"""CUDA graphs of the whole layer forward, one per (layer, token bucket), all captured at
+"""CUDA graphs of the whole layer forward, two per (layer, token bucket), all captured at
 start-up.
 
 A graph replays its input's way in, routing, alignment, both grouped GEMMs with LoRA, the sum
@@ -8,7 +8,10 @@ graph's first kernel reads them across the bus into device buffers and its last 
 output back there (``kernels/host_copy.py``), so a launch fills the staging, replays and
 synchronises once. Adapters change only device tensors that the kernels read (slot ids and the
 slot buffers, allocated once at start-up and never reallocated), so one graph serves every
-adapter mix; rows past a launch's tokens carry slot -1 and are ignored.
+adapter mix; rows past a launch's tokens carry slot -1 and are ignored. The second graph of
+each pair is for requests whose tensors are in a client's CUDA memory: it takes its input
+from, and leaves its output in, the cache's device buffers, which the launch fills from and
+copies to the client's memory on the device.
 
 Everything a graph reads or writes outside its own memory pool must outlive it: the staging,
 the slot buffers, the weights, and the device input and slot-id buffers, which the cache owns
@@ -92,7 +95,9 @@ class GraphCache:
         # The device side of the staging, read by every graph's kernels (see the module doc).
         self._hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self._slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
-        self._graphs: dict[tuple[int, int], LayerGraph | None] = {}
+        #: Where the device-I/O graphs write their output (``device_output``).
+        self._output = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        self._graphs: dict[tuple[int, int, bool], LayerGraph | None] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
     def bucket(self, tokens: int) -> int | None:
@@ -102,10 +107,19 @@ class GraphCache:
                 return size
         return None
 
-    def get(self, layer: int, bucket: int) -> LayerGraph | None:
+    def get(self, layer: int, bucket: int, device_io: bool = False) -> LayerGraph | None:
         """The graph of (layer, bucket); None if its capture failed (the launch runs
-        eagerly). KeyError before ``capture_all``."""
-        return self._graphs[(layer, bucket)]
+        eagerly). KeyError before ``capture_all``. ``device_io``: the variant whose input
+        and output stay on the device (``device_input``, ``device_output``)."""
+        return self._graphs[(layer, bucket, device_io)]
+
+    def device_input(self, rows: int) -> torch.Tensor:
+        """Where a device-I/O launch puts its ``rows`` input rows before replaying."""
+        return self._hidden[:rows]
+
+    def device_output(self, rows: int) -> torch.Tensor:
+        """Where a device-I/O graph left the output of a launch of ``rows`` rows."""
+        return self._output[:rows]
 
     def capture_all(self) -> CaptureReport:
         """Captures the graph of every (layer, bucket); call once, before serving."""
@@ -115,7 +129,10 @@ class GraphCache:
         before = torch.cuda.memory_reserved(self._device)
         for layer in sorted(self._layers):
             for bucket in self.buckets:
-                self._graphs[(layer, bucket)] = self._capture(layer, bucket)
+                for device_io in (False, True):
+                    self._graphs[(layer, bucket, device_io)] = self._capture(
+                        layer, bucket, device_io
+                    )
         torch.cuda.synchronize(self._device)
         report = CaptureReport(
             graphs=sum(g is not None for g in self._graphs.values()),
@@ -135,16 +152,18 @@ class GraphCache:
         )
         return report
 
-    def _capture(self, layer: int, bucket: int) -> LayerGraph | None:
+    def _capture(self, layer: int, bucket: int, device_io: bool) -> LayerGraph | None:
         weights = self._layers[layer]
         hidden, slots = self._hidden[:bucket], self._slots[:bucket]
         lora = LoRAContext(self._lora_slots(layer), slots)
         io = self.staging
 
         def forward() -> None:
-            copy_bytes(hidden, io.input[:bucket])
+            if not device_io:
+                copy_bytes(hidden, io.input[:bucket])
             copy_bytes(slots, io.slots[:bucket])
-            copy_bytes(io.output[:bucket], self._kernel(hidden, weights, lora, None))
+            out = self._kernel(hidden, weights, lora, None)
+            copy_bytes(self._output[:bucket] if device_io else io.output[:bucket], out)
 
         try:
             side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
@@ -164,6 +183,7 @@ class GraphCache:
                 logging.WARNING,
                 layer=layer,
                 bucket=bucket,
+                device_io=device_io,
                 error=str(exc),
             )
             return None

@@ -78,6 +78,14 @@ class ExecutorMetrics:
             ["kind"],
             registry=registry,
         )
+        self.forward_transports = Counter(
+            "moelora_executor_forward_requests_by_transport_total",
+            "Forward requests by where their tensors came from: message (bytes in the RPC), "
+            "shared_memory (a client's registered shared memory), cuda_memory (a client's "
+            "registered CUDA memory, read and written on the GPU)",
+            ["transport"],
+            registry=registry,
+        )
         self.cache_hits = Counter(
             "moelora_executor_adapter_hits_total",
             "Adapter lookups that found the adapter in the tier",

@@ -1,10 +1,13 @@
-"""One launch on the device: the merged input in, the merged output out (on the CPU).
+"""One launch on the device: the merged input in, the merged output out (on the CPU, or, for
+requests in clients' CUDA memory, on the device).
 
 On the CPU the kernel runs eagerly on the concatenated rows. On a GPU the rows go into
 page-locked ``Staging`` buffers, which the GPU's threads read and write across the bus (no copy
 engine: ``kernels/host_copy.py``). A launch whose token count fits a CUDA-graph bucket fills
 the graphs' staging and replays that graph, copies included (padded rows carry slot -1); a
 longer one or one with caller-given routing runs eagerly through the runner's own staging.
+Requests whose tensors are in clients' CUDA memory are gathered and scattered on the device
+around a graph of their own (``GraphCache.get(..., device_io=True)``), or an eager launch.
 Either way the launch ends with its one synchronisation. Device time comes from CUDA events
 read after it: per stage (h2d, kernel, d2h) when eager, the whole replay as "kernel" for a
 graph.
@@ -42,6 +45,10 @@ class Launch:
     #: Work for the launching thread between enqueueing the launch on a GPU and waiting for it
     #: (it must not touch the device or the staging). None, and on the CPU: nothing.
     meanwhile: Callable[[], None] | None = None
+    #: When the parts are on the GPU (clients' CUDA memory): per request, where its rows go,
+    #: written before the launch's synchronisation. None: the caller copies them from the
+    #: returned rows.
+    outputs: Sequence[torch.Tensor] | None = None
 
 
 class Runner:
@@ -77,6 +84,10 @@ class Runner:
             return self._run_host(launch)
         with self._sync.on_device():
             graph = self._graph(launch)
+            if launch.outputs is not None:
+                if graph is not None:
+                    return self._replay_on_device(launch, graph, launch.outputs)
+                return self._run_eager_on_device(launch, self._staging, launch.outputs)
             if graph is not None:
                 return self._replay(launch, graph)
             return self._run_eager(launch, self._staging)
@@ -85,7 +96,9 @@ class Runner:
         if self._graphs is None or launch.routing is not None:
             return None
         bucket = self._graphs.bucket(sum(int(p.shape[0]) for p in launch.parts))
-        return None if bucket is None else self._graphs.get(launch.layer_index, bucket)
+        if bucket is None:
+            return None
+        return self._graphs.get(launch.layer_index, bucket, device_io=launch.outputs is not None)
 
     def _run_host(self, launch: Launch) -> torch.Tensor:
         start = time.perf_counter()
@@ -119,6 +132,66 @@ class Runner:
         self._metrics.stage["stage"].observe(staged - start)
         self._metrics.stage["kernel"].observe(begin.elapsed_time(end) / 1000)
         return io.output[:rows]
+
+    def _replay_on_device(
+        self, launch: Launch, graph: LayerGraph, outputs: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """A device-I/O graph: the parts gathered into its input on the device, its output
+        scattered to ``outputs`` there; only the slot ids cross the bus."""
+        graphs = self._graphs
+        assert graphs is not None
+        start = time.perf_counter()
+        rows = sum(int(p.shape[0]) for p in launch.parts)
+        graphs.staging.fill_slots(launch.token_slots, rows, pad_to=graph.bucket)
+        _gather(launch.parts, graphs.device_input(rows))
+        staged = time.perf_counter()
+        begin, end = self._events[:2]
+        begin.record()
+        graph.replay()
+        end.record()
+        out = graphs.device_output(rows)
+        _scatter(out, outputs)
+        if launch.meanwhile is not None:
+            launch.meanwhile()
+        torch.cuda.current_stream(self._sync.device).synchronize()
+        self._metrics.graph_runs.inc()
+        self._metrics.graph_replays.labels(str(graph.bucket)).inc()
+        self._metrics.stage["stage"].observe(staged - start)
+        self._metrics.stage["kernel"].observe(begin.elapsed_time(end) / 1000)
+        return out
+
+    def _run_eager_on_device(
+        self, launch: Launch, staging: Staging, outputs: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        device = self._sync.device
+        start = time.perf_counter()
+        rows = sum(int(p.shape[0]) for p in launch.parts)
+        hidden = torch.empty(rows, launch.layer.hidden_size, dtype=self._dtype, device=device)
+        _gather(launch.parts, hidden)
+        lora = None
+        if launch.token_slots is not None:
+            staging.fill_slots(launch.token_slots, rows)
+            lora = LoRAContext(launch.lora_slots, _on_device(staging.slots[:rows], device))
+        routing = None
+        if launch.routing is not None:
+            pinned = staging.routing(launch.routing)
+            routing = Routing(
+                topk_ids=_on_device(pinned.topk_ids, device),
+                topk_weights=_on_device(pinned.topk_weights, device),
+            )
+        staged = time.perf_counter()
+        events = self._events
+        events[0].record()
+        out = self._kernel(hidden, launch.layer, lora, routing)
+        events[1].record()
+        _scatter(out, outputs)
+        if launch.meanwhile is not None:
+            launch.meanwhile()
+        torch.cuda.current_stream(device).synchronize()
+        self._metrics.eager_runs.inc()
+        self._metrics.stage["stage"].observe(staged - start)
+        self._metrics.stage["kernel"].observe(events[0].elapsed_time(events[1]) / 1000)
+        return out
 
     def _run_eager(self, launch: Launch, staging: Staging) -> torch.Tensor:
         device = self._sync.device
@@ -158,3 +231,25 @@ def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     out = torch.empty(host.shape, dtype=host.dtype, device=device)
     copy_bytes(out, host)
     return out
+
+
+def _gather(parts: Sequence[torch.Tensor], dest: torch.Tensor) -> None:
+    """``dest`` ← the parts one after the other, on the device (casting to its dtype)."""
+    if all(p.device == dest.device for p in parts):
+        torch.cat([p.to(dest.dtype) for p in parts], out=dest)  # one kernel for all
+        return
+    at = 0
+    for part in parts:  # another GPU's memory, over the peer link: byte copies by our kernel
+        rows = int(part.shape[0])
+        copy_bytes(dest[at : at + rows], part.to(dest.dtype).contiguous())
+        at += rows
+
+
+def _scatter(rows: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """Each output ← its rows of ``rows``, on the device (casting to the output's dtype)."""
+    pieces = torch.split(rows, [int(o.shape[0]) for o in outputs])
+    if all(o.device == rows.device for o in outputs):
+        torch._foreach_copy_(list(outputs), list(pieces))
+        return
+    for output, piece in zip(outputs, pieces, strict=True):
+        copy_bytes(output, piece.to(output.dtype).contiguous())

@@ -339,24 +339,79 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             },
         )
         return executor_pb2.RegisterSharedMemoryResponse(
-            region=executor_pb2.SharedMemoryRegion(**region)
+            region=executor_pb2.SharedMemoryRegion(
+                region=region["region"], shm_name=region["shm_name"], size=region["size"]
+            )
         )
 
     @override
     def UnregisterSharedMemory(
         self, request: executor_pb2.UnregisterSharedMemoryRequest, context: grpc.ServicerContext
     ) -> executor_pb2.UnregisterSharedMemoryResponse:
-        self._link.call("unregister_shm", {"scope": _scope(context), "region": request.region})
+        self._link.call(
+            "unregister_region",
+            {"scope": _scope(context), "region": request.region, "kind": "shm"},
+        )
         return executor_pb2.UnregisterSharedMemoryResponse()
 
     @override
     def ListSharedMemory(
         self, request: executor_pb2.ListSharedMemoryRequest, context: grpc.ServicerContext
     ) -> executor_pb2.ListSharedMemoryResponse:
-        regions = self._link.call("list_shm", {"scope": _scope(context)})
+        regions = self._link.call("list_regions", {"scope": _scope(context), "kind": "shm"})
         return executor_pb2.ListSharedMemoryResponse(
-            regions=[executor_pb2.SharedMemoryRegion(**r) for r in regions]
+            regions=[
+                executor_pb2.SharedMemoryRegion(
+                    region=r["region"], shm_name=r["shm_name"], size=r["size"]
+                )
+                for r in regions
+            ]
         )
+
+    @override
+    def RegisterCudaMemory(
+        self, request: executor_pb2.RegisterCudaMemoryRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.RegisterCudaMemoryResponse:
+        if not _on_this_host(context.peer()):
+            raise FailedPrecondition(
+                f"CUDA memory is for clients on the executor's host; this call came from "
+                f"{context.peer()}: send the tensors' bytes instead",
+                "ipc_handle",
+            )
+        region = self._link.call(
+            "register_cuda",
+            {
+                "scope": _scope(context),
+                "region": request.region,
+                "ipc_handle": request.ipc_handle.hex(),
+                "device_uuid": request.device_uuid,
+                "size": request.size,
+            },
+        )
+        return executor_pb2.RegisterCudaMemoryResponse(region=_cuda_region(region))
+
+    @override
+    def UnregisterCudaMemory(
+        self, request: executor_pb2.UnregisterCudaMemoryRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.UnregisterCudaMemoryResponse:
+        self._link.call(
+            "unregister_region",
+            {"scope": _scope(context), "region": request.region, "kind": "cuda"},
+        )
+        return executor_pb2.UnregisterCudaMemoryResponse()
+
+    @override
+    def ListCudaMemory(
+        self, request: executor_pb2.ListCudaMemoryRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.ListCudaMemoryResponse:
+        regions = self._link.call("list_regions", {"scope": _scope(context), "kind": "cuda"})
+        return executor_pb2.ListCudaMemoryResponse(regions=[_cuda_region(r) for r in regions])
+
+
+def _cuda_region(region: dict[str, Any]) -> executor_pb2.CudaMemoryRegion:
+    return executor_pb2.CudaMemoryRegion(
+        region=region["region"], device_uuid=region["device_uuid"], size=region["size"]
+    )
 
 
 def _shared(tensor: executor_pb2.SharedTensor, field: str) -> TensorRef:

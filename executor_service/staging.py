@@ -59,13 +59,19 @@ class Staging:
         # wait a switch interval per call to win it back from busy threads.
         if parts:  # none while a graph is captured
             torch.cat(list(parts), out=self.input[:rows])
+        self.fill_slots(token_slots, rows, pad_to)
+        return rows
+
+    def fill_slots(self, token_slots: torch.Tensor | None, rows: int, pad_to: int = 0) -> None:
+        """The slot ids of ``rows`` rows (-1 for all when None), -1 from there to ``pad_to``
+        (for launches whose rows reach the device another way)."""
+        self._grow(max(rows, pad_to))
         padded = max(rows, pad_to)
         if token_slots is None:
             self.slots[:padded].fill_(-1)
         else:
             self.slots[:rows].copy_(token_slots)
             self.slots[rows:padded].fill_(-1)
-        return rows
 
     def routing(self, routing: Routing) -> Routing:
         """The caller's routing, copied into page-locked buffers (views valid until the next

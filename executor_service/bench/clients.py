@@ -8,9 +8,12 @@ latencies, the executor's ``server_time_us``, each call's wall-clock start, the 
 and end, and the answers checked. With ``--expected`` (the request's answer computed alone,
 float32 .npy) every warm-up answer and every ``CHECK_EVERY``-th timed one is compared with it
 row by row after the timed loop (``bench.answers``), so that checking costs the timing nothing.
+With ``--transport shm|cuda`` the answer stays where the executor wrote it (the client's shared
+or CUDA memory, as a client that uses it in place would have it); the checked ones are copied
+out after their call's time is taken.
 ``--target echo`` sends the same bytes to the echo server instead (the transport floor).
-Plain generated stubs, numpy only: a client process starts fast and shares nothing with the
-executor.
+Plain generated stubs, numpy only (torch for ``--transport cuda``): a client process starts
+fast and shares nothing with the executor.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -129,28 +133,44 @@ class _StreamCall:
 
 
 class _Transport:
-    """How a request's tensors travel: in the message (grpc), or in a shared-memory ring
-    registered with the executor once (shm), input written there once, output read back."""
+    """How a request's tensors travel: in the message (grpc), or in a region registered with
+    the executor once — shared memory (shm) or CUDA memory on this process's GPU (cuda) —
+    input written there once, the answer left there by the executor."""
 
     def __init__(
         self, channel: grpc.Channel, kind: str, target: str, request: executor_pb2.ForwardRequest
     ) -> None:
         self.request = request
         self._ring: Segment | None = None
+        self._device: Any = None  # a moelora.client.cuda_ipc.DeviceBuffer (cuda)
         self._stub = executor_pb2_grpc.ExecutorStub(channel)
         self._registered = False
+        self._kind = kind
         if kind == "grpc":
             return
         hidden = request.hidden_states
         nbytes = len(hidden.data)
-        ring = self._ring = Segment.create_unique("moelora-bench", 2 * nbytes)
-        ring.buffer[:nbytes] = hidden.data
         self._output_at = nbytes
         self._region = f"bench-{os.getpid()}"
-        if target == "executor":
-            self._stub.RegisterSharedMemory(
-                executor_pb2.RegisterSharedMemoryRequest(
-                    region=self._region, shm_name=ring.name, size=ring.size
+        if kind == "shm":
+            ring = self._ring = Segment.create_unique("moelora-bench", 2 * nbytes)
+            ring.buffer[:nbytes] = hidden.data
+            if target == "executor":
+                self._stub.RegisterSharedMemory(
+                    executor_pb2.RegisterSharedMemoryRequest(
+                        region=self._region, shm_name=ring.name, size=ring.size
+                    ),
+                    timeout=60,
+                )
+                self._registered = True
+        elif target == "executor":  # cuda; the echo server needs no memory
+            self._device = _device_copy(hidden.data, 2 * nbytes)
+            self._stub.RegisterCudaMemory(
+                executor_pb2.RegisterCudaMemoryRequest(
+                    region=self._region,
+                    ipc_handle=self._device.ipc_handle,
+                    device_uuid=_device_uuid(),
+                    size=self._device.nbytes,
                 ),
                 timeout=60,
             )
@@ -170,11 +190,14 @@ class _Transport:
         )
 
     def output(self, answered: tensor_pb2.Tensor | None) -> tensor_pb2.Tensor | None:
-        """The call's output: from the message, or a copy of the ring's output region."""
-        ring = self._ring
-        if ring is None or not self._registered:
+        """A copy of the call's output for the check: from the message, or from the region."""
+        if not self._registered:
             return answered
-        data = bytes(ring.buffer[self._output_at : 2 * self._output_at])
+        end = 2 * self._output_at
+        if self._ring is not None:
+            data = bytes(self._ring.buffer[self._output_at : end])
+        else:
+            data = self._device.tensor[self._output_at : end].cpu().numpy().tobytes()
         return tensor_pb2.Tensor(dtype=self._template.dtype, shape=self._template.shape, data=data)
 
     def __enter__(self) -> _Transport:
@@ -182,12 +205,43 @@ class _Transport:
 
     def __exit__(self, *_exc: object) -> None:
         if self._registered:
+            unregister = (
+                self._stub.UnregisterSharedMemory
+                if self._kind == "shm"
+                else self._stub.UnregisterCudaMemory
+            )
+            request_type = (
+                executor_pb2.UnregisterSharedMemoryRequest
+                if self._kind == "shm"
+                else executor_pb2.UnregisterCudaMemoryRequest
+            )
             with contextlib.suppress(grpc.RpcError):
-                self._stub.UnregisterSharedMemory(
-                    executor_pb2.UnregisterSharedMemoryRequest(region=self._region), timeout=10
-                )
+                unregister(request_type(region=self._region), timeout=10)
         if self._ring is not None:
             self._ring.close()
+        if self._device is not None:
+            self._device.close()
+
+
+def _device_copy(data: bytes, nbytes: int) -> Any:
+    """A CUDA IPC-exportable buffer of ``nbytes`` on this process's GPU, ``data`` at its start
+    (torch is imported only by cuda clients)."""
+    import torch
+
+    from moelora.client.cuda_ipc import DeviceBuffer
+
+    buffer = DeviceBuffer(nbytes, torch.device("cuda"))
+    buffer.tensor[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    torch.cuda.synchronize()
+    return buffer
+
+
+def _device_uuid() -> str:
+    import torch
+
+    from moelora.client.cuda_ipc import device_uuid
+
+    return device_uuid(torch.device("cuda"))
 
 
 def _row_errors(kept: list[tensor_pb2.Tensor | None], expected: Path | None) -> list[float]:
@@ -217,9 +271,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tolerance", type=float, default=0.0)
     parser.add_argument(
         "--transport",
-        choices=["grpc", "shm"],
+        choices=["grpc", "shm", "cuda"],
         default="grpc",
-        help="shm: the tensors in a shared-memory region registered once, the RPC a descriptor",
+        help="shm / cuda: the tensors in a shared-memory / CUDA-memory region registered once, "
+        "the RPC a descriptor",
     )
     args = parser.parse_args(argv)
     adapters = [a for a in args.adapters.split(",") if a]
@@ -232,11 +287,9 @@ def main(argv: list[str] | None = None) -> None:
         stream = _StreamCall(channel, args.target, request) if args.mode == "stream" else None
         sent: Call = stream if stream is not None else _unary_call(channel, args.target, request)
 
-        def call() -> tuple[int, tensor_pb2.Tensor | None]:
-            server_us, output = sent()
-            return server_us, transport.output(output)
-
-        kept: list[tensor_pb2.Tensor | None] = [call()[1] for _ in range(args.warmup)]
+        kept: list[tensor_pb2.Tensor | None] = [
+            transport.output(sent()[1]) for _ in range(args.warmup)
+        ]
         print("ready", flush=True)
         if sys.stdin.readline().strip() != "go":
             return
@@ -255,11 +308,11 @@ def main(argv: list[str] | None = None) -> None:
         while (len(latency) < args.iters) if args.iters else not stop.is_set():
             started.append(time.time())
             begin = time.perf_counter()
-            server_us, output = call()
+            server_us, output = sent()
             latency.append(time.perf_counter() - begin)
             server.append(server_us)
-            if len(latency) % CHECK_EVERY == 1:
-                kept.append(output)
+            if len(latency) % CHECK_EVERY == 1:  # copied out after the call's time is taken
+                kept.append(transport.output(output))
         end = time.time()
         if stream is not None:
             stream.close()

@@ -349,10 +349,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", default="8,32,64", help="client counts of the T=64 rows")
     parser.add_argument(
         "--transport",
-        choices=["grpc", "shm"],
+        choices=["grpc", "shm", "cuda"],
         default="grpc",
-        help="grpc: tensors in the messages; shm: in a shared-memory region each client "
-        "registers once, the RPC carrying only the descriptor",
+        help="grpc: tensors in the messages; shm / cuda: in a shared-memory / CUDA-memory "
+        "region (on the executor's GPU) each client registers once, the RPC carrying only the "
+        "descriptor",
     )
     parser.add_argument(
         "--frontends", type=int, help="the executor's --frontends (default: its own)"

@@ -36,13 +36,14 @@ from typing import Any
 
 import grpc
 import torch
+from prometheus_client import Counter
 
 from executor_service.adapters import AdapterStatus
 from executor_service.batch import Prepared, Segment
 from executor_service.engine import ForwardInput, ForwardOutput
 from executor_service.registry_source import registry_status
 from executor_service.runtime import ExecutorRuntime, replica_name
-from executor_service.serving.regions import HeldRegion, SharedRegions
+from executor_service.serving.regions import HeldRegion, RegionInfo, SharedRegions
 from executor_service.serving.wire import (
     Connection,
     ForwardDescriptor,
@@ -192,7 +193,7 @@ class EngineHost:
             request_id = descriptor.request_id
             runtime = self._ready()
             with runtime.device.guard():
-                request = self._request(link, descriptor, held)
+                request = self._request(link, descriptor, held, runtime.metrics.forward_transports)
                 preparing = time.perf_counter()
                 stage = runtime.metrics.stage
                 stage["decode"].observe(descriptor.decode_seconds)
@@ -247,27 +248,57 @@ class EngineHost:
         runtime.scheduler.submit(prepared, done)
 
     def _request(
-        self, link: _Link, descriptor: ForwardDescriptor, held: list[HeldRegion]
+        self,
+        link: _Link,
+        descriptor: ForwardDescriptor,
+        held: list[HeldRegion],
+        transports: Counter,
     ) -> ForwardInput:
-        """The request's tensors viewed where they lie (regions it names join ``held``)."""
+        """The request's tensors viewed where they lie (regions it names join ``held``),
+        counted by where the input lies (``transports``)."""
 
-        def tensor(ref: TensorRef, field: str) -> torch.Tensor:
+        def region(ref: TensorRef) -> HeldRegion | None:
             if not ref.segment:
+                return None
+            found = self.regions.acquire(descriptor.scope, ref.segment)
+            held.append(found)
+            return found
+
+        def tensor(ref: TensorRef, found: HeldRegion | None, field: str) -> torch.Tensor:
+            if found is None:
                 return link.tensor(ref, field)
-            region = self.regions.acquire(descriptor.scope, ref.segment)
-            held.append(region)
             dtype = _torch_dtype(ref, field)
-            flat = self.regions.view(region, ref.offset, math.prod(ref.shape), dtype, field)
+            flat = self.regions.view(found, ref.offset, math.prod(ref.shape), dtype, field)
             return flat.view(ref.shape)
 
+        hidden_region, output_region = region(descriptor.hidden), region(descriptor.output)
+        on_device = [r is not None and r.on_device for r in (hidden_region, output_region)]
+        if on_device[0] != on_device[1]:
+            raise InvalidArgument(
+                "shared_output: the input and the output must both be in CUDA memory or both "
+                "in host memory",
+                "shared_output",
+            )
+        transport = "message" if hidden_region is None else hidden_region.info.transport
+        transports.labels(transport).inc()
         ids, weights = descriptor.topk_ids, descriptor.topk_weights
+        routing_regions = [region(r) for r in (ids, weights) if r is not None]
+        if any(r is not None and r.on_device for r in routing_regions):
+            raise InvalidArgument(
+                "routing: give routing as bytes or in shared memory, not in CUDA memory",
+                "routing",
+            )
         return ForwardInput(
             layer=descriptor.layer,
-            hidden=tensor(descriptor.hidden, "shared_hidden_states"),
+            hidden=tensor(descriptor.hidden, hidden_region, "shared_hidden_states"),
             segments=[Segment(n, adapter) for n, adapter in descriptor.segments],
-            topk_ids=None if ids is None else tensor(ids, "routing.topk_ids"),
-            topk_weights=None if weights is None else tensor(weights, "routing.topk_weights"),
-            output=tensor(descriptor.output, "shared_output"),
+            topk_ids=None if ids is None else tensor(ids, routing_regions[0], "routing.topk_ids"),
+            topk_weights=(
+                None
+                if weights is None
+                else tensor(weights, routing_regions[1], "routing.topk_weights")
+            ),
+            output=tensor(descriptor.output, output_region, "shared_output"),
         )
 
     def _answered(
@@ -313,6 +344,11 @@ class EngineHost:
                 link.send(Kind.REPLY, json.dumps(reply).encode())
                 return
             runtime = self._ready()
+            if call["method"] == "register_cuda":
+                with runtime.device.guard():
+                    reply["value"] = _register_cuda(self.regions, runtime, call["args"])
+                link.send(Kind.REPLY, json.dumps(reply).encode())
+                return
             method = _CALLS.get(call["method"])
             if method is None:
                 raise InvalidArgument(f"unknown engine call {call['method']!r}")
@@ -507,23 +543,47 @@ def _info(runtime: ExecutorRuntime, _args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _region_json(info: RegionInfo) -> dict[str, Any]:
+    return {
+        "region": info.region,
+        "kind": info.kind,
+        "size": info.size,
+        "shm_name": info.shm_name,
+        "device_uuid": info.device_uuid,
+    }
+
+
 def _register(regions: SharedRegions, args: dict[str, Any]) -> dict[str, Any]:
     info = regions.register(args["scope"], args["region"], args["shm_name"], int(args["size"]))
-    return dataclasses.asdict(info)
+    return _region_json(info)
+
+
+def _register_cuda(
+    regions: SharedRegions, runtime: ExecutorRuntime, args: dict[str, Any]
+) -> dict[str, Any]:
+    info = regions.register_cuda(
+        args["scope"],
+        args["region"],
+        bytes.fromhex(args["ipc_handle"]),
+        int(args["size"]),
+        str(args["device_uuid"]),
+        runtime.placement.device,
+    )
+    return _region_json(info)
 
 
 def _unregister(regions: SharedRegions, args: dict[str, Any]) -> None:
-    regions.unregister(args["scope"], args["region"])
+    regions.unregister(args["scope"], args["region"], args["kind"])
 
 
 def _list_regions(regions: SharedRegions, args: dict[str, Any]) -> list[dict[str, Any]]:
-    return [dataclasses.asdict(r) for r in regions.list(args["scope"])]
+    return [_region_json(r) for r in regions.list(args["scope"], args["kind"])]
 
 
 _REGION_CALLS: dict[str, Callable[[SharedRegions, dict[str, Any]], Any]] = {
     "register_shm": _register,
-    "unregister_shm": _unregister,
-    "list_shm": _list_regions,
+    "unregister_region": _unregister,
+    "list_regions": _list_regions,
 }
 
 _CALLS: dict[str, Callable[[ExecutorRuntime, dict[str, Any]], dict[str, Any]]] = {

@@ -1,21 +1,25 @@
-"""Clients' shared memory, registered with the engine: same-host requests without their bytes.
+"""Clients' memory, registered with the engine: same-host requests without their bytes.
 
-A client on the executor's host creates a POSIX shared-memory object, registers it once
-(``RegisterSharedMemory``: a region name of its choosing, the object's name, a size), and then
-names a Forward's input and output as (region, offset) in it; the engine reads the input and
-writes the output there in place, and the RPC carries only the descriptor. Regions belong to
-the caller that registered them (its token's scope): another caller cannot name them, list them
-or unregister them. Every tensor's bounds are checked against the registered size. A region
+A client on the executor's host registers a region once — a POSIX shared-memory object
+(``RegisterSharedMemory``) or device memory exported by CUDA IPC (``RegisterCudaMemory``) —
+under a name of its choosing, and then names a Forward's input and output as (region, offset)
+in it; the engine reads the input and writes the output there in place, and the RPC carries
+only the descriptor. Both kinds share one namespace per caller. Regions belong to the caller
+that registered them (its token's scope): another caller cannot name them, list them or
+unregister them. Every tensor's bounds are checked against the registered size. A region
 unregistered while a request uses it stays mapped until that request is done.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 import torch
 
+from moelora.client import cuda_ipc
 from moelora.client.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -23,25 +27,74 @@ from moelora.client.errors import (
     NotFound,
     ResourceExhausted,
 )
+from moelora.client.logs import log_event
 from moelora.client.shared_memory import SHM_ROOT, Segment, valid_name
 
-#: Regions one caller may hold at once.
+log = logging.getLogger(__name__)
+
+#: Regions one caller may hold at once (of both kinds).
 MAX_REGIONS_PER_SCOPE = 64
 
 
 @dataclass(frozen=True)
 class RegionInfo:
+    """A registered region: ``shm_name`` for shared memory, ``device_uuid`` for CUDA memory."""
+
     region: str
-    shm_name: str
+    kind: Literal["shm", "cuda"]
     size: int
+    shm_name: str = ""
+    device_uuid: str = ""
+    #: The CUDA IPC handle (what makes a CUDA region the same one when registered again).
+    ipc_handle: bytes = field(default=b"", repr=False)
+
+    @property
+    def transport(self) -> str:
+        """The label of ``moelora_executor_forward_requests_by_transport_total``."""
+        return "cuda_memory" if self.kind == "cuda" else "shared_memory"
+
+
+class _Memory(Protocol):
+    #: The region's bytes (uint8, on the CPU or on a GPU).
+    bytes: torch.Tensor
+
+    def close(self) -> None: ...
+
+
+class _SharedMemory:
+    def __init__(self, segment: Segment, size: int) -> None:
+        self._segment = segment
+        self.bytes = torch.frombuffer(segment.buffer, dtype=torch.uint8, count=size)
+
+    def close(self) -> None:
+        del self.bytes
+        self._segment.close()
+
+
+class _CudaMemory:
+    def __init__(self, pointer: int, size: int, device: torch.device) -> None:
+        self._pointer = pointer
+        self._device = device
+        self.bytes = cuda_ipc.device_tensor(pointer, size)
+
+    def close(self) -> None:
+        del self.bytes
+        try:
+            cuda_ipc.close_ipc_handle(self._pointer, self._device)
+        except cuda_ipc.CudaError as exc:  # the exporting process is gone: nothing to keep
+            log_event(log, "cuda_region_close_failed", logging.WARNING, error=str(exc))
 
 
 class HeldRegion:
-    def __init__(self, info: RegionInfo, segment: Segment) -> None:
+    def __init__(self, info: RegionInfo, memory: _Memory) -> None:
         self.info = info
-        self.segment = segment
+        self.memory = memory
         self.users = 0
         self.registered = True
+
+    @property
+    def on_device(self) -> bool:
+        return self.info.kind == "cuda"
 
 
 class SharedRegions:
@@ -52,24 +105,57 @@ class SharedRegions:
         self._scopes: dict[str, dict[str, HeldRegion]] = {}
 
     def register(self, scope: str, region: str, shm_name: str, size: int) -> RegionInfo:
-        if not region or len(region) > 128:
-            raise InvalidArgument("region: must be 1 to 128 characters", "region")
+        """A POSIX shared-memory object on this host."""
         if not valid_name(shm_name):
             raise InvalidArgument(
                 f"shm_name: {shm_name!r} is not a POSIX shared-memory name (letters, digits, "
                 "'.', '_' and '-', without '/')",
                 "shm_name",
             )
-        info = RegionInfo(region, shm_name, size)
+        info = RegionInfo(_checked_name(region), "shm", size, shm_name=shm_name)
+        return self._add(scope, info, lambda: _SharedMemory(_open(shm_name, size), size))
+
+    def register_cuda(
+        self,
+        scope: str,
+        region: str,
+        handle: bytes,
+        size: int,
+        device_uuid: str,
+        device: torch.device,
+    ) -> RegionInfo:
+        """Device memory another process on this host exported (``cudaIpcGetMemHandle``),
+        mapped for the engine's ``device``."""
+        if len(handle) != cuda_ipc.HANDLE_BYTES:
+            raise InvalidArgument(
+                f"ipc_handle: {len(handle)} bytes; a cudaIpcMemHandle_t has "
+                f"{cuda_ipc.HANDLE_BYTES}",
+                "ipc_handle",
+            )
+        if size <= 0:
+            raise InvalidArgument("size: must be at least 1 byte", "size")
+        if device.type != "cuda":
+            raise FailedPrecondition(
+                "ipc_handle: this executor computes on the CPU and cannot map CUDA memory; "
+                "send the tensors' bytes or use shared memory",
+                "ipc_handle",
+            )
+        info = RegionInfo(
+            _checked_name(region), "cuda", size, device_uuid=device_uuid, ipc_handle=handle
+        )
+        return self._add(scope, info, lambda: _open_cuda(handle, size, device_uuid, device))
+
+    def _add(self, scope: str, info: RegionInfo, open_memory: object) -> RegionInfo:
+        assert callable(open_memory)
         with self._lock:
             held = self._scopes.setdefault(scope, {})
-            known = held.get(region)
+            known = held.get(info.region)
             if known is not None:
                 if known.info == info:
                     return info
                 raise AlreadyExists(
-                    f"region: {region!r} is registered already (to {known.info.shm_name}, "
-                    f"{known.info.size} bytes); unregister it first",
+                    f"region: {info.region!r} is registered already ({_describe(known.info)}); "
+                    "unregister it first",
                     "region",
                 )
             if len(held) >= MAX_REGIONS_PER_SCOPE:
@@ -78,22 +164,23 @@ class SharedRegions:
                     "one may hold; unregister one first",
                     "region",
                 )
-            segment = _open(shm_name, size)
-            held[region] = HeldRegion(info, segment)
+            held[info.region] = HeldRegion(info, open_memory())
         return info
 
-    def unregister(self, scope: str, region: str) -> None:
+    def unregister(self, scope: str, region: str, kind: str) -> None:
         with self._lock:
-            found = self._scopes.get(scope, {}).pop(region, None)
-            if found is None:
+            regions = self._scopes.get(scope, {})
+            found = regions.get(region)
+            if found is None or found.info.kind != kind:
                 raise NotFound(f"region: {region!r} is not registered by this caller", "region")
+            del regions[region]
             found.registered = False
             if found.users == 0:
-                found.segment.close()
+                found.memory.close()
 
-    def list(self, scope: str) -> list[RegionInfo]:
+    def list(self, scope: str, kind: str) -> list[RegionInfo]:
         with self._lock:
-            return [r.info for r in self._scopes.get(scope, {}).values()]
+            return [r.info for r in self._scopes.get(scope, {}).values() if r.info.kind == kind]
 
     def acquire(self, scope: str, region: str) -> HeldRegion:
         """Holds a region for one request (``release`` it after)."""
@@ -101,7 +188,8 @@ class SharedRegions:
             found = self._scopes.get(scope, {}).get(region)
             if found is None:
                 raise NotFound(
-                    f"region: {region!r} is not registered by this caller (RegisterSharedMemory)",
+                    f"region: {region!r} is not registered by this caller "
+                    "(RegisterSharedMemory, RegisterCudaMemory)",
                     "region",
                 )
             found.users += 1
@@ -111,7 +199,7 @@ class SharedRegions:
         with self._lock:
             held.users -= 1
             if held.users == 0 and not held.registered:
-                held.segment.close()
+                held.memory.close()
 
     @staticmethod
     def view(
@@ -129,9 +217,19 @@ class SharedRegions:
             raise InvalidArgument(
                 f"{field}: offset {offset} is not a multiple of the element size", field
             )
-        if count == 0:
-            return torch.empty(0, dtype=dtype)
-        return torch.frombuffer(held.segment.buffer, dtype=dtype, count=count, offset=offset)
+        return held.memory.bytes[offset : offset + nbytes].view(dtype)
+
+
+def _checked_name(region: str) -> str:
+    if not region or len(region) > 128:
+        raise InvalidArgument("region: must be 1 to 128 characters", "region")
+    return region
+
+
+def _describe(info: RegionInfo) -> str:
+    if info.kind == "shm":
+        return f"to {info.shm_name}, {info.size} bytes"
+    return f"to CUDA memory of {info.size} bytes"
 
 
 def _open(shm_name: str, size: int) -> Segment:
@@ -155,3 +253,39 @@ def _open(shm_name: str, size: int) -> Segment:
         raise FailedPrecondition(
             f"shm_name: the executor may not open {shm_name!r} (its permissions)", "shm_name"
         ) from None
+
+
+def _open_cuda(handle: bytes, size: int, device_uuid: str, device: torch.device) -> _CudaMemory:
+    own = cuda_ipc.device_uuid(device)
+    if device_uuid and device_uuid != own:
+        # Another GPU of this host: reachable only over a peer link, which the open below
+        # enables (or fails naming why).
+        visible = {
+            cuda_ipc.device_uuid(torch.device("cuda", i)) for i in range(torch.cuda.device_count())
+        }
+        if device_uuid not in visible:
+            raise FailedPrecondition(
+                f"device_uuid: {device_uuid} is not a GPU this executor can see (it computes "
+                f"on {own}); CUDA memory must be on its GPU or one it reaches by a peer link",
+                "device_uuid",
+            )
+    try:
+        pointer = cuda_ipc.open_ipc_handle(handle, device)
+    except cuda_ipc.CudaError as exc:
+        raise FailedPrecondition(
+            f"ipc_handle: the executor cannot map this memory ({exc}); the exporting process "
+            "must be alive on this host, and the handle made by cudaIpcGetMemHandle on a "
+            "cudaMalloc pointer",
+            "ipc_handle",
+        ) from None
+    # A size past the allocation would let requests read and write beyond it: a fault that
+    # takes the engine's context down, not an error for this client.
+    actual = cuda_ipc.allocation_size(pointer, device)
+    if size > actual:
+        cuda_ipc.close_ipc_handle(pointer, device)
+        raise FailedPrecondition(
+            f"size: {size} bytes, but the exported allocation holds {actual}; register at "
+            "most its size",
+            "size",
+        )
+    return _CudaMemory(pointer, size, device)

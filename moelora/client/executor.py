@@ -34,9 +34,10 @@ import numpy as np
 from moelora.client import keepalive
 from moelora.client import tensors as codec
 from moelora.client.auth import open_channel
+from moelora.client.cuda_ring import CudaMemoryRing
 from moelora.client.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
 from moelora.client.health import wait_until_serving
-from moelora.client.shared_memory import SharedMemoryRing, Slot
+from moelora.client.shared_memory import ForwardRing, SharedMemoryRing, Slot
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ def channel_options(max_message_bytes: int, keepalive_seconds: float) -> list[tu
 
 
 def shared_forward_request(
-    ring: SharedMemoryRing,
+    ring: ForwardRing,
     slot: Slot,
     layer: int,
     hidden: Array,
@@ -258,12 +259,13 @@ class ExecutorClient:
         segments: Segments | None = None,
         routing: RoutingTensors[Array] | None = None,
         timeout: float | None = None,
-        ring: SharedMemoryRing | None = None,
+        ring: ForwardRing | None = None,
     ) -> ForwardResult[Array]:
         """One MoE layer for ``hidden`` (T, H): a numpy array (float32/float16) or a torch
         tensor (bfloat16 too); the output is of the same kind and dtype. ``segments`` cover
         the T tokens in order; None = all tokens on the base model. ``ring`` (from
-        ``shared_memory``): the tensors travel through it where a slot fits them."""
+        ``shared_memory`` or ``cuda_memory``): the tensors travel through it where a slot
+        fits them."""
         slot = None if ring is None else ring.take(hidden)
         if ring is None or slot is None:
             request = forward_request(layer, hidden, segments, routing)
@@ -303,6 +305,42 @@ class ExecutorClient:
                     self._call(
                         self._stub.UnregisterSharedMemory,
                         executor_pb2.UnregisterSharedMemoryRequest(region=ring.region),
+                        timeout,
+                        idempotent=True,
+                    )
+        finally:
+            ring.close()
+
+    @contextlib.contextmanager
+    def cuda_memory(
+        self,
+        hidden_size: int,
+        max_tokens: int,
+        device: torch.device | str = "cuda",
+        slots: int = 4,
+        dtype: str = "bfloat16",
+        timeout: float | None = None,
+    ) -> Iterator[CudaMemoryRing]:
+        """A ring of ``slots`` Forward slots in CUDA memory on ``device``, registered with the
+        executor (same host; its GPU or one it reaches by a peer link) while the block runs:
+        ``forward(..., ring=ring)`` with torch tensors then sends descriptors, and the tensors
+        stay on the GPUs (see ``moelora.client.cuda_ring``)."""
+        import torch
+
+        ring = CudaMemoryRing(
+            shared_region_name(), hidden_size, max_tokens, torch.device(device), slots, dtype
+        )
+        try:
+            self._call(
+                self._stub.RegisterCudaMemory, ring.register_request(), timeout, idempotent=True
+            )
+            try:
+                yield ring
+            finally:
+                with contextlib.suppress(MoeLoraError):
+                    self._call(
+                        self._stub.UnregisterCudaMemory,
+                        executor_pb2.UnregisterCudaMemoryRequest(region=ring.region),
                         timeout,
                         idempotent=True,
                     )

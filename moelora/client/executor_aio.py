@@ -19,13 +19,14 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import grpc.aio
 
 from moelora.client import keepalive
 from moelora.client.auth import bearer_metadata
+from moelora.client.cuda_ring import CudaMemoryRing
 from moelora.client.errors import MoeLoraError, Unavailable, from_rpc_error
 from moelora.client.executor import (
     Array,
@@ -42,8 +43,11 @@ from moelora.client.executor import (
     shared_region_name,
     stream_error,
 )
-from moelora.client.shared_memory import SharedMemoryRing
+from moelora.client.shared_memory import ForwardRing, SharedMemoryRing
 from moelora.v1 import executor_pb2, executor_pb2_grpc
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -110,7 +114,7 @@ class AsyncExecutorClient:
         segments: Segments | None = None,
         routing: RoutingTensors[Array] | None = None,
         timeout: float | None = None,
-        ring: SharedMemoryRing | None = None,
+        ring: ForwardRing | None = None,
     ) -> ForwardResult[Array]:
         """One MoE layer for ``hidden`` (T, H), as ``ExecutorClient.forward``."""
         slot = None if ring is None else ring.take(hidden)
@@ -150,6 +154,40 @@ class AsyncExecutorClient:
                     await self._call(
                         self._stub.UnregisterSharedMemory,
                         executor_pb2.UnregisterSharedMemoryRequest(region=ring.region),
+                        timeout,
+                        idempotent=True,
+                    )
+        finally:
+            ring.close()
+
+    @contextlib.asynccontextmanager
+    async def cuda_memory(
+        self,
+        hidden_size: int,
+        max_tokens: int,
+        device: torch.device | str = "cuda",
+        slots: int = 4,
+        dtype: str = "bfloat16",
+        timeout: float | None = None,
+    ) -> AsyncIterator[CudaMemoryRing]:
+        """A registered CUDA-memory ring for ``forward(..., ring=ring)``, as
+        ``ExecutorClient.cuda_memory``."""
+        import torch
+
+        ring = CudaMemoryRing(
+            shared_region_name(), hidden_size, max_tokens, torch.device(device), slots, dtype
+        )
+        try:
+            await self._call(
+                self._stub.RegisterCudaMemory, ring.register_request(), timeout, idempotent=True
+            )
+            try:
+                yield ring
+            finally:
+                with contextlib.suppress(MoeLoraError):
+                    await self._call(
+                        self._stub.UnregisterCudaMemory,
+                        executor_pb2.UnregisterCudaMemoryRequest(region=ring.region),
                         timeout,
                         idempotent=True,
                     )

@@ -24,7 +24,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -104,6 +104,23 @@ class Slot:
     tokens: int
     input_offset: int
     output_offset: int
+
+
+class ForwardRing(Protocol):
+    """Slots for Forward's tensors that a client registered with an executor: a
+    ``SharedMemoryRing``, or a ``moelora.client.cuda_ring.CudaMemoryRing``."""
+
+    region: str
+
+    def take(self, hidden: Any) -> Slot | None: ...
+
+    def give_back(self, slot: Slot) -> None: ...
+
+    def request(
+        self, slot: Slot, hidden: Any, layer: int, segments: list[executor_pb2.Segment]
+    ) -> executor_pb2.ForwardRequest: ...
+
+    def output(self, slot: Slot, like: Array) -> Array: ...
 
 
 class SharedMemoryRing:

@@ -138,8 +138,8 @@ class ForwardRequest(_message.Message):
 
     @_builtins.property
     def shared_hidden_states(self) -> Global___SharedTensor:
-        """Instead of hidden_states (left unset): the input in a registered shared-memory
-        region, [T, hidden_size] float32, float16 or bfloat16.
+        """Instead of hidden_states (left unset): the input in a registered region (shared
+        memory or CUDA memory), [T, hidden_size] float32, float16 or bfloat16.
         """
 
     @_builtins.property
@@ -168,7 +168,7 @@ Global___ForwardRequest: _TypeAlias = ForwardRequest  # noqa: Y015
 
 @_typing.final
 class SharedTensor(_message.Message):
-    """A tensor in a registered shared-memory region."""
+    """A tensor in a registered region (shared memory or CUDA memory)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -365,6 +365,174 @@ class ListSharedMemoryResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListSharedMemoryResponse: _TypeAlias = ListSharedMemoryResponse  # noqa: Y015
+
+@_typing.final
+class CudaMemoryRegion(_message.Message):
+    """A region of CUDA memory a caller registered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """The caller's name for it, used in SharedTensor.region."""
+    device_uuid: _builtins.str
+    """The GPU the memory is on ("GPU-" and its UUID, as nvidia-smi -L prints it)."""
+    size: _builtins.int
+    """Bytes from the allocation's start that the executor may read and write."""
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+        device_uuid: _builtins.str = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "region", b"region", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaMemoryRegion: _TypeAlias = CudaMemoryRegion  # noqa: Y015
+
+@_typing.final
+class RegisterCudaMemoryRequest(_message.Message):
+    """Request of RegisterCudaMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    IPC_HANDLE_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """The caller's name for the region."""
+    ipc_handle: _builtins.bytes
+    """The cudaIpcMemHandle_t of the allocation (64 bytes)."""
+    device_uuid: _builtins.str
+    """The GPU the memory is on ("GPU-<uuid>"); empty: the executor's own."""
+    size: _builtins.int
+    """Bytes from the allocation's start that the executor may use (at most its size)."""
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+        ipc_handle: _builtins.bytes = ...,
+        device_uuid: _builtins.str = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "ipc_handle", b"ipc_handle", "region", b"region", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterCudaMemoryRequest: _TypeAlias = RegisterCudaMemoryRequest  # noqa: Y015
+
+@_typing.final
+class RegisterCudaMemoryResponse(_message.Message):
+    """Response of RegisterCudaMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def region(self) -> Global___CudaMemoryRegion:
+        """The region as registered."""
+
+    def __init__(
+        self,
+        *,
+        region: Global___CudaMemoryRegion | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterCudaMemoryResponse: _TypeAlias = RegisterCudaMemoryResponse  # noqa: Y015
+
+@_typing.final
+class UnregisterCudaMemoryRequest(_message.Message):
+    """Request of UnregisterCudaMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """The caller's name for the region."""
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnregisterCudaMemoryRequest: _TypeAlias = UnregisterCudaMemoryRequest  # noqa: Y015
+
+@_typing.final
+class UnregisterCudaMemoryResponse(_message.Message):
+    """Response of UnregisterCudaMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnregisterCudaMemoryResponse: _TypeAlias = UnregisterCudaMemoryResponse  # noqa: Y015
+
+@_typing.final
+class ListCudaMemoryRequest(_message.Message):
+    """Request of ListCudaMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCudaMemoryRequest: _TypeAlias = ListCudaMemoryRequest  # noqa: Y015
+
+@_typing.final
+class ListCudaMemoryResponse(_message.Message):
+    """Response of ListCudaMemory."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaMemoryRegion]:
+        """The caller's CUDA regions."""
+
+    def __init__(
+        self,
+        *,
+        regions: _abc.Iterable[Global___CudaMemoryRegion] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["regions", b"regions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCudaMemoryResponse: _TypeAlias = ListCudaMemoryResponse  # noqa: Y015
 
 @_typing.final
 class ForwardResponse(_message.Message):

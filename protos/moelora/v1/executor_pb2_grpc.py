@@ -98,6 +98,21 @@ class ExecutorStub:
                 request_serializer=moelora_dot_v1_dot_executor__pb2.ListSharedMemoryRequest.SerializeToString,
                 response_deserializer=moelora_dot_v1_dot_executor__pb2.ListSharedMemoryResponse.FromString,
                 _registered_method=True)
+        self.RegisterCudaMemory = channel.unary_unary(
+                '/moelora.v1.Executor/RegisterCudaMemory',
+                request_serializer=moelora_dot_v1_dot_executor__pb2.RegisterCudaMemoryRequest.SerializeToString,
+                response_deserializer=moelora_dot_v1_dot_executor__pb2.RegisterCudaMemoryResponse.FromString,
+                _registered_method=True)
+        self.UnregisterCudaMemory = channel.unary_unary(
+                '/moelora.v1.Executor/UnregisterCudaMemory',
+                request_serializer=moelora_dot_v1_dot_executor__pb2.UnregisterCudaMemoryRequest.SerializeToString,
+                response_deserializer=moelora_dot_v1_dot_executor__pb2.UnregisterCudaMemoryResponse.FromString,
+                _registered_method=True)
+        self.ListCudaMemory = channel.unary_unary(
+                '/moelora.v1.Executor/ListCudaMemory',
+                request_serializer=moelora_dot_v1_dot_executor__pb2.ListCudaMemoryRequest.SerializeToString,
+                response_deserializer=moelora_dot_v1_dot_executor__pb2.ListCudaMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -220,6 +235,37 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterCudaMemory(self, request, context):
+        """Same-host CUDA memory: a client on the executor's host exports device memory
+        (cudaIpcGetMemHandle on a cudaMalloc pointer) and registers it once; Forward then
+        names its input and output in it (SharedTensor.region, both in CUDA memory) and the
+        executor's kernels read and write them in place. The client's writes must be complete
+        before it sends a request (synchronise the stream that wrote them); the output is
+        complete when the answer arrives. The memory must be on the executor's GPU or one it
+        reaches by a peer link. CUDA and shared-memory regions share one namespace per caller.
+        Registering the same region again with the same handle and size is a no-op.
+        Errors: INVALID_ARGUMENT (names, handle length), FAILED_PRECONDITION (a CPU executor, a
+        GPU it cannot see, a handle it cannot map, size beyond the allocation, a caller on
+        another host), ALREADY_EXISTS, RESOURCE_EXHAUSTED (too many regions).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterCudaMemory(self, request, context):
+        """Forgets a CUDA region and unmaps it once requests using it finish. Errors: NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCudaMemory(self, request, context):
+        """The caller's registered CUDA regions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -277,6 +323,21 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.ListSharedMemory,
                     request_deserializer=moelora_dot_v1_dot_executor__pb2.ListSharedMemoryRequest.FromString,
                     response_serializer=moelora_dot_v1_dot_executor__pb2.ListSharedMemoryResponse.SerializeToString,
+            ),
+            'RegisterCudaMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterCudaMemory,
+                    request_deserializer=moelora_dot_v1_dot_executor__pb2.RegisterCudaMemoryRequest.FromString,
+                    response_serializer=moelora_dot_v1_dot_executor__pb2.RegisterCudaMemoryResponse.SerializeToString,
+            ),
+            'UnregisterCudaMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterCudaMemory,
+                    request_deserializer=moelora_dot_v1_dot_executor__pb2.UnregisterCudaMemoryRequest.FromString,
+                    response_serializer=moelora_dot_v1_dot_executor__pb2.UnregisterCudaMemoryResponse.SerializeToString,
+            ),
+            'ListCudaMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCudaMemory,
+                    request_deserializer=moelora_dot_v1_dot_executor__pb2.ListCudaMemoryRequest.FromString,
+                    response_serializer=moelora_dot_v1_dot_executor__pb2.ListCudaMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -585,6 +646,87 @@ class Executor:
             '/moelora.v1.Executor/ListSharedMemory',
             moelora_dot_v1_dot_executor__pb2.ListSharedMemoryRequest.SerializeToString,
             moelora_dot_v1_dot_executor__pb2.ListSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterCudaMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moelora.v1.Executor/RegisterCudaMemory',
+            moelora_dot_v1_dot_executor__pb2.RegisterCudaMemoryRequest.SerializeToString,
+            moelora_dot_v1_dot_executor__pb2.RegisterCudaMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterCudaMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moelora.v1.Executor/UnregisterCudaMemory',
+            moelora_dot_v1_dot_executor__pb2.UnregisterCudaMemoryRequest.SerializeToString,
+            moelora_dot_v1_dot_executor__pb2.UnregisterCudaMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCudaMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moelora.v1.Executor/ListCudaMemory',
+            moelora_dot_v1_dot_executor__pb2.ListCudaMemoryRequest.SerializeToString,
+            moelora_dot_v1_dot_executor__pb2.ListCudaMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

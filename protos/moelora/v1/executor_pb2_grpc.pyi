@@ -102,6 +102,23 @@ class ExecutorStub:
     """Forgets a region; requests using it finish first. Errors: NOT_FOUND."""
     ListSharedMemory: _grpc.UnaryUnaryMultiCallable[_executor_pb2.ListSharedMemoryRequest, _executor_pb2.ListSharedMemoryResponse]
     """The caller's registered regions."""
+    RegisterCudaMemory: _grpc.UnaryUnaryMultiCallable[_executor_pb2.RegisterCudaMemoryRequest, _executor_pb2.RegisterCudaMemoryResponse]
+    """Same-host CUDA memory: a client on the executor's host exports device memory
+    (cudaIpcGetMemHandle on a cudaMalloc pointer) and registers it once; Forward then
+    names its input and output in it (SharedTensor.region, both in CUDA memory) and the
+    executor's kernels read and write them in place. The client's writes must be complete
+    before it sends a request (synchronise the stream that wrote them); the output is
+    complete when the answer arrives. The memory must be on the executor's GPU or one it
+    reaches by a peer link. CUDA and shared-memory regions share one namespace per caller.
+    Registering the same region again with the same handle and size is a no-op.
+    Errors: INVALID_ARGUMENT (names, handle length), FAILED_PRECONDITION (a CPU executor, a
+    GPU it cannot see, a handle it cannot map, size beyond the allocation, a caller on
+    another host), ALREADY_EXISTS, RESOURCE_EXHAUSTED (too many regions).
+    """
+    UnregisterCudaMemory: _grpc.UnaryUnaryMultiCallable[_executor_pb2.UnregisterCudaMemoryRequest, _executor_pb2.UnregisterCudaMemoryResponse]
+    """Forgets a CUDA region and unmaps it once requests using it finish. Errors: NOT_FOUND."""
+    ListCudaMemory: _grpc.UnaryUnaryMultiCallable[_executor_pb2.ListCudaMemoryRequest, _executor_pb2.ListCudaMemoryResponse]
+    """The caller's registered CUDA regions."""
 
 @_typing.type_check_only
 class ExecutorAsyncStub(ExecutorStub):
@@ -177,6 +194,23 @@ class ExecutorAsyncStub(ExecutorStub):
     """Forgets a region; requests using it finish first. Errors: NOT_FOUND."""
     ListSharedMemory: _aio.UnaryUnaryMultiCallable[_executor_pb2.ListSharedMemoryRequest, _executor_pb2.ListSharedMemoryResponse]  # type: ignore[assignment]
     """The caller's registered regions."""
+    RegisterCudaMemory: _aio.UnaryUnaryMultiCallable[_executor_pb2.RegisterCudaMemoryRequest, _executor_pb2.RegisterCudaMemoryResponse]  # type: ignore[assignment]
+    """Same-host CUDA memory: a client on the executor's host exports device memory
+    (cudaIpcGetMemHandle on a cudaMalloc pointer) and registers it once; Forward then
+    names its input and output in it (SharedTensor.region, both in CUDA memory) and the
+    executor's kernels read and write them in place. The client's writes must be complete
+    before it sends a request (synchronise the stream that wrote them); the output is
+    complete when the answer arrives. The memory must be on the executor's GPU or one it
+    reaches by a peer link. CUDA and shared-memory regions share one namespace per caller.
+    Registering the same region again with the same handle and size is a no-op.
+    Errors: INVALID_ARGUMENT (names, handle length), FAILED_PRECONDITION (a CPU executor, a
+    GPU it cannot see, a handle it cannot map, size beyond the allocation, a caller on
+    another host), ALREADY_EXISTS, RESOURCE_EXHAUSTED (too many regions).
+    """
+    UnregisterCudaMemory: _aio.UnaryUnaryMultiCallable[_executor_pb2.UnregisterCudaMemoryRequest, _executor_pb2.UnregisterCudaMemoryResponse]  # type: ignore[assignment]
+    """Forgets a CUDA region and unmaps it once requests using it finish. Errors: NOT_FOUND."""
+    ListCudaMemory: _aio.UnaryUnaryMultiCallable[_executor_pb2.ListCudaMemoryRequest, _executor_pb2.ListCudaMemoryResponse]  # type: ignore[assignment]
+    """The caller's registered CUDA regions."""
 
 class ExecutorServicer(metaclass=_abc_1.ABCMeta):
     """One per GPU pod: holds one base model's MoE layers and many LoRA adapters,
@@ -315,5 +349,40 @@ class ExecutorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_executor_pb2.ListSharedMemoryResponse, _abc.Awaitable[_executor_pb2.ListSharedMemoryResponse]]:
         """The caller's registered regions."""
+
+    @_abc_1.abstractmethod
+    def RegisterCudaMemory(
+        self,
+        request: _executor_pb2.RegisterCudaMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.RegisterCudaMemoryResponse, _abc.Awaitable[_executor_pb2.RegisterCudaMemoryResponse]]:
+        """Same-host CUDA memory: a client on the executor's host exports device memory
+        (cudaIpcGetMemHandle on a cudaMalloc pointer) and registers it once; Forward then
+        names its input and output in it (SharedTensor.region, both in CUDA memory) and the
+        executor's kernels read and write them in place. The client's writes must be complete
+        before it sends a request (synchronise the stream that wrote them); the output is
+        complete when the answer arrives. The memory must be on the executor's GPU or one it
+        reaches by a peer link. CUDA and shared-memory regions share one namespace per caller.
+        Registering the same region again with the same handle and size is a no-op.
+        Errors: INVALID_ARGUMENT (names, handle length), FAILED_PRECONDITION (a CPU executor, a
+        GPU it cannot see, a handle it cannot map, size beyond the allocation, a caller on
+        another host), ALREADY_EXISTS, RESOURCE_EXHAUSTED (too many regions).
+        """
+
+    @_abc_1.abstractmethod
+    def UnregisterCudaMemory(
+        self,
+        request: _executor_pb2.UnregisterCudaMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.UnregisterCudaMemoryResponse, _abc.Awaitable[_executor_pb2.UnregisterCudaMemoryResponse]]:
+        """Forgets a CUDA region and unmaps it once requests using it finish. Errors: NOT_FOUND."""
+
+    @_abc_1.abstractmethod
+    def ListCudaMemory(
+        self,
+        request: _executor_pb2.ListCudaMemoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.ListCudaMemoryResponse, _abc.Awaitable[_executor_pb2.ListCudaMemoryResponse]]:
+        """The caller's registered CUDA regions."""
 
 def add_ExecutorServicer_to_server(servicer: ExecutorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
