@@ -101,6 +101,7 @@ class ExecutorApp:
         self.faulted = threading.Event()
         self.device_fault: DeviceFault | None = None
         self.host.serve(engine_end)
+        self.host.listen_channels(settings.channel_dir, settings.max_channel_in_flight)
         self.link.start()
 
     @property

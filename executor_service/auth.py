@@ -34,6 +34,7 @@ _ROLES_BY_NAME = {
             "RegisterCudaMemory",
             "UnregisterCudaMemory",
             "ListCudaMemory",
+            "OpenChannel",
         ),
         Role.READ,
     ),

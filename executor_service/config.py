@@ -174,6 +174,19 @@ class ExecutorSettings(ServerSettings):
         "through shared memory); 0 = serve gRPC in the engine's process; default: one per "
         "four cores, 1 to 8",
     )
+    channel_dir: Path | None = Field(
+        None,
+        description="directory of the engine's socket for direct channels (same-host clients "
+        "that send Forward descriptors to the engine without a gRPC call each; OpenChannel "
+        "tells them the path): share it with client containers; default: a private "
+        "temporary directory",
+    )
+    max_channel_in_flight: int = Field(
+        64,
+        ge=1,
+        description="Forward requests one direct channel may have in flight; more are answered "
+        "RESOURCE_EXHAUSTED with a retry hint",
+    )
     frontend_arena_bytes: int = Field(
         1024**3,
         ge=16 * 1024**2,

@@ -117,6 +117,7 @@ def _serve_with_front_ends(settings: ExecutorSettings, kernel: KernelFn | None, 
     metrics_dir.mkdir()
     host = EngineHost(workers=(settings.grpc_workers + 8) * count)
     host.listen(workdir / "engine.sock")
+    host.listen_channels(settings.channel_dir, settings.max_channel_in_flight)
     listen = concrete_listen(settings.listen)
     front_ends = FrontEnds(
         settings.model_copy(update={"listen": listen}), workdir / "engine.sock", count, metrics_dir

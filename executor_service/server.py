@@ -25,9 +25,9 @@ from typing_extensions import override
 
 from executor_service.config import ExecutorSettings
 from executor_service.serving.arena import Arena, ArenaFull, Region
-from executor_service.serving.engine_link import EngineLink, raise_for
-from executor_service.serving.wire import ForwardDescriptor, TensorRef
+from executor_service.serving.engine_link import EngineLink
 from moelora.client import tensors as codec
+from moelora.client.engine_wire import ForwardDescriptor, TensorRef, raise_for
 from moelora.client.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -399,6 +399,23 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             {"scope": _scope(context), "region": request.region, "kind": "cuda"},
         )
         return executor_pb2.UnregisterCudaMemoryResponse()
+
+    @override
+    def OpenChannel(
+        self, request: executor_pb2.OpenChannelRequest, context: grpc.ServicerContext
+    ) -> executor_pb2.OpenChannelResponse:
+        if not _on_this_host(context.peer()):
+            raise FailedPrecondition(
+                f"direct channels are for clients on the executor's host; this call came from "
+                f"{context.peer()}: call Forward instead",
+                "channel",
+            )
+        opened = self._link.call("open_channel", {"scope": _scope(context)})
+        return executor_pb2.OpenChannelResponse(
+            socket_path=opened["socket"],
+            ticket=opened["ticket"],
+            max_in_flight=opened["max_in_flight"],
+        )
 
     @override
     def ListCudaMemory(

@@ -25,8 +25,12 @@ import functools
 import json
 import logging
 import math
+import os
+import secrets
+import shutil
 import socket
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -44,14 +48,20 @@ from executor_service.engine import ForwardInput, ForwardOutput
 from executor_service.registry_source import registry_status
 from executor_service.runtime import ExecutorRuntime, replica_name
 from executor_service.serving.regions import HeldRegion, RegionInfo, SharedRegions
-from executor_service.serving.wire import (
+from moelora.client.engine_wire import (
     Connection,
     ForwardDescriptor,
     ForwardResult,
     Kind,
     TensorRef,
 )
-from moelora.client.errors import InvalidArgument, MoeLoraError, Overloaded, Unavailable
+from moelora.client.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    MoeLoraError,
+    Overloaded,
+    Unavailable,
+)
 from moelora.client.logs import log_event
 from moelora.client.shared_memory import Segment as ShmSegment
 from moelora.client.tensors import WIRE_TYPES
@@ -62,6 +72,11 @@ from shared.version import package_version
 log = logging.getLogger(__name__)
 
 _OK = grpc.StatusCode.OK.value[0]
+
+#: Direct channels open at once (each holds a reader thread).
+MAX_CHANNELS = 1024
+#: How long a new channel may take to present its ticket.
+HELLO_TIMEOUT_SECONDS = 5.0
 
 #: How long a send to a front end may block before the engine gives that front end up: the
 #: launch loop answers every front end, so one that stops reading (stopped, wedged) must not
@@ -85,6 +100,7 @@ class EngineHost:
         self._closed = threading.Event()
         #: Clients' registered shared memory (same-host requests without their bytes).
         self.regions = SharedRegions()
+        self._channels: _Channels | None = None
 
     @property
     def runtime(self) -> ExecutorRuntime | None:
@@ -112,21 +128,47 @@ class EngineHost:
         self._listener = listener
         threading.Thread(target=self._accept, name="engine-accept", daemon=True).start()
 
-    def _accept(self) -> None:
-        assert self._listener is not None
+    def listen_channels(self, directory: Path | None, max_in_flight: int) -> Path:
+        """Accepts same-host clients' direct channels on a Unix socket in ``directory`` (a
+        private temporary one when None); returns its path. A client gets in with a ticket
+        from ``OpenChannel`` (its caller's scope) and may then only send Forward descriptors
+        naming its registered regions, at most ``max_in_flight`` at a time."""
+        channels = _Channels(directory, max_in_flight)
+        self._channels = channels
+        threading.Thread(
+            target=self._accept, args=(channels.listener, True), name="engine-channels", daemon=True
+        ).start()
+        return channels.path
+
+    def open_channel(self, scope: str) -> dict[str, Any]:
+        """A ticket to a direct channel for ``scope``'s caller (see ``listen_channels``)."""
+        channels = self._channels
+        if channels is None:
+            raise FailedPrecondition("this executor takes no direct channels", "channel")
+        return channels.ticket(scope)
+
+    def _accept(self, listener: socket.socket | None = None, channel: bool = False) -> None:
+        listener = listener or self._listener
+        assert listener is not None
         while not self._closed.is_set():
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except OSError:
                 return
-            self.serve(sock)
+            self.serve(sock, channel)
 
-    def serve(self, sock: socket.socket) -> None:
-        """Serves the front end at the other end of ``sock``."""
-        link = _Link(Connection(sock), self._send_timeout)
+    def serve(self, sock: socket.socket, channel: bool = False) -> None:
+        """Serves the front end (or, ``channel``, the client) at the other end of ``sock``."""
+        link = _Link(Connection(sock), self._send_timeout, channel)
         with self._lock:
-            self._links.add(link)
+            crowded = channel and sum(x.channel for x in self._links) >= MAX_CHANNELS
+            if not crowded:
+                self._links.add(link)
             serving, reason = self._serving, self._reason
+        if crowded:  # each channel holds a reader thread: a bound, not a pile of threads
+            link.send_state(False, f"{MAX_CHANNELS} channels are open, the most the engine takes")
+            link.close()
+            return
         link.send_state(serving, reason)
         threading.Thread(target=self._read, args=(link,), name="engine-link", daemon=True).start()
 
@@ -134,15 +176,21 @@ class EngineHost:
         try:
             while True:
                 kind, payload = link.connection.recv()
-                if kind is Kind.FORWARD:
-                    link.enter()
-                    self._dispatch(link, payload, time.perf_counter())
-                elif kind is Kind.CALL:
+                if kind is Kind.FORWARD and link.ready:
+                    received = time.perf_counter()
+                    if not link.enter():
+                        self._finish(link, [], self._overloaded(link, payload))
+                        continue
+                    self._dispatch(link, payload, received)
+                elif kind is Kind.CALL and not link.channel:
                     self._pool.submit(self._call, link, payload)
+                elif kind is Kind.HELLO and link.channel:
+                    if not self._admit(link, json.loads(payload)):
+                        return
                 elif kind is Kind.HELLO:
                     link.hello(json.loads(payload))
                 else:
-                    raise ValueError(f"unexpected frame {kind.name} from a front end")
+                    raise ValueError(f"unexpected frame {kind.name} from a peer")
         except (EOFError, OSError):
             pass  # the front end went away
         except Exception:
@@ -152,11 +200,34 @@ class EngineHost:
                 self._links.discard(link)
             link.close()
 
+    def _admit(self, link: _Link, hello: dict[str, Any]) -> bool:
+        """A channel's HELLO: its ticket gives it its caller's scope, or it is turned away."""
+        channels = self._channels
+        scope = None if channels is None else channels.redeem(str(hello.get("ticket", "")))
+        if channels is None or scope is None:
+            link.send_state(False, "unknown or used channel ticket: call OpenChannel for one")
+            return False
+        link.admit(scope, int(hello.get("pid", 0)), channels.max_in_flight)
+        return True
+
+    def _overloaded(self, link: _Link, payload: bytes) -> ForwardResult:
+        limit = self._channels.max_in_flight if self._channels is not None else 0
+        return _failure(
+            ForwardDescriptor.peek_id(payload),
+            Overloaded(
+                f"{limit} requests of this channel are in flight, the most one may have "
+                "(--max-channel-in-flight); wait for answers or open another channel",
+                retry_after_ms=1,
+            ),
+        )
+
     def close(self) -> None:
         """Stops accepting and closes every link (the front ends see the engine go)."""
         self._closed.set()
         if self._listener is not None:
             self._listener.close()
+        if self._channels is not None:
+            self._channels.close()
         with self._lock:
             links = list(self._links)
         for link in links:
@@ -198,6 +269,9 @@ class EngineHost:
                 stage = runtime.metrics.stage
                 stage["decode"].observe(descriptor.decode_seconds)
                 stage["dispatch"].observe(preparing - received)
+                if link.channel:  # the caller's own number: capped as an RPC's deadline is
+                    slot_wait = min(descriptor.slot_wait, runtime.settings.slot_wait_seconds)
+                    descriptor = dataclasses.replace(descriptor, slot_wait=slot_wait)
                 prepared = runtime.engine.prepare_at_once(request, descriptor.slot_wait)
             if prepared is None:
                 self._pool.submit(
@@ -257,10 +331,12 @@ class EngineHost:
         """The request's tensors viewed where they lie (regions it names join ``held``),
         counted by where the input lies (``transports``)."""
 
+        scope = link.scope if link.channel else descriptor.scope
+
         def region(ref: TensorRef) -> HeldRegion | None:
             if not ref.segment:
                 return None
-            found = self.regions.acquire(descriptor.scope, ref.segment)
+            found = self.regions.acquire(scope, ref.segment)
             held.append(found)
             return found
 
@@ -338,6 +414,10 @@ class EngineHost:
         call = json.loads(payload)
         reply: dict[str, Any] = {"id": call["id"], "code": _OK, "message": "", "value": None}
         try:
+            if call["method"] == "open_channel":
+                reply["value"] = self.open_channel(call["args"]["scope"])
+                link.send(Kind.REPLY, json.dumps(reply).encode())
+                return
             region_call = _REGION_CALLS.get(call["method"])
             if region_call is not None:
                 reply["value"] = region_call(self.regions, call["args"])
@@ -391,20 +471,34 @@ def _failure(request_id: int, exc: MoeLoraError) -> ForwardResult:
 class _Link:
     """One front end, as the engine sees it."""
 
-    def __init__(self, connection: Connection, send_timeout: float) -> None:
+    def __init__(self, connection: Connection, send_timeout: float, channel: bool = False) -> None:
         self.connection = connection
-        seconds, fraction = divmod(send_timeout, 1.0)
+        #: A client's direct channel (else a front end): its scope comes from its ticket, its
+        #: tensors only from registered regions, and it may not make admin calls.
+        self.channel = channel
+        self.scope = ""
+        self._max_in_flight = 0  # 0: no limit (a front end bounds its own calls)
+        if channel:  # a peer that connects and says nothing does not keep its thread
+            connection.sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(HELLO_TIMEOUT_SECONDS)
+            )
         # SO_SNDTIMEO bounds sends alone; the reader's receives still block as they should.
-        connection.sock.setsockopt(
-            socket.SOL_SOCKET,
-            socket.SO_SNDTIMEO,
-            struct.pack("ll", int(seconds), int(fraction * 1e6)),
-        )
+        connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_timeout))
         self.pid = 0
         self._arena: ShmSegment | None = None
         self._in_flight = 0
         self._idle = threading.Condition()
         self._open = True
+
+    @property
+    def ready(self) -> bool:
+        """May send Forward descriptors (a channel once its ticket was taken)."""
+        return not self.channel or self._max_in_flight > 0
+
+    def admit(self, scope: str, pid: int, max_in_flight: int) -> None:
+        self.scope, self.pid, self._max_in_flight = scope, pid, max_in_flight
+        self.connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
+        log_event(log, "channel_opened", pid=pid)
 
     def hello(self, message: dict[str, Any]) -> None:
         self.pid = int(message.get("pid", 0))
@@ -417,7 +511,11 @@ class _Link:
         """A view of ``ref`` in the front end's arena (bounds and sizes checked)."""
         arena = self._arena
         if arena is None:
-            raise InvalidArgument(f"{field}: the front end has no arena", field)
+            raise InvalidArgument(
+                f"{field}: a direct channel's tensors must be in regions its caller registered "
+                "(RegisterCudaMemory, RegisterSharedMemory)",
+                field,
+            )
         dtype = _torch_dtype(ref, field)
         count = math.prod(ref.shape)
         end = ref.offset + ref.nbytes
@@ -450,9 +548,12 @@ class _Link:
         with contextlib.suppress(OSError):
             self.connection.sock.shutdown(socket.SHUT_RDWR)
 
-    def enter(self) -> None:
+    def enter(self) -> bool:
+        """Counts a request in (``leave`` counts it out); False past a channel's limit (it is
+        counted anyway, and answered at once)."""
         with self._idle:
             self._in_flight += 1
+            return not self._max_in_flight or self._in_flight <= self._max_in_flight
 
     def leave(self) -> None:
         with self._idle:
@@ -469,9 +570,58 @@ class _Link:
                 self._idle.wait_for(lambda: self._in_flight == 0)
             if self._arena is not None:
                 self._arena.close()
-            log_event(log, "front_end_gone", pid=self.pid)
+            log_event(log, "channel_closed" if self.channel else "front_end_gone", pid=self.pid)
 
         threading.Thread(target=release, name="engine-link-release", daemon=True).start()
+
+
+def _timeval(seconds: float) -> bytes:
+    whole, fraction = divmod(seconds, 1.0)
+    return struct.pack("ll", int(whole), int(fraction * 1e6))
+
+
+class _Channels:
+    """The direct channels' listening socket and the tickets that let clients in."""
+
+    #: A ticket not used within this long is void.
+    TICKET_SECONDS = 60.0
+
+    def __init__(self, directory: Path | None, max_in_flight: int) -> None:
+        self._owned = directory is None
+        self.directory = (
+            Path(tempfile.mkdtemp(prefix="moelora-channels-")) if directory is None else directory
+        )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / f"engine-{os.getpid()}.sock"
+        self.path.unlink(missing_ok=True)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(self.path))
+        self.listener.listen(256)
+        self.max_in_flight = max_in_flight
+        self._lock = threading.Lock()
+        self._tickets: dict[str, tuple[str, float]] = {}
+
+    def ticket(self, scope: str) -> dict[str, Any]:
+        now = time.monotonic()
+        ticket = secrets.token_urlsafe(24)
+        with self._lock:
+            self._tickets = {t: v for t, v in self._tickets.items() if v[1] > now}
+            self._tickets[ticket] = (scope, now + self.TICKET_SECONDS)
+        return {"socket": str(self.path), "ticket": ticket, "max_in_flight": self.max_in_flight}
+
+    def redeem(self, ticket: str) -> str | None:
+        """The ticket's scope, once (None: unknown, used or expired)."""
+        with self._lock:
+            found = self._tickets.pop(ticket, None)
+        if found is None or found[1] < time.monotonic():
+            return None
+        return found[0]
+
+    def close(self) -> None:
+        self.listener.close()
+        self.path.unlink(missing_ok=True)
+        if self._owned:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 # -- admin calls: JSON in, JSON out ----------------------------------------------------------

@@ -18,30 +18,21 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
 from executor_service.serving.arena import Arena
-from executor_service.serving.wire import Connection, ForwardDescriptor, ForwardResult, Kind
-from moelora.client.errors import Overloaded, Unavailable, error_for_code
+from moelora.client.engine_wire import (
+    Connection,
+    ForwardDescriptor,
+    ForwardResult,
+    Kind,
+    raise_for,
+)
+from moelora.client.errors import Unavailable
 from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-_OK = grpc.StatusCode.OK.value[0]
-
 #: The engine says whether to serve, and why not.
 StateListener = Callable[[bool, str], None]
-
-
-def raise_for(code: int, message: str, retry_after_ms: int = 0) -> None:
-    """Raises the domain error the engine's status stands for (nothing for OK)."""
-    if code == _OK:
-        return
-    status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
-    if status is grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_ms > 0:
-        raise Overloaded(message, retry_after_ms)
-    raise error_for_code(status, message)
 
 
 class _Waiter:

@@ -43,6 +43,8 @@ from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 if TYPE_CHECKING:
     import torch
 
+    from moelora.client.channel import ForwardChannel
+
 T = TypeVar("T")
 #: What Forward takes and gives back: numpy arrays, or torch tensors (any device, bfloat16 too).
 #: A bound rather than constraints: where torch is not installed, its half is Any, and the
@@ -346,6 +348,17 @@ class ExecutorClient:
                     )
         finally:
             ring.close()
+
+    def open_channel(self, timeout: float | None = None, slot_wait: float = 10.0) -> ForwardChannel:
+        """A direct channel to the executor's engine (same host; see
+        ``moelora.client.channel``): Forward through a registered ring with no gRPC call
+        each. ``timeout`` bounds this call and each of the channel's."""
+        from moelora.client.channel import ForwardChannel
+
+        opened: executor_pb2.OpenChannelResponse = self._call(
+            self._stub.OpenChannel, executor_pb2.OpenChannelRequest(), timeout, idempotent=True
+        )
+        return ForwardChannel(opened, timeout or self.timeout, slot_wait)
 
     def forward_stream(
         self, calls: Iterable[ForwardCall[Array]], timeout: float | None = None

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from executor_service.serving.arena import ALIGN, Arena, ArenaFull, Region
 from executor_service.serving.engine_host import EngineHost
-from executor_service.serving.wire import (
+from moelora.client.engine_wire import (
     Connection,
     ForwardDescriptor,
     ForwardResult,

@@ -535,6 +535,53 @@ class ListCudaMemoryResponse(_message.Message):
 Global___ListCudaMemoryResponse: _TypeAlias = ListCudaMemoryResponse  # noqa: Y015
 
 @_typing.final
+class OpenChannelRequest(_message.Message):
+    """Request of OpenChannel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenChannelRequest: _TypeAlias = OpenChannelRequest  # noqa: Y015
+
+@_typing.final
+class OpenChannelResponse(_message.Message):
+    """Response of OpenChannel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOCKET_PATH_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    socket_path: _builtins.str
+    """The Unix socket to connect to (a path on the executor's host)."""
+    ticket: _builtins.str
+    """What the channel's first frame (HELLO) presents."""
+    max_in_flight: _builtins.int
+    """Requests the channel may have in flight at once."""
+    def __init__(
+        self,
+        *,
+        socket_path: _builtins.str = ...,
+        ticket: _builtins.str = ...,
+        max_in_flight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_in_flight", b"max_in_flight", "socket_path", b"socket_path", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenChannelResponse: _TypeAlias = OpenChannelResponse  # noqa: Y015
+
+@_typing.final
 class ForwardResponse(_message.Message):
     """Response of Forward."""
 

@@ -113,6 +113,11 @@ class ExecutorStub:
                 request_serializer=moelora_dot_v1_dot_executor__pb2.ListCudaMemoryRequest.SerializeToString,
                 response_deserializer=moelora_dot_v1_dot_executor__pb2.ListCudaMemoryResponse.FromString,
                 _registered_method=True)
+        self.OpenChannel = channel.unary_unary(
+                '/moelora.v1.Executor/OpenChannel',
+                request_serializer=moelora_dot_v1_dot_executor__pb2.OpenChannelRequest.SerializeToString,
+                response_deserializer=moelora_dot_v1_dot_executor__pb2.OpenChannelResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -266,6 +271,17 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenChannel(self, request, context):
+        """A direct channel for a client on the executor's host: Forward descriptors go to the
+        executor's engine over a local socket, with no gRPC call each (docs/api.md gives the
+        frames). The answer names the socket and a ticket, good once within a minute, that
+        gives the channel this caller's regions; a channel's tensors must be in them.
+        Errors: FAILED_PRECONDITION (a caller on another host, or channels off).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -338,6 +354,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.ListCudaMemory,
                     request_deserializer=moelora_dot_v1_dot_executor__pb2.ListCudaMemoryRequest.FromString,
                     response_serializer=moelora_dot_v1_dot_executor__pb2.ListCudaMemoryResponse.SerializeToString,
+            ),
+            'OpenChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenChannel,
+                    request_deserializer=moelora_dot_v1_dot_executor__pb2.OpenChannelRequest.FromString,
+                    response_serializer=moelora_dot_v1_dot_executor__pb2.OpenChannelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -727,6 +748,33 @@ class Executor:
             '/moelora.v1.Executor/ListCudaMemory',
             moelora_dot_v1_dot_executor__pb2.ListCudaMemoryRequest.SerializeToString,
             moelora_dot_v1_dot_executor__pb2.ListCudaMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moelora.v1.Executor/OpenChannel',
+            moelora_dot_v1_dot_executor__pb2.OpenChannelRequest.SerializeToString,
+            moelora_dot_v1_dot_executor__pb2.OpenChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,

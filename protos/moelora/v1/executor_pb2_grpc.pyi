@@ -119,6 +119,13 @@ class ExecutorStub:
     """Forgets a CUDA region and unmaps it once requests using it finish. Errors: NOT_FOUND."""
     ListCudaMemory: _grpc.UnaryUnaryMultiCallable[_executor_pb2.ListCudaMemoryRequest, _executor_pb2.ListCudaMemoryResponse]
     """The caller's registered CUDA regions."""
+    OpenChannel: _grpc.UnaryUnaryMultiCallable[_executor_pb2.OpenChannelRequest, _executor_pb2.OpenChannelResponse]
+    """A direct channel for a client on the executor's host: Forward descriptors go to the
+    executor's engine over a local socket, with no gRPC call each (docs/api.md gives the
+    frames). The answer names the socket and a ticket, good once within a minute, that
+    gives the channel this caller's regions; a channel's tensors must be in them.
+    Errors: FAILED_PRECONDITION (a caller on another host, or channels off).
+    """
 
 @_typing.type_check_only
 class ExecutorAsyncStub(ExecutorStub):
@@ -211,6 +218,13 @@ class ExecutorAsyncStub(ExecutorStub):
     """Forgets a CUDA region and unmaps it once requests using it finish. Errors: NOT_FOUND."""
     ListCudaMemory: _aio.UnaryUnaryMultiCallable[_executor_pb2.ListCudaMemoryRequest, _executor_pb2.ListCudaMemoryResponse]  # type: ignore[assignment]
     """The caller's registered CUDA regions."""
+    OpenChannel: _aio.UnaryUnaryMultiCallable[_executor_pb2.OpenChannelRequest, _executor_pb2.OpenChannelResponse]  # type: ignore[assignment]
+    """A direct channel for a client on the executor's host: Forward descriptors go to the
+    executor's engine over a local socket, with no gRPC call each (docs/api.md gives the
+    frames). The answer names the socket and a ticket, good once within a minute, that
+    gives the channel this caller's regions; a channel's tensors must be in them.
+    Errors: FAILED_PRECONDITION (a caller on another host, or channels off).
+    """
 
 class ExecutorServicer(metaclass=_abc_1.ABCMeta):
     """One per GPU pod: holds one base model's MoE layers and many LoRA adapters,
@@ -384,5 +398,18 @@ class ExecutorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_executor_pb2.ListCudaMemoryResponse, _abc.Awaitable[_executor_pb2.ListCudaMemoryResponse]]:
         """The caller's registered CUDA regions."""
+
+    @_abc_1.abstractmethod
+    def OpenChannel(
+        self,
+        request: _executor_pb2.OpenChannelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.OpenChannelResponse, _abc.Awaitable[_executor_pb2.OpenChannelResponse]]:
+        """A direct channel for a client on the executor's host: Forward descriptors go to the
+        executor's engine over a local socket, with no gRPC call each (docs/api.md gives the
+        frames). The answer names the socket and a ticket, good once within a minute, that
+        gives the channel this caller's regions; a channel's tensors must be in them.
+        Errors: FAILED_PRECONDITION (a caller on another host, or channels off).
+        """
 
 def add_ExecutorServicer_to_server(servicer: ExecutorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

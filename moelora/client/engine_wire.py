@@ -1,8 +1,10 @@
-"""What front ends and the engine say to each other over their local socket.
+"""What the executor's engine says over its local sockets: to its gRPC front ends, and to
+same-host clients' direct channels (``moelora.client.channel``).
 
 Frames are a 4-byte length, a 1-byte kind and a payload. Forward requests and their results
-(the hot path) are packed structs that point at tensors in shared memory; the rest (a front end
-introducing itself, admin calls, the engine's state) is JSON. No protobuf and no pickling.
+(the hot path) are packed structs that point at tensors in shared or CUDA memory; the rest (a
+peer introducing itself, admin calls, the engine's state) is JSON. No protobuf and no pickling.
+All integers little-endian; a string is a u16 length and UTF-8 bytes.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+import grpc
+
+from moelora.client.errors import Overloaded, error_for_code
+
 _FRAME = struct.Struct("<IB")
 #: A frame's payload is at most this long (descriptors and admin answers are small).
 MAX_FRAME = 64 * 1024 * 1024
 
 
 class Kind(IntEnum):
-    HELLO = 1  # front end -> engine, JSON: {"arena": name, "pid": n}
+    HELLO = 1  # peer -> engine, JSON: {"arena": name, "pid": n} or {"ticket": t, "pid": n}
     FORWARD = 2  # front end -> engine: ForwardDescriptor
     RESULT = 3  # engine -> front end: ForwardResult
     CALL = 4  # front end -> engine, JSON: {"id": n, "method": str, "args": {...}}
@@ -222,3 +228,16 @@ class Connection:
         with contextlib.suppress(OSError):  # already gone
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def raise_for(code: int, message: str, retry_after_ms: int = 0) -> None:
+    """Raises the domain error the engine's status stands for (nothing for OK)."""
+    if code == 0:
+        return
+    status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+    if status is grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_ms > 0:
+        raise Overloaded(message, retry_after_ms)
+    raise error_for_code(status, message)

@@ -1,0 +1,158 @@
+"""Direct channels: a same-host client gets a ticket over gRPC (OpenChannel), connects to the
+engine's socket and sends Forward descriptors naming its registered regions, with no gRPC
+call each. Answers equal Forward's; a ticket works once and only for its caller's regions; a
+channel may not send bytes or admin calls, nor more requests at once than its limit."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moelora.client.channel import ForwardChannel
+from moelora.client.engine_wire import (
+    Connection,
+    ForwardDescriptor,
+    ForwardResult,
+    Kind,
+    TensorRef,
+)
+from moelora.client.errors import FailedPrecondition, NotFound, Unavailable
+from moelora.client.executor import ExecutorClient, RetryPolicy
+from moelora.v1 import executor_pb2 as ex
+from moelora.v1 import tensor_pb2
+from tests.executor.conftest import StartExecutor, slowed_kernel
+from tests.executor.worlds import TOKENS, World
+
+F32 = tensor_pb2.DATA_TYPE_FLOAT32
+RESOURCE_EXHAUSTED = 8
+
+
+def test_a_channel_answers_as_forward_does(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    running = start_executor(qwen_world)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+    client = running.client
+    mixes: list[list[tuple[int, str | None]]] = [
+        [(TOKENS, "alpha")],
+        [(3, None), (TOKENS - 3, "beta")],
+        [(TOKENS, None)],
+    ]
+    with (
+        client.shared_memory(hidden.shape[1], TOKENS, slots=1, dtype="float32") as ring,
+        client.open_channel() as channel,
+    ):
+        for mix in mixes:
+            output, result = channel.forward(layer, hidden, ring, mix)
+            expected = client.forward(layer, hidden, mix)
+            assert np.array_equal(output, expected.output)
+            assert list(result.resolved_adapters) == expected.resolved_adapters
+        assert channel.serving
+        transports = "moelora_executor_forward_requests_by_transport_total"
+        assert running.metric(transports, transport="shared_memory") == len(mixes)
+        with pytest.raises(NotFound):  # the engine's error, raised as Forward's would be
+            channel.forward(layer, hidden, ring, [(TOKENS, "no-such-adapter")])
+        output, _ = channel.forward(layer, hidden, ring, mixes[0])  # still open, still right
+        assert np.array_equal(output, client.forward(layer, hidden, mixes[0]).output)
+
+
+def test_a_ticket_works_once_and_only_for_its_callers_regions(
+    qwen_world: World, start_executor: StartExecutor, tokens: tuple[Path, dict[str, str]]
+) -> None:
+    path, secret = tokens
+    running = start_executor(qwen_world, auth="on", auth_tokens_file=path)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+
+    def client(role: str) -> ExecutorClient:
+        return ExecutorClient(
+            running.app.address, timeout=30, retry=RetryPolicy(attempts=1), token=secret[role]
+        )
+
+    with (
+        client("read") as owner,
+        client("admin") as other,
+        owner.shared_memory(hidden.shape[1], TOKENS, slots=1, dtype="float32") as ring,
+    ):
+        opened = owner._stub.OpenChannel(
+            ex.OpenChannelRequest(), metadata=[("authorization", f"Bearer {secret['read']}")]
+        )
+        with ForwardChannel(opened) as first:
+            first.forward(layer, hidden, ring, [(TOKENS, "alpha")])
+        with ForwardChannel(opened) as again, pytest.raises(Unavailable, match="ticket"):
+            again.forward(layer, hidden, ring, [(TOKENS, "alpha")])
+        with other.open_channel() as stranger, pytest.raises(NotFound, match="region"):
+            stranger.forward(layer, hidden, ring, [(TOKENS, "alpha")])
+
+
+def test_a_channel_sends_no_bytes_and_makes_no_admin_calls(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    running = start_executor(qwen_world)
+    layer = qwen_world.moe_layers[0]
+    with running.client.open_channel() as channel:
+        arena_ref = TensorRef("", 0, TOKENS * 64 * 4, F32, (TOKENS, 64))
+        result = channel.send(
+            ForwardDescriptor(1, layer, 1.0, 0.0, "", arena_ref, arena_ref, ((TOKENS, ""),))
+        )
+        assert result.code == 3 and "regions its caller registered" in result.message
+    opened = running.client._stub.OpenChannel(ex.OpenChannelRequest())
+    raw = _connect(opened)
+    raw.send_json(Kind.CALL, {"id": 1, "method": "list", "args": {}})
+    with pytest.raises((EOFError, OSError)):
+        while True:  # a STATE first; then the engine hangs up instead of answering
+            kind, _ = raw.recv()
+            assert kind is Kind.STATE
+
+
+def test_past_its_limit_a_channel_is_answered_resource_exhausted(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    running = start_executor(qwen_world, kernel=slowed_kernel(0.3), max_channel_in_flight=2)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+    with running.client.shared_memory(hidden.shape[1], TOKENS, slots=1, dtype="float32") as ring:
+        slot = ring.take(hidden)
+        assert slot is not None
+        request = ring.request(slot, hidden, layer, [ex.Segment(num_tokens=TOKENS)])
+        refs = [
+            TensorRef(t.region, t.offset, hidden.nbytes, F32, (TOKENS, hidden.shape[1]))
+            for t in (request.shared_hidden_states, request.shared_output)
+        ]
+        raw = _connect(running.client._stub.OpenChannel(ex.OpenChannelRequest()))
+        sent = 6
+        for request_id in range(1, sent + 1):
+            descriptor = ForwardDescriptor(
+                request_id, layer, 5.0, 0.0, "", refs[0], refs[1], ((TOKENS, ""),)
+            )
+            raw.send(Kind.FORWARD, descriptor.encode())
+        codes = []
+        while len(codes) < sent:
+            kind, payload = raw.recv()
+            if kind is Kind.RESULT:
+                result = ForwardResult.decode(payload)
+                codes.append(result.code)
+                if result.code == RESOURCE_EXHAUSTED:
+                    assert result.retry_after_ms > 0 and "in flight" in result.message
+        assert codes.count(0) >= 2 and codes.count(RESOURCE_EXHAUSTED) >= 1, codes
+        raw.close()
+
+
+def test_an_unreachable_socket_is_a_clear_error() -> None:
+    opened = ex.OpenChannelResponse(socket_path="/nonexistent/engine.sock", ticket="x")
+    with pytest.raises(FailedPrecondition, match="channel-dir"):
+        ForwardChannel(opened)
+
+
+def _connect(opened: ex.OpenChannelResponse) -> Connection:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(opened.socket_path)
+    sock.settimeout(30)
+    connection = Connection(sock)
+    connection.send_json(Kind.HELLO, {"ticket": opened.ticket, "pid": os.getpid()})
+    return connection
