@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -36,6 +37,8 @@ import numpy as np
 
 from executor_service.bench.answers import tensor_to_float32, worst_row_error
 from executor_service.bench.echo_server import STREAM, UNARY
+from moelora.client.channel import ForwardChannel
+from moelora.client.engine_wire import ForwardDescriptor, TensorRef, raise_for
 from moelora.client.shared_memory import Segment
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 
@@ -145,14 +148,15 @@ class _Transport:
         self._device: Any = None  # a moelora.client.cuda_ipc.DeviceBuffer (cuda)
         self._stub = executor_pb2_grpc.ExecutorStub(channel)
         self._registered = False
-        self._kind = kind
+        self._channel: ForwardChannel | None = None
         if kind == "grpc":
             return
         hidden = request.hidden_states
         nbytes = len(hidden.data)
         self._output_at = nbytes
         self._region = f"bench-{os.getpid()}"
-        if kind == "shm":
+        on_gpu = kind == "cuda" or (kind == "channel" and _has_gpu())
+        if not on_gpu:
             ring = self._ring = Segment.create_unique("moelora-bench", 2 * nbytes)
             ring.buffer[:nbytes] = hidden.data
             if target == "executor":
@@ -163,7 +167,7 @@ class _Transport:
                     timeout=60,
                 )
                 self._registered = True
-        elif target == "executor":  # cuda; the echo server needs no memory
+        elif target == "executor":  # CUDA memory; the echo server needs none
             self._device = _device_copy(hidden.data, 2 * nbytes)
             self._stub.RegisterCudaMemory(
                 executor_pb2.RegisterCudaMemoryRequest(
@@ -189,6 +193,32 @@ class _Transport:
             shared_output=shared(nbytes),
         )
 
+    def channel_call(self) -> Call:
+        """Round trips over a direct channel to the engine (``--transport channel``): the
+        request's descriptor, no gRPC call."""
+        opened = self._stub.OpenChannel(executor_pb2.OpenChannelRequest(), timeout=60)
+        channel = self._channel = ForwardChannel(opened, timeout=60)
+        template = self.request
+        ids = itertools.count(1)
+
+        def call() -> tuple[int, tensor_pb2.Tensor | None]:
+            result = channel.send(
+                ForwardDescriptor(
+                    request_id=next(ids),
+                    layer=template.layer,
+                    slot_wait=10.0,
+                    decode_seconds=0.0,
+                    scope="",
+                    hidden=_ref(template.shared_hidden_states),
+                    output=_ref(template.shared_output),
+                    segments=tuple((s.num_tokens, s.adapter) for s in template.segments),
+                )
+            )
+            raise_for(result.code, result.message, result.retry_after_ms)
+            return result.server_time_us, None
+
+        return call
+
     def output(self, answered: tensor_pb2.Tensor | None) -> tensor_pb2.Tensor | None:
         """A copy of the call's output for the check: from the message, or from the region."""
         if not self._registered:
@@ -204,15 +234,17 @@ class _Transport:
         return self
 
     def __exit__(self, *_exc: object) -> None:
+        if self._channel is not None:
+            self._channel.close()
         if self._registered:
             unregister = (
                 self._stub.UnregisterSharedMemory
-                if self._kind == "shm"
+                if self._ring is not None
                 else self._stub.UnregisterCudaMemory
             )
             request_type = (
                 executor_pb2.UnregisterSharedMemoryRequest
-                if self._kind == "shm"
+                if self._ring is not None
                 else executor_pb2.UnregisterCudaMemoryRequest
             )
             with contextlib.suppress(grpc.RpcError):
@@ -221,6 +253,17 @@ class _Transport:
             self._ring.close()
         if self._device is not None:
             self._device.close()
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _ref(tensor: executor_pb2.SharedTensor) -> TensorRef:
+    shape = tuple(int(d) for d in tensor.shape)
+    return TensorRef(tensor.region, tensor.offset, 2 * math.prod(shape), tensor.dtype, shape)
 
 
 def _device_copy(data: bytes, nbytes: int) -> Any:
@@ -271,10 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tolerance", type=float, default=0.0)
     parser.add_argument(
         "--transport",
-        choices=["grpc", "shm", "cuda"],
+        choices=["grpc", "shm", "cuda", "channel"],
         default="grpc",
         help="shm / cuda: the tensors in a shared-memory / CUDA-memory region registered once, "
-        "the RPC a descriptor",
+        "the RPC a descriptor; channel: that region (CUDA memory where this process has a GPU) "
+        "and the descriptor over a direct channel to the engine, no RPC per call",
     )
     args = parser.parse_args(argv)
     adapters = [a for a in args.adapters.split(",") if a]
@@ -284,8 +328,13 @@ def main(argv: list[str] | None = None) -> None:
         _Transport(channel, args.transport, args.target, request) as transport,
     ):
         request = transport.request
-        stream = _StreamCall(channel, args.target, request) if args.mode == "stream" else None
-        sent: Call = stream if stream is not None else _unary_call(channel, args.target, request)
+        stream = None
+        if args.transport == "channel" and args.target == "executor":
+            sent = transport.channel_call()  # one kind of call: the mode does not apply
+        elif args.mode == "stream":
+            sent = stream = _StreamCall(channel, args.target, request)
+        else:
+            sent = _unary_call(channel, args.target, request)
 
         kept: list[tensor_pb2.Tensor | None] = [
             transport.output(sent()[1]) for _ in range(args.warmup)

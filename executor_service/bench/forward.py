@@ -67,7 +67,8 @@ class Row:
     p99_ms: float
     server_ms: float
     kernel_ms: float | None
-    floor_ms: float
+    #: None where no echo applies (``--transport channel``).
+    floor_ms: float | None
     tokens_per_s: float
     batch: float
     stages_ms: dict[str, float]
@@ -326,11 +327,14 @@ def _print(rows: list[Row], title: str, front_ends: int) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         kernel = "—" if r.kernel_ms is None else f"{r.kernel_ms:.3f}"
-        overhead = "—" if r.kernel_ms is None else f"{r.p50_ms - r.kernel_ms - r.floor_ms:.3f}"
+        floor = "—" if r.floor_ms is None else f"{r.floor_ms:.3f}"
+        overhead = (
+            "—" if r.kernel_ms is None else f"{r.p50_ms - r.kernel_ms - (r.floor_ms or 0.0):.3f}"
+        )
         clients = f"{r.clients}{' (churn)' if r.churn else ''}"
         print(
             f"| {r.mode} | {r.tokens} | {clients} | {front_ends} | {r.p50_ms:.3f} | "
-            f"{r.p99_ms:.3f} | {r.server_ms:.3f} | {kernel} | {r.floor_ms:.3f} | {overhead} | "
+            f"{r.p99_ms:.3f} | {r.server_ms:.3f} | {kernel} | {floor} | {overhead} | "
             f"{r.tokens_per_s:,.0f} | {r.batch:.2f} | {r.checked} ({r.worst_row_error:.1e}) |"
         )
     print("\nExecutor time per stage, mean ms per request (queue) or per launch (the others)\n")
@@ -349,11 +353,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", default="8,32,64", help="client counts of the T=64 rows")
     parser.add_argument(
         "--transport",
-        choices=["grpc", "shm", "cuda"],
+        choices=["grpc", "shm", "cuda", "channel"],
         default="grpc",
         help="grpc: tensors in the messages; shm / cuda: in a shared-memory / CUDA-memory "
         "region (on the executor's GPU) each client registers once, the RPC carrying only the "
-        "descriptor",
+        "descriptor; channel: that CUDA region and the descriptor over a direct channel to the "
+        "engine (OpenChannel), no RPC per call (no echo floor: the overhead is p50 - kernel)",
     )
     parser.add_argument(
         "--frontends", type=int, help="the executor's --frontends (default: its own)"
@@ -485,18 +490,20 @@ def main(argv: list[str] | None = None) -> None:
                     )
                     latency = served.latency
                     after = _metrics(metrics_url)
-                    floor = _run_clients(
-                        echo_address,
-                        layer,
-                        "echo",
-                        mode,
-                        tokens,
-                        spec.hidden_size,
-                        sets,
-                        args.iters,
-                        args.warmup,
-                        transport=args.transport,
-                    )
+                    floor = None
+                    if args.transport != "channel":  # a channel has no gRPC echo to compare
+                        floor = _run_clients(
+                            echo_address,
+                            layer,
+                            "echo",
+                            mode,
+                            tokens,
+                            spec.hidden_size,
+                            sets,
+                            args.iters,
+                            args.warmup,
+                            transport=args.transport,
+                        )
                     stages = {
                         s: 1e3
                         * _delta_mean(
@@ -513,7 +520,9 @@ def main(argv: list[str] | None = None) -> None:
                             p99_ms=1e3 * _percentile(latency, 0.99),
                             server_ms=statistics.median(served.server_us) / 1e3,
                             kernel_ms=kernel_ms(tokens) if clients == 1 else None,
-                            floor_ms=1e3 * statistics.median(floor.latency),
+                            floor_ms=(
+                                None if floor is None else 1e3 * statistics.median(floor.latency)
+                            ),
                             tokens_per_s=served.tokens_per_s,
                             batch=_delta_mean(after, before, "moelora_executor_batch_requests"),
                             stages_ms=stages,

@@ -131,7 +131,7 @@ def test_past_its_limit_a_channel_is_answered_resource_exhausted(
                 request_id, layer, 5.0, 0.0, "", refs[0], refs[1], ((TOKENS, ""),)
             )
             raw.send(Kind.FORWARD, descriptor.encode())
-        codes = []
+        codes: list[int] = []
         while len(codes) < sent:
             kind, payload = raw.recv()
             if kind is Kind.RESULT:
