@@ -35,6 +35,7 @@ from moelora.client import keepalive
 from moelora.client import tensors as codec
 from moelora.client.auth import open_channel
 from moelora.client.cuda_ring import CudaMemoryRing
+from moelora.client.device_path import MESSAGE, DevicePath
 from moelora.client.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
 from moelora.client.health import wait_until_serving
 from moelora.client.shared_memory import ForwardRing, SharedMemoryRing, Slot
@@ -181,6 +182,10 @@ def shared_forward_request(
     return request
 
 
+def _is_cuda(array: object) -> bool:
+    return bool(getattr(array, "is_cuda", False))
+
+
 def shared_region_name() -> str:
     """A region name of this process no other ring of it takes."""
     return f"ring-{os.getpid()}-{next(_RING_NUMBERS)}"
@@ -215,13 +220,19 @@ class ExecutorClient:
         retry: RetryPolicy | None = None,
         token: str | None = None,
         keepalive_seconds: float = keepalive.DEFAULT_KEEPALIVE_SECONDS,
+        device_path: bool = True,
+        device_ring_tokens: int = 1024,
+        device_ring_slots: int = 8,
     ) -> None:
         """``token``: the bearer token every call carries (an executor with auth on wants
         read for Forward and the listings, admin for Load/Unload/Pin/Unpin); ``tls`` with the
         system roots, or ``root_certificates`` (PEM) when given; ``keepalive_seconds``: a
         connection silent this long while a call is open is pinged, and fails its calls
         UNAVAILABLE when the ping is not answered within as long again (a ForwardStream over
-        a dead connection does not wait for its deadline)."""
+        a dead connection does not wait for its deadline). ``device_path``: CUDA tensors go
+        through a registered CUDA ring and a direct channel when the executor is on this host
+        and can map them (``moelora.client.device_path``; ``device_ring_tokens`` rows per slot,
+        ``device_ring_slots`` calls at once), else as bytes."""
         self._channel = open_channel(
             address,
             token=token,
@@ -233,6 +244,16 @@ class ExecutorClient:
         self.address = address
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
+        self._device_path = (
+            DevicePath(self, device_ring_tokens, device_ring_slots) if device_path else None
+        )
+
+    @property
+    def transport(self) -> str:
+        """How calls with CUDA tensors travel now: "message" (bytes in the RPC, and the only
+        way for host arrays), "cuda_memory" (a registered CUDA ring, descriptors over gRPC) or
+        "cuda_memory+channel" (the ring and a direct channel, no gRPC call each)."""
+        return MESSAGE if self._device_path is None else self._device_path.transport
 
     def __enter__(self) -> ExecutorClient:
         return self
@@ -246,6 +267,8 @@ class ExecutorClient:
         self.close()
 
     def close(self) -> None:
+        if self._device_path is not None:
+            self._device_path.close()
         self._channel.close()
 
     def wait_until_serving(self, timeout: float = 60.0) -> None:
@@ -268,6 +291,11 @@ class ExecutorClient:
         the T tokens in order; None = all tokens on the base model. ``ring`` (from
         ``shared_memory`` or ``cuda_memory``): the tensors travel through it where a slot
         fits them."""
+        path = self._device_path
+        if path is not None and ring is None and routing is None and _is_cuda(hidden):
+            on_device = path.forward(layer, cast("torch.Tensor", hidden), segments, timeout)
+            if on_device is not None:
+                return cast(ForwardResult[Array], on_device)
         slot = None if ring is None else ring.take(hidden)
         if ring is None or slot is None:
             request = forward_request(layer, hidden, segments, routing)
@@ -327,6 +355,24 @@ class ExecutorClient:
         executor (same host; its GPU or one it reaches by a peer link) while the block runs:
         ``forward(..., ring=ring)`` with torch tensors then sends descriptors, and the tensors
         stay on the GPUs (see ``moelora.client.cuda_ring``)."""
+        ring = self.register_cuda_ring(hidden_size, max_tokens, device, slots, dtype, timeout)
+        try:
+            yield ring
+        finally:
+            with contextlib.suppress(MoeLoraError):
+                self.unregister_cuda_ring(ring, timeout)
+            ring.close()
+
+    def register_cuda_ring(
+        self,
+        hidden_size: int,
+        max_tokens: int,
+        device: torch.device | str = "cuda",
+        slots: int = 4,
+        dtype: str = "bfloat16",
+        timeout: float | None = None,
+    ) -> CudaMemoryRing:
+        """``cuda_memory``'s ring, registered until ``unregister_cuda_ring`` (then close it)."""
         import torch
 
         ring = CudaMemoryRing(
@@ -336,18 +382,18 @@ class ExecutorClient:
             self._call(
                 self._stub.RegisterCudaMemory, ring.register_request(), timeout, idempotent=True
             )
-            try:
-                yield ring
-            finally:
-                with contextlib.suppress(MoeLoraError):
-                    self._call(
-                        self._stub.UnregisterCudaMemory,
-                        executor_pb2.UnregisterCudaMemoryRequest(region=ring.region),
-                        timeout,
-                        idempotent=True,
-                    )
-        finally:
+        except BaseException:
             ring.close()
+            raise
+        return ring
+
+    def unregister_cuda_ring(self, ring: CudaMemoryRing, timeout: float | None = None) -> None:
+        self._call(
+            self._stub.UnregisterCudaMemory,
+            executor_pb2.UnregisterCudaMemoryRequest(region=ring.region),
+            timeout,
+            idempotent=True,
+        )
 
     def open_channel(self, timeout: float | None = None, slot_wait: float = 10.0) -> ForwardChannel:
         """A direct channel to the executor's engine (same host; see

@@ -243,6 +243,19 @@ def _die_mid_request(address: str, layer: int, hidden: torch.Tensor) -> dict[str
     os._exit(0)
 
 
+def _unasked(address: str, layer: int, hidden: torch.Tensor) -> dict[str, Any]:
+    """A plain client given CUDA tensors: it takes the device path by itself."""
+    device = torch.device("cuda")
+    with ExecutorClient(address, timeout=60, retry=RetryPolicy(attempts=1)) as client:
+        before = client.transport
+        outputs = []
+        for tokens, segments in CASES:
+            result = client.forward(layer, hidden[:tokens].to(device, torch.bfloat16), segments)
+            assert result.output.is_cuda
+            outputs.append(_portable(result.output))
+        return {"before": before, "after": client.transport, "outputs": outputs}
+
+
 def _portable(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
     """An answer as the parent can receive it after this process is gone (a torch tensor
     would travel as a handle to this process's memory); bf16 to float32 is exact."""
@@ -253,6 +266,7 @@ _SCRIPTS = {
     "parity": _parity,
     "unregister": _unregister_while_calling,
     "die": _die_mid_request,
+    "unasked": _unasked,
 }
 
 
@@ -355,3 +369,28 @@ def test_a_client_that_dies_mid_request_leaves_the_executor_serving(world: World
             )
             assert torch.isfinite(answer.output.float()).all()
         assert running.app.load_error is None
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_a_client_takes_the_device_path_by_itself_where_it_can(world: World) -> None:
+    """Another process: CUDA memory and a direct channel, answers as with bytes. The same
+    process as the executor (a handle cannot be opened there): bytes, answers the same."""
+    hidden = _long_input(world)
+    with _running(world, batch_window_us=0) as running:
+        got = _run_client(running.app.address, world.layer, hidden, "unasked")
+        assert (got["before"], got["after"]) == ("message", "cuda_memory+channel")
+        assert running.metric(
+            "moelora_executor_forward_requests_by_transport_total", transport="cuda_memory"
+        ) == len(CASES)
+        for (tokens, segments), output in zip(CASES, got["outputs"], strict=True):
+            as_bytes = hidden[:tokens].to(torch.bfloat16)
+            expected = running.client.forward(world.layer, as_bytes, segments).output
+            assert np.array_equal(output, _portable(expected)), f"T={tokens} differs from bytes"
+        tokens, segments = CASES[1]
+        local = running.client.forward(
+            world.layer, hidden[:tokens].to("cuda", torch.bfloat16), segments
+        )
+        assert running.client.transport == "message"
+        by_bytes = running.client.forward(world.layer, hidden[:tokens].to(torch.bfloat16), segments)
+        assert np.array_equal(_portable(local.output), _portable(by_bytes.output))

@@ -1,0 +1,136 @@
+"""The path an ``ExecutorClient`` takes, unasked, for CUDA tensors when the executor can read
+them in place: a ring in CUDA memory registered once (``cuda_ring``) and a direct channel per
+calling thread (``channel``), so a call moves no tensor bytes through the host and makes no
+gRPC call. Set up on the first CUDA-tensor call; where any step is refused (an executor on
+another host or on the CPU, a handle it cannot map, a channel socket this container cannot
+reach), the client says so once in its log and sends such calls' bytes as before, for good or
+(for the channel alone) with the ring over gRPC. A call the ring cannot hold (more tokens than
+a slot, every slot busy, routing given) sends its bytes too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from moelora.client.channel import ForwardChannel
+from moelora.client.cuda_ipc import CudaError
+from moelora.client.cuda_ring import CudaMemoryRing
+from moelora.client.errors import MoeLoraError, Unavailable
+from moelora.client.logs import log_event
+
+if TYPE_CHECKING:
+    import torch
+
+    from moelora.client.executor import ExecutorClient, ForwardResult, Segments
+
+log = logging.getLogger(__name__)
+
+#: The transports a client reports (``DevicePath.transport``).
+MESSAGE, CUDA_MEMORY, CUDA_CHANNEL = "message", "cuda_memory", "cuda_memory+channel"
+
+
+class DevicePath:
+    """The CUDA ring and channels of one client (see the module doc). ``max_tokens``: the
+    largest T a slot holds; ``slots``: calls in flight at once through the ring."""
+
+    def __init__(self, client: ExecutorClient, max_tokens: int, slots: int) -> None:
+        self._client = client
+        self._max_tokens = max_tokens
+        self._slots = slots
+        self._lock = threading.Lock()
+        self._rings: dict[tuple[str, str], CudaMemoryRing] = {}
+        self._local = threading.local()
+        self._channels: list[ForwardChannel] = []
+        #: What calls with CUDA tensors use now (``MESSAGE`` until the first such call).
+        self.transport = MESSAGE
+        self._refused = False
+        self._channel_refused = False
+
+    def forward(
+        self, layer: int, hidden: torch.Tensor, segments: Segments | None, timeout: float | None
+    ) -> ForwardResult[torch.Tensor] | None:
+        """The answer through the ring (and this thread's channel), or None: send bytes."""
+        if self._refused or not 1 <= int(hidden.shape[0]) <= self._max_tokens:
+            return None
+        ring = self._ring(hidden)
+        if ring is None:
+            return None
+        channel = self._channel(timeout)
+        if channel is None:
+            return self._client.forward(layer, hidden, segments, timeout=timeout, ring=ring)
+        from moelora.client.executor import ForwardResult
+
+        try:
+            output, result = channel.forward(layer, hidden, ring, list(segments or ()))
+        except ValueError:  # every slot busy
+            return None
+        except Unavailable:  # the engine closed it (draining, restarted): bytes, with retries
+            self._local.channel = None
+            return None
+        return ForwardResult(
+            output=output,
+            resolved_adapters=list(result.resolved_adapters),
+            server_time_us=result.server_time_us,
+            adapters_resident=result.adapters_loaded == 0,
+            adapters_loaded=result.adapters_loaded,
+        )
+
+    def _ring(self, hidden: torch.Tensor) -> CudaMemoryRing | None:
+        dtype = str(hidden.dtype).removeprefix("torch.")
+        key = (str(hidden.device), dtype)
+        with self._lock:
+            if self._refused:
+                return None
+            ring = self._rings.get(key)
+            if ring is not None:
+                return ring
+            try:
+                ring = self._client.register_cuda_ring(
+                    int(hidden.shape[1]), self._max_tokens, hidden.device, self._slots, dtype
+                )
+            except (MoeLoraError, CudaError, ValueError) as exc:
+                self._refused = True
+                self._choose(MESSAGE, f"CUDA memory refused: {exc}")
+                return None
+            self._rings[key] = ring
+            if self.transport == MESSAGE:
+                self._choose(CUDA_CHANNEL, "the executor maps this process's CUDA memory")
+            return ring
+
+    def _channel(self, timeout: float | None) -> ForwardChannel | None:
+        channel: ForwardChannel | None = getattr(self._local, "channel", None)
+        if channel is not None or self._channel_refused:
+            return channel
+        try:
+            channel = self._client.open_channel(timeout)
+        except MoeLoraError as exc:
+            with self._lock:
+                self._channel_refused = True
+                self._choose(CUDA_MEMORY, f"direct channel refused: {exc}")
+            return None
+        with self._lock:
+            self._channels.append(channel)
+        self._local.channel = channel
+        return channel
+
+    def _choose(self, transport: str, reason: str) -> None:
+        self.transport = transport
+        log_event(
+            log, "executor_transport", address=self._client.address, transport=transport,
+            reason=reason,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Closes the channels, unregisters and frees the rings."""
+        with self._lock:
+            channels, self._channels = self._channels, []
+            rings, self._rings = list(self._rings.values()), {}
+        for channel in channels:
+            channel.close()
+        for ring in rings:
+            with contextlib.suppress(MoeLoraError):
+                self._client.unregister_cuda_ring(ring)
+            ring.close()
