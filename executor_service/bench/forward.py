@@ -25,15 +25,13 @@ import os
 import re
 import select
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +41,7 @@ import torch
 from executor_service.bench import stress
 from executor_service.bench.answers import row_tolerance
 from executor_service.bench.clients import forward_request
+from executor_service.bench.processes import child_process, free_port, progress
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
 from executor_service.graphs import GraphCache
@@ -79,33 +78,13 @@ class Row:
     worst_row_error: float
 
 
-def _progress(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+def _say(message: str) -> None:
+    progress("bench", message)
 
 
 def _stop(signum: int, _frame: object) -> None:
     # Unwind (so that the executor, echo and client processes are stopped), then exit.
     raise SystemExit(128 + signum)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def _process(args: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -408,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-forward-") as tmp:
         root = Path(tmp)
-        _progress(f"writing the {args.shape} checkpoint and {churn_pool} adapters")
+        _say(f"writing the {args.shape} checkpoint and {churn_pool} adapters")
         spec = write_base_checkpoint(root / "base", SHAPES[args.shape], dtype=dtype, fp8=args.fp8)
         for seed in range(churn_pool):
             write_adapter(
@@ -420,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
         layer = spec.moe_layers[0]
         plan = [(int(t), 1, False) for t in args.tokens.split(",") if t]
         plan += [(64, n, i == len(client_counts) - 1) for i, n in enumerate(client_counts)]
-        _progress("computing the expected answers alone, eagerly")
+        _say("computing the expected answers alone, eagerly")
         reference = EagerReference(
             root / "base", root / "adapters", args.device, args.rank, root / "ref-cache"
         )
@@ -434,8 +413,8 @@ def main(argv: list[str] | None = None) -> None:
             reference.close()
             del reference
         kernel_ms = _kernel_timer(root / "base", device, args.rank, args.slots)
-        _progress("starting the executor and the echo server")
-        port, metrics_port = _free_port(), _free_port()
+        _say("starting the executor and the echo server")
+        port, metrics_port = free_port(), free_port()
         address = f"127.0.0.1:{port}"
         executor = [
             sys.executable,
@@ -461,12 +440,12 @@ def main(argv: list[str] | None = None) -> None:
             "--workers=64",  # as many handler threads as the executor: one per open stream
         ]
         env = {**os.environ, "MOELORA_REGISTRY_ADDRESS": ""}
-        with _process(executor, env) as _, _process(echo) as echo_proc:
+        with child_process(executor, env) as _, child_process(echo) as echo_proc:
             assert echo_proc.stdout is not None
             echo_address = f"127.0.0.1:{echo_proc.stdout.readline().strip()}"
             with ExecutorClient(address, timeout=600) as client:
                 client.wait_until_serving(timeout=600)
-                _progress("executor serving")
+                _say("executor serving")
                 for name in pinned:
                     client.pin_adapter(name)
                 info = client.get_executor_info()
@@ -532,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
                             worst_row_error=served.worst_row_error,
                         )
                     )
-                    _progress(f"row done: {rows[-1]}")
+                    _say(f"row done: {rows[-1]}")
     wrong = [r for r in rows if r.mismatched or not r.checked]
     if wrong:
         for r in wrong:

@@ -28,12 +28,10 @@ import dataclasses
 import json
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from executor_service.bench.answers import bf16_bytes, row_tolerance
+from executor_service.bench.processes import free_port, progress
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
 from executor_service.bench.stress_client import PoolRequest, write_pool
@@ -229,14 +228,8 @@ def _summarise_metrics(report: StressReport, url: str) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _progress(message: str) -> None:
-    print(f"[stress {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    progress("stress", message)
 
 
 def run(settings: StressSettings, workdir: Path | None = None) -> StressReport:
@@ -265,7 +258,7 @@ def run(settings: StressSettings, workdir: Path | None = None) -> StressReport:
         del pool
         if settings.device != "cpu":
             torch.cuda.empty_cache()
-        port, metrics_port = _free_port(), _free_port()
+        port, metrics_port = free_port(), free_port()
         address = f"127.0.0.1:{port}"
         log_path = root / "executor.log"
         command = [
