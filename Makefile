@@ -19,7 +19,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: help setup client-wheel proto proto-check lint docs format test demo bench bench-registry bench-load bench-forward \
+.PHONY: help setup client-wheel proto proto-check lint docs format test demo bench bench-registry bench-load bench-forward bench-decode \
 	helm-check fuzz chaos soak clean
 
 help: ## List the targets
@@ -100,6 +100,9 @@ bench-load: setup ## Adapter cold start, 1.26 GB: cold/disk/host warm (ARGS=--de
 
 bench-forward: setup ## Forward as a client sees it: p50/p99, transport floor, tokens/s (GPU)
 	$(PY) -m executor_service.bench.forward
+
+bench-decode: setup ## Greedy decoding with remote MoE blocks vs in process: ms per token (GPU)
+	$(PY) -m executor_service.bench.decode $(ARGS)
 
 fuzz: setup ## Full fuzz run: property tests, >= 1,000 mutated Forward, >= 300 uploads, the hostile-client attacks (figures printed)
 	$(PY) -m pytest tests/fuzz tests/hostile --long -s -q $(PYTEST_ARGS)
