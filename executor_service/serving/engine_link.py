@@ -61,6 +61,7 @@ class EngineLink:
         self._lock = threading.Lock()
         self._waiting: dict[int, _Waiter] = {}
         self._gone = False
+        self._closed = False
 
     def start(self) -> None:
         self._connection.send_json(Kind.HELLO, {"arena": self.arena.name, "pid": os.getpid()})
@@ -141,6 +142,8 @@ class EngineLink:
             waiting, self._waiting = self._waiting, {}
         for waiter in waiting.values():
             waiter.done.set()
+        if self._closed:  # this side hung up (a drained front end): the engine is not gone
+            return
         self._on_state(False, "the executor's engine stopped")
         if self._on_gone is not None:
             self._on_gone()
@@ -150,4 +153,5 @@ class EngineLink:
         return self._gone
 
     def close(self) -> None:
+        self._closed = True
         self._connection.close()

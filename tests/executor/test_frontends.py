@@ -149,3 +149,21 @@ def test_front_ends_exit_when_their_engine_dies(qwen_world: World, executor: Exe
     assert len(exits) == 2 and all(e["status"] == ENGINE_GONE_EXIT_CODE for e in exits), exits
     with pytest.raises(Unavailable):
         _call(qwen_world, executor)
+
+
+def test_sigterm_drains_every_process_without_an_error(
+    qwen_world: World, executor: Executor
+) -> None:
+    """A plain stop is no failure: the front ends drain and exit 0, and none reports its
+    engine gone (an operator's alert would fire on that line)."""
+    _call(qwen_world, executor)
+    executor.proc.send_signal(signal.SIGTERM)
+    assert executor.proc.wait(60) == 0
+    assert not executor.events("front_end_exiting"), executor.events("front_end_exiting")
+    errors = [
+        line
+        for line in executor.log_path.read_text(errors="replace").splitlines()
+        if line.startswith("{") and json.loads(line).get("level") == "error"
+    ]
+    assert not errors, errors
+    assert len(executor.events("server_stopped")) >= 1
