@@ -98,6 +98,18 @@ class PackSettings:
     page_cache_dma: bool = False
 
 
+@dataclass(frozen=True)
+class HeldAdapters:
+    """Adapters ``AdapterManager.hold`` keeps in GPU slots, in the order asked."""
+
+    adapters: tuple[ResolvedAdapter, ...]
+    lease: SlotLease
+
+    @property
+    def digests(self) -> frozenset[str]:
+        return frozenset(a.digest for a in self.adapters)
+
+
 class AdapterManager:
     """Resolves, loads, pins and evicts adapters for one executor."""
 
@@ -206,6 +218,19 @@ class AdapterManager:
             yield lease
         finally:
             self.slots.release(lease, sync.record())
+
+    def hold(self, refs: Sequence[AdapterRef], timeout: float) -> HeldAdapters:
+        """Brings ``refs``' adapters into GPU slots and keeps them there (as a request in
+        flight would: never evicted) until ``release``: a direct channel's lease."""
+        adapters = [self.resolve(ref) for ref in refs]
+        distinct = list({a.digest: a for a in adapters}.values())
+        lease = self.slots.acquire(self.prepare(distinct), self._packed, timeout)
+        self._count_gpu(lease)
+        return HeldAdapters(tuple(adapters), lease)
+
+    def release(self, held: HeldAdapters) -> None:
+        """Ends a ``hold`` (kernels enqueued before this may still read the slots)."""
+        self.slots.release(held.lease, self.slots.buffers.sync.record())
 
     def lora_slots(self, layer: int) -> LoRASlots:
         """The slot buffers of one MoE layer, as the kernels read them."""

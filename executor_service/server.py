@@ -410,11 +410,19 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 f"{context.peer()}: call Forward instead",
                 "channel",
             )
-        opened = self._link.call("open_channel", {"scope": _scope(context)})
+        opened = self._link.call(
+            "open_channel",
+            {
+                "scope": _scope(context),
+                "adapters": list(request.adapters),
+                "wait": _slot_wait(self._settings, context),
+            },
+        )
         return executor_pb2.OpenChannelResponse(
             socket_path=opened["socket"],
             ticket=opened["ticket"],
             max_in_flight=opened["max_in_flight"],
+            leased=opened["leased"],
         )
 
     @override

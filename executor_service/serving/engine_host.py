@@ -19,6 +19,7 @@ stops reading is cut off after ``SEND_TIMEOUT_SECONDS``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -33,7 +34,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ import grpc
 import torch
 from prometheus_client import Counter
 
-from executor_service.adapters import AdapterStatus
+from executor_service.adapters import AdapterStatus, HeldAdapters
 from executor_service.batch import Prepared, Segment
 from executor_service.engine import ForwardInput, ForwardOutput
 from executor_service.registry_source import registry_status
@@ -60,6 +61,7 @@ from moelora.client.errors import (
     InvalidArgument,
     MoeLoraError,
     Overloaded,
+    ResourceExhausted,
     Unavailable,
 )
 from moelora.client.logs import log_event
@@ -101,6 +103,8 @@ class EngineHost:
         #: Clients' registered shared memory (same-host requests without their bytes).
         self.regions = SharedRegions()
         self._channels: _Channels | None = None
+        #: Digests held in GPU slots by channels' leases (a count per lease holding each).
+        self._leased: collections.Counter[str] = collections.Counter()
 
     @property
     def runtime(self) -> ExecutorRuntime | None:
@@ -133,19 +137,70 @@ class EngineHost:
         private temporary one when None); returns its path. A client gets in with a ticket
         from ``OpenChannel`` (its caller's scope) and may then only send Forward descriptors
         naming its registered regions, at most ``max_in_flight`` at a time."""
-        channels = _Channels(directory, max_in_flight)
+        channels = _Channels(directory, max_in_flight, self._release)
         self._channels = channels
         threading.Thread(
             target=self._accept, args=(channels.listener, True), name="engine-channels", daemon=True
         ).start()
         return channels.path
 
-    def open_channel(self, scope: str) -> dict[str, Any]:
-        """A ticket to a direct channel for ``scope``'s caller (see ``listen_channels``)."""
+    def open_channel(
+        self, scope: str, adapters: list[str] | None = None, wait: float = 0.0
+    ) -> dict[str, Any]:
+        """A ticket to a direct channel for ``scope``'s caller (see ``listen_channels``),
+        ``adapters`` leased for it (held in GPU slots, waiting up to ``wait`` for them, until
+        the channel closes, or the ticket expires unused)."""
         channels = self._channels
         if channels is None:
             raise FailedPrecondition("this executor takes no direct channels", "channel")
-        return channels.ticket(scope)
+        held = self._hold(
+            [AdapterRef.parse(a, f"adapters[{i}]") for i, a in enumerate(adapters or [])], wait
+        )
+        ticket = channels.ticket(scope, held)
+        ticket["leased"] = [] if held is None else [a.label for a in held.adapters]
+        return ticket
+
+    def _hold(self, refs: list[AdapterRef], wait: float) -> HeldAdapters | None:
+        """``refs`` held in GPU slots for a channel, if leases leave a slot for the rest."""
+        if not refs:
+            return None
+        runtime = self._ready()
+        manager = runtime.adapters
+        with runtime.device.guard():
+            digests = {manager.resolve(ref).digest for ref in refs}
+            with self._lock:
+                leased = set(self._leased) | digests
+                stats = manager.stats()
+                if len(leased) + stats.pinned_slots >= stats.num_slots:
+                    raise ResourceExhausted(
+                        f"adapters: leasing them would hold {len(leased)} of {stats.num_slots} "
+                        f"GPU slots for channels ({stats.pinned_slots} pinned); one must stay "
+                        "for other requests: lease fewer, or close channels",
+                        "adapters",
+                    )
+                self._leased.update(digests)
+            try:
+                return manager.hold(refs, wait)
+            except BaseException:
+                self._forget(digests)
+                raise
+
+    def _release(self, held: HeldAdapters | None) -> None:
+        """Ends a channel's lease (its channel closed, or its ticket expired unused)."""
+        runtime = self._runtime
+        if held is None or runtime is None:
+            return
+        try:
+            with runtime.device.guard():
+                runtime.adapters.release(held)
+        except Exception:  # stopping, or a device fault: the slots go with the process
+            log_event(log, "channel_lease_release_failed", logging.WARNING, exc_info=True)
+        self._forget(held.digests)
+
+    def _forget(self, digests: Iterable[str]) -> None:
+        with self._lock:
+            self._leased.subtract(digests)
+            self._leased = +self._leased  # drop the zeros
 
     def _accept(self, listener: socket.socket | None = None, channel: bool = False) -> None:
         listener = listener or self._listener
@@ -199,14 +254,17 @@ class EngineHost:
             with self._lock:
                 self._links.discard(link)
             link.close()
+            if link.held is not None:
+                self._release(link.held)
 
     def _admit(self, link: _Link, hello: dict[str, Any]) -> bool:
         """A channel's HELLO: its ticket gives it its caller's scope, or it is turned away."""
         channels = self._channels
-        scope = None if channels is None else channels.redeem(str(hello.get("ticket", "")))
-        if channels is None or scope is None:
+        redeemed = None if channels is None else channels.redeem(str(hello.get("ticket", "")))
+        if channels is None or redeemed is None:
             link.send_state(False, "unknown or used channel ticket: call OpenChannel for one")
             return False
+        scope, link.held = redeemed
         link.admit(scope, int(hello.get("pid", 0)), channels.max_in_flight)
         return True
 
@@ -415,7 +473,10 @@ class EngineHost:
         reply: dict[str, Any] = {"id": call["id"], "code": _OK, "message": "", "value": None}
         try:
             if call["method"] == "open_channel":
-                reply["value"] = self.open_channel(call["args"]["scope"])
+                args = call["args"]
+                reply["value"] = self.open_channel(
+                    args["scope"], args.get("adapters", []), float(args.get("wait", 0.0))
+                )
                 link.send(Kind.REPLY, json.dumps(reply).encode())
                 return
             region_call = _REGION_CALLS.get(call["method"])
@@ -477,6 +538,8 @@ class _Link:
         #: tensors only from registered regions, and it may not make admin calls.
         self.channel = channel
         self.scope = ""
+        #: A channel's lease, released when the channel ends.
+        self.held: HeldAdapters | None = None
         self._max_in_flight = 0  # 0: no limit (a front end bounds its own calls)
         if channel:  # a peer that connects and says nothing does not keep its thread
             connection.sock.setsockopt(
@@ -586,7 +649,13 @@ class _Channels:
     #: A ticket not used within this long is void.
     TICKET_SECONDS = 60.0
 
-    def __init__(self, directory: Path | None, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        directory: Path | None,
+        max_in_flight: int,
+        release: Callable[[HeldAdapters | None], None],
+    ) -> None:
+        self._release = release
         self._owned = directory is None
         self.directory = (
             Path(tempfile.mkdtemp(prefix="moelora-channels-")) if directory is None else directory
@@ -599,25 +668,37 @@ class _Channels:
         self.listener.listen(256)
         self.max_in_flight = max_in_flight
         self._lock = threading.Lock()
-        self._tickets: dict[str, tuple[str, float]] = {}
+        #: ticket -> (scope, lease, expiry).
+        self._tickets: dict[str, tuple[str, HeldAdapters | None, float]] = {}
 
-    def ticket(self, scope: str) -> dict[str, Any]:
-        now = time.monotonic()
+    def ticket(self, scope: str, held: HeldAdapters | None) -> dict[str, Any]:
         ticket = secrets.token_urlsafe(24)
+        self._expire()
         with self._lock:
-            self._tickets = {t: v for t, v in self._tickets.items() if v[1] > now}
-            self._tickets[ticket] = (scope, now + self.TICKET_SECONDS)
+            self._tickets[ticket] = (scope, held, time.monotonic() + self.TICKET_SECONDS)
         return {"socket": str(self.path), "ticket": ticket, "max_in_flight": self.max_in_flight}
 
-    def redeem(self, ticket: str) -> str | None:
-        """The ticket's scope, once (None: unknown, used or expired)."""
+    def redeem(self, ticket: str) -> tuple[str, HeldAdapters | None] | None:
+        """The ticket's scope and lease, once (None: unknown, used or expired)."""
+        self._expire()
         with self._lock:
             found = self._tickets.pop(ticket, None)
-        if found is None or found[1] < time.monotonic():
-            return None
-        return found[0]
+        return None if found is None else (found[0], found[1])
+
+    def _expire(self) -> None:
+        """Voids tickets not used in time, ending their leases."""
+        now = time.monotonic()
+        with self._lock:
+            gone = [t for t, v in self._tickets.items() if v[2] < now]
+            expired = [self._tickets.pop(t)[1] for t in gone]
+        for held in expired:
+            self._release(held)
 
     def close(self) -> None:
+        with self._lock:
+            unused, self._tickets = list(self._tickets.values()), {}
+        for _, held, _ in unused:
+            self._release(held)
         self.listener.close()
         self.path.unlink(missing_ok=True)
         if self._owned:

@@ -66,6 +66,8 @@ class ForwardChannel:
         self._connection = Connection(sock)
         self._connection.send_json(Kind.HELLO, {"ticket": opened.ticket, "pid": os.getpid()})
         self.max_in_flight = opened.max_in_flight
+        #: The versions leased for the channel's life ("name:VERSION", as asked).
+        self.leased = list(opened.leased)
         self.slot_wait = slot_wait
         self.serving = True
         self.reason = ""

@@ -395,14 +395,24 @@ class ExecutorClient:
             idempotent=True,
         )
 
-    def open_channel(self, timeout: float | None = None, slot_wait: float = 10.0) -> ForwardChannel:
+    def open_channel(
+        self,
+        timeout: float | None = None,
+        slot_wait: float = 10.0,
+        adapters: Sequence[str] = (),
+    ) -> ForwardChannel:
         """A direct channel to the executor's engine (same host; see
         ``moelora.client.channel``): Forward through a registered ring with no gRPC call
-        each. ``timeout`` bounds this call and each of the channel's."""
+        each. ``timeout`` bounds this call and each of the channel's. ``adapters`` are leased
+        for the channel's life: in GPU slots until it closes (``channel.leased`` says which
+        versions)."""
         from moelora.client.channel import ForwardChannel
 
+        request = executor_pb2.OpenChannelRequest(adapters=list(adapters))
+        # Not retried with a lease: one taken by an attempt whose answer was lost would stay
+        # held until its ticket expired.
         opened: executor_pb2.OpenChannelResponse = self._call(
-            self._stub.OpenChannel, executor_pb2.OpenChannelRequest(), timeout, idempotent=True
+            self._stub.OpenChannel, request, timeout, idempotent=not adapters
         )
         return ForwardChannel(opened, timeout or self.timeout, slot_wait)
 

@@ -20,10 +20,11 @@ from moelora.client.engine_wire import (
     Kind,
     TensorRef,
 )
-from moelora.client.errors import FailedPrecondition, NotFound, Unavailable
+from moelora.client.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from moelora.client.executor import ExecutorClient, RetryPolicy
 from moelora.v1 import executor_pb2 as ex
 from moelora.v1 import tensor_pb2
+from tests.conftest import wait_for
 from tests.executor.conftest import StartExecutor, slowed_kernel
 from tests.executor.worlds import TOKENS, World
 
@@ -156,3 +157,45 @@ def _connect(opened: ex.OpenChannelResponse) -> Connection:
     connection = Connection(sock)
     connection.send_json(Kind.HELLO, {"ticket": opened.ticket, "pid": os.getpid()})
     return connection
+
+
+def test_a_lease_holds_its_adapters_in_slots_until_its_channel_ends(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """Leased adapters stay in GPU slots (a reference each) while the channel is open, and
+    are let go when it closes or its client disappears; leases that would leave no slot for
+    other requests are refused."""
+    running = start_executor(qwen_world)  # 4 slots
+    client = running.client
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+
+    def held() -> dict[str, int]:
+        listing = client.list_loaded_adapters().adapters
+        return {f"{a.name}:{a.version}": a.in_flight for a in listing if a.slot >= 0}
+
+    with (
+        client.shared_memory(hidden.shape[1], TOKENS, slots=1, dtype="float32") as ring,
+        client.open_channel(adapters=["alpha", "beta:1"]) as channel,
+    ):
+        assert channel.leased == ["alpha:1", "beta:1"]
+        assert held() == {"alpha:1": 1, "beta:1": 1}
+        output, _ = channel.forward(layer, hidden, ring, [(TOKENS, "alpha")])
+        assert np.array_equal(output, client.forward(layer, hidden, [(TOKENS, "alpha")]).output)
+        client.pin_adapter("gamma")  # 2 leased + 1 pinned: a third lease would take the last
+        with pytest.raises(ResourceExhausted, match="leasing"):
+            client.open_channel(adapters=["delta"])
+        assert held()["alpha:1"] == 1 and "delta:1" not in held()
+    wait_for(lambda: held().get("alpha:1") == 0 and held().get("beta:1") == 0, timeout=10)
+
+    # A client that goes away without a word lets its lease go too.
+    opened = client._stub.OpenChannel(ex.OpenChannelRequest(adapters=["delta"]))
+    assert list(opened.leased) == ["delta:1"]
+    raw = _connect(opened)
+    kind, _ = raw.recv()  # the engine's state: admitted
+    assert kind is Kind.STATE
+    assert held()["delta:1"] == 1
+    raw.sock.close()
+    wait_for(lambda: held().get("delta:1") == 0, timeout=10)
+    with pytest.raises(NotFound):
+        client.open_channel(adapters=["no-such-adapter"])

@@ -540,12 +540,22 @@ class OpenChannelRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Adapters to lease for the channel's life: brought into GPU slots now and kept there
+        (never evicted) until the channel closes or its client goes away. Requests through the
+        channel may use other adapters too; leased ones never wait for a load.
+        """
+
     def __init__(
         self,
+        *,
+        adapters: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -560,22 +570,28 @@ class OpenChannelResponse(_message.Message):
     SOCKET_PATH_FIELD_NUMBER: _builtins.int
     TICKET_FIELD_NUMBER: _builtins.int
     MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    LEASED_FIELD_NUMBER: _builtins.int
     socket_path: _builtins.str
     """The Unix socket to connect to (a path on the executor's host)."""
     ticket: _builtins.str
     """What the channel's first frame (HELLO) presents."""
     max_in_flight: _builtins.int
     """Requests the channel may have in flight at once."""
+    @_builtins.property
+    def leased(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Per requested adapter, in order, the version leased as "name:VERSION"."""
+
     def __init__(
         self,
         *,
         socket_path: _builtins.str = ...,
         ticket: _builtins.str = ...,
         max_in_flight: _builtins.int = ...,
+        leased: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_in_flight", b"max_in_flight", "socket_path", b"socket_path", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leased", b"leased", "max_in_flight", b"max_in_flight", "socket_path", b"socket_path", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

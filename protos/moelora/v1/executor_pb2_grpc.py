@@ -275,8 +275,11 @@ class ExecutorServicer:
         """A direct channel for a client on the executor's host: Forward descriptors go to the
         executor's engine over a local socket, with no gRPC call each (docs/api.md gives the
         frames). The answer names the socket and a ticket, good once within a minute, that
-        gives the channel this caller's regions; a channel's tensors must be in them.
-        Errors: FAILED_PRECONDITION (a caller on another host, or channels off).
+        gives the channel this caller's regions; a channel's tensors must be in them. Adapters
+        named in the request are leased: in GPU slots until the channel closes.
+        Errors: FAILED_PRECONDITION (a caller on another host, channels off, an adapter for
+        another base model), NOT_FOUND (unknown adapter), RESOURCE_EXHAUSTED (leases would
+        leave no GPU slot for other requests), UNAVAILABLE (registry unreachable).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

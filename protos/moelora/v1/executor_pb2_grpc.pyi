@@ -123,8 +123,11 @@ class ExecutorStub:
     """A direct channel for a client on the executor's host: Forward descriptors go to the
     executor's engine over a local socket, with no gRPC call each (docs/api.md gives the
     frames). The answer names the socket and a ticket, good once within a minute, that
-    gives the channel this caller's regions; a channel's tensors must be in them.
-    Errors: FAILED_PRECONDITION (a caller on another host, or channels off).
+    gives the channel this caller's regions; a channel's tensors must be in them. Adapters
+    named in the request are leased: in GPU slots until the channel closes.
+    Errors: FAILED_PRECONDITION (a caller on another host, channels off, an adapter for
+    another base model), NOT_FOUND (unknown adapter), RESOURCE_EXHAUSTED (leases would
+    leave no GPU slot for other requests), UNAVAILABLE (registry unreachable).
     """
 
 @_typing.type_check_only
@@ -222,8 +225,11 @@ class ExecutorAsyncStub(ExecutorStub):
     """A direct channel for a client on the executor's host: Forward descriptors go to the
     executor's engine over a local socket, with no gRPC call each (docs/api.md gives the
     frames). The answer names the socket and a ticket, good once within a minute, that
-    gives the channel this caller's regions; a channel's tensors must be in them.
-    Errors: FAILED_PRECONDITION (a caller on another host, or channels off).
+    gives the channel this caller's regions; a channel's tensors must be in them. Adapters
+    named in the request are leased: in GPU slots until the channel closes.
+    Errors: FAILED_PRECONDITION (a caller on another host, channels off, an adapter for
+    another base model), NOT_FOUND (unknown adapter), RESOURCE_EXHAUSTED (leases would
+    leave no GPU slot for other requests), UNAVAILABLE (registry unreachable).
     """
 
 class ExecutorServicer(metaclass=_abc_1.ABCMeta):
@@ -408,8 +414,11 @@ class ExecutorServicer(metaclass=_abc_1.ABCMeta):
         """A direct channel for a client on the executor's host: Forward descriptors go to the
         executor's engine over a local socket, with no gRPC call each (docs/api.md gives the
         frames). The answer names the socket and a ticket, good once within a minute, that
-        gives the channel this caller's regions; a channel's tensors must be in them.
-        Errors: FAILED_PRECONDITION (a caller on another host, or channels off).
+        gives the channel this caller's regions; a channel's tensors must be in them. Adapters
+        named in the request are leased: in GPU slots until the channel closes.
+        Errors: FAILED_PRECONDITION (a caller on another host, channels off, an adapter for
+        another base model), NOT_FOUND (unknown adapter), RESOURCE_EXHAUSTED (leases would
+        leave no GPU slot for other requests), UNAVAILABLE (registry unreachable).
         """
 
 def add_ExecutorServicer_to_server(servicer: ExecutorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
