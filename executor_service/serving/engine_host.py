@@ -50,6 +50,7 @@ from executor_service.registry_source import registry_status
 from executor_service.runtime import ExecutorRuntime, replica_name
 from executor_service.serving.regions import HeldRegion, RegionInfo, SharedRegions
 from moelora.client.engine_wire import (
+    MAX_FRAME,
     Connection,
     ForwardDescriptor,
     ForwardResult,
@@ -66,7 +67,7 @@ from moelora.client.errors import (
 )
 from moelora.client.logs import log_event
 from moelora.client.shared_memory import Segment as ShmSegment
-from moelora.client.tensors import WIRE_TYPES
+from moelora.client.tensors import MAX_DIMS, MAX_ELEMENTS, WIRE_TYPES
 from shared.grpc_server import internal_error_message
 from shared.refs import AdapterRef
 from shared.version import package_version
@@ -79,6 +80,9 @@ _OK = grpc.StatusCode.OK.value[0]
 MAX_CHANNELS = 1024
 #: How long a new channel may take to present its ticket.
 HELLO_TIMEOUT_SECONDS = 5.0
+#: The longest frame a channel may send: a descriptor of 16,384 one-token segments with
+#: 40-character adapter references fits; a peer cannot make the engine buffer more.
+CHANNEL_MAX_FRAME = 1024 * 1024
 
 #: How long a send to a front end may block before the engine gives that front end up: the
 #: launch loop answers every front end, so one that stops reading (stopped, wedged) must not
@@ -230,7 +234,7 @@ class EngineHost:
     def _read(self, link: _Link) -> None:
         try:
             while True:
-                kind, payload = link.connection.recv()
+                kind, payload = link.connection.recv(link.max_frame)
                 if kind is Kind.FORWARD and link.ready:
                     received = time.perf_counter()
                     if not link.enter():
@@ -247,7 +251,14 @@ class EngineHost:
                 else:
                     raise ValueError(f"unexpected frame {kind.name} from a peer")
         except (EOFError, OSError):
-            pass  # the front end went away
+            pass  # the peer went away
+        except ValueError as exc:
+            if not link.channel:
+                internal_error_message("engine_link_failed", front_end=link.pid)
+            else:  # a client that broke the protocol: its channel ends, nothing else
+                log_event(
+                    log, "channel_refused", logging.WARNING, pid=link.pid, error=str(exc)[:200]
+                )
         except Exception:
             internal_error_message("engine_link_failed", front_end=link.pid)
         finally:
@@ -315,10 +326,10 @@ class EngineHost:
         """On the launch loop's thread: checks and prepares one request and queues it for a
         launch when that needs no waiting; else a worker thread prepares it (``_wait_ready``).
         Its answer goes back from the launch loop (``_answered``)."""
-        request_id = 0
+        request_id = ForwardDescriptor.peek_id(payload)
         held: list[HeldRegion] = []
         try:
-            descriptor = ForwardDescriptor.decode(payload)
+            descriptor = _decoded(payload)
             request_id = descriptor.request_id
             runtime = self._ready()
             with runtime.device.guard():
@@ -399,6 +410,7 @@ class EngineHost:
             return found
 
         def tensor(ref: TensorRef, found: HeldRegion | None, field: str) -> torch.Tensor:
+            _check_shape(ref, field)
             if found is None:
                 return link.tensor(ref, field)
             dtype = _torch_dtype(ref, field)
@@ -507,6 +519,29 @@ class EngineHost:
         link.send(Kind.REPLY, json.dumps(reply).encode())
 
 
+def _decoded(payload: bytes) -> ForwardDescriptor:
+    """The descriptor; INVALID_ARGUMENT if it is malformed (a channel's client wrote it)."""
+    try:
+        return ForwardDescriptor.decode(payload)
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(
+            f"descriptor: malformed ({exc}); see the channel frames in docs/api.md",
+            "descriptor",
+        ) from None
+
+
+def _check_shape(ref: TensorRef, field: str) -> None:
+    """A channel's client wrote the shape (a front end checked its own): dims that make a
+    tensor of the bytes the reference says."""
+    if len(ref.shape) > MAX_DIMS or any(d < 0 for d in ref.shape):
+        raise InvalidArgument(f"{field}.shape: {list(ref.shape)} is not a shape", f"{field}.shape")
+    count = math.prod(ref.shape)
+    if count > MAX_ELEMENTS or count * _torch_dtype(ref, field).itemsize != ref.nbytes:
+        raise InvalidArgument(
+            f"{field}.shape: {list(ref.shape)} does not make {ref.nbytes} bytes", f"{field}.shape"
+        )
+
+
 def _torch_dtype(ref: TensorRef, field: str) -> torch.dtype:
     wire = WIRE_TYPES.get(ref.dtype)  # type: ignore[call-overload]
     if wire is None:
@@ -540,6 +575,7 @@ class _Link:
         self.scope = ""
         #: A channel's lease, released when the channel ends.
         self.held: HeldAdapters | None = None
+        self.max_frame = CHANNEL_MAX_FRAME if channel else MAX_FRAME
         self._max_in_flight = 0  # 0: no limit (a front end bounds its own calls)
         if channel:  # a peer that connects and says nothing does not keep its thread
             connection.sock.setsockopt(

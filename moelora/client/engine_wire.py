@@ -207,11 +207,12 @@ class Connection:
     def send_json(self, kind: Kind, value: object) -> None:
         self.send(kind, json.dumps(value).encode())
 
-    def recv(self) -> tuple[Kind, bytes]:
-        """The next frame; EOFError once the other end is gone."""
+    def recv(self, max_frame: int = MAX_FRAME) -> tuple[Kind, bytes]:
+        """The next frame; EOFError once the other end is gone, ValueError for a frame
+        longer than ``max_frame`` (before reading it) or of an unknown kind."""
         length, kind = _FRAME.unpack(self._exact(_FRAME.size))
-        if length > MAX_FRAME:
-            raise ValueError(f"frame of {length} bytes")
+        if length > max_frame:
+            raise ValueError(f"frame of {length} bytes (at most {max_frame})")
         return Kind(kind), self._exact(length)
 
     def _exact(self, count: int) -> bytes:
