@@ -6,8 +6,9 @@ as every call), connects to the engine's local socket and presents it; from then
 ``forward`` writes the input into a registered ring (CUDA or shared memory), sends the engine a
 small descriptor (``moelora.client.engine_wire``) and reads its answer from the same socket —
 no protobuf, no HTTP/2, no front-end process in between. One request is in flight per channel
-at a time (a channel is a pipe, not a pool: open one per thread); the engine answers
-RESOURCE_EXHAUSTED past its per-channel limit.
+at a time (a channel is a pipe, not a pool: open one per thread; the asyncio channel,
+``moelora.client.channel_aio``, multiplexes); the engine answers RESOURCE_EXHAUSTED past its
+per-channel limit.
 
 A client in another language speaks the same frames (docs/api.md): HELLO {"ticket", "pid"} as
 JSON, then FORWARD descriptors, reading RESULT and STATE frames.
@@ -33,7 +34,7 @@ from moelora.client.engine_wire import (
     raise_for,
 )
 from moelora.client.errors import DeadlineExceeded, FailedPrecondition, Unavailable
-from moelora.client.shared_memory import Array, ForwardRing
+from moelora.client.shared_memory import Array, ForwardRing, Slot
 from moelora.client.tensors import WIRE_TYPES
 from moelora.v1 import executor_pb2
 
@@ -91,20 +92,10 @@ class ForwardChannel:
                 "a channel carries no bytes"
             )
         try:
-            wire = [executor_pb2.Segment(num_tokens=n, adapter=a or "") for n, a in segments or ()]
-            request = ring.request(slot, hidden, layer, wire)
-            result = self.send(
-                ForwardDescriptor(
-                    request_id=next(self._ids),
-                    layer=layer,
-                    slot_wait=self.slot_wait,
-                    decode_seconds=0.0,
-                    scope="",  # the engine takes the ticket's
-                    hidden=_ref(request.shared_hidden_states),
-                    output=_ref(request.shared_output),
-                    segments=tuple((s.num_tokens, s.adapter) for s in request.segments),
-                )
+            descriptor = ring_descriptor(
+                ring, slot, hidden, layer, segments, next(self._ids), self.slot_wait
             )
+            result = self.send(descriptor)
             raise_for(result.code, result.message, result.retry_after_ms)
             return ring.output(slot, hidden), result
         finally:
@@ -141,6 +132,30 @@ class ForwardChannel:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def ring_descriptor(
+    ring: ForwardRing,
+    slot: Slot,
+    hidden: Any,
+    layer: int,
+    segments: Segments | None,
+    request_id: int,
+    slot_wait: float,
+) -> ForwardDescriptor:
+    """Writes ``hidden`` into ``slot`` of ``ring`` and describes the request naming it."""
+    wire = [executor_pb2.Segment(num_tokens=n, adapter=a or "") for n, a in segments or ()]
+    request = ring.request(slot, hidden, layer, wire)
+    return ForwardDescriptor(
+        request_id=request_id,
+        layer=layer,
+        slot_wait=slot_wait,
+        decode_seconds=0.0,
+        scope="",  # the engine takes the ticket's
+        hidden=_ref(request.shared_hidden_states),
+        output=_ref(request.shared_output),
+        segments=tuple((s.num_tokens, s.adapter) for s in request.segments),
+    )
 
 
 def _ref(tensor: executor_pb2.SharedTensor) -> TensorRef:

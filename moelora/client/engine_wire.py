@@ -22,7 +22,8 @@ import grpc
 
 from moelora.client.errors import Overloaded, error_for_code
 
-_FRAME = struct.Struct("<IB")
+#: A frame's head: the payload's length and the kind.
+FRAME_HEAD = struct.Struct("<IB")
 #: A frame's payload is at most this long (descriptors and admin answers are small).
 MAX_FRAME = 64 * 1024 * 1024
 
@@ -193,6 +194,10 @@ class ForwardResult:
         return cls(request_id, code, reader.string(), names, loaded, server_us, retry)
 
 
+def frame(kind: Kind, payload: bytes) -> bytes:
+    return FRAME_HEAD.pack(len(payload), kind) + payload
+
+
 class Connection:
     """One end of the front end ↔ engine socket: whole frames, sends from any thread."""
 
@@ -202,7 +207,7 @@ class Connection:
 
     def send(self, kind: Kind, payload: bytes) -> None:
         with self._send_lock:
-            self.sock.sendall(_FRAME.pack(len(payload), kind) + payload)
+            self.sock.sendall(frame(kind, payload))
 
     def send_json(self, kind: Kind, value: object) -> None:
         self.send(kind, json.dumps(value).encode())
@@ -210,7 +215,7 @@ class Connection:
     def recv(self, max_frame: int = MAX_FRAME) -> tuple[Kind, bytes]:
         """The next frame; EOFError once the other end is gone, ValueError for a frame
         longer than ``max_frame`` (before reading it) or of an unknown kind."""
-        length, kind = _FRAME.unpack(self._exact(_FRAME.size))
+        length, kind = FRAME_HEAD.unpack(self._exact(FRAME_HEAD.size))
         if length > max_frame:
             raise ValueError(f"frame of {length} bytes (at most {max_frame})")
         return Kind(kind), self._exact(length)

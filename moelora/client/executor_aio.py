@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -48,6 +48,8 @@ from moelora.v1 import executor_pb2, executor_pb2_grpc
 
 if TYPE_CHECKING:
     import torch
+
+    from moelora.client.channel_aio import AsyncForwardChannel
 
 T = TypeVar("T")
 
@@ -193,6 +195,22 @@ class AsyncExecutorClient:
                     )
         finally:
             ring.close()
+
+    async def open_channel(
+        self,
+        timeout: float | None = None,
+        slot_wait: float = 10.0,
+        adapters: Sequence[str] = (),
+    ) -> AsyncForwardChannel:
+        """A direct channel to the executor's engine, as ``ExecutorClient.open_channel``;
+        its calls may overlap (``moelora.client.channel_aio``)."""
+        from moelora.client.channel_aio import AsyncForwardChannel
+
+        request = executor_pb2.OpenChannelRequest(adapters=list(adapters))
+        opened: executor_pb2.OpenChannelResponse = await self._call(
+            self._stub.OpenChannel, request, timeout, idempotent=not adapters
+        )
+        return await AsyncForwardChannel.connect(opened, timeout or self.timeout, slot_wait)
 
     async def forward_stream(
         self, calls: Iterable[ForwardCall[Array]], timeout: float | None = None

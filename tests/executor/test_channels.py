@@ -5,13 +5,16 @@ channel may not send bytes or admin calls, nor more requests at once than its li
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from moelora.client import AsyncExecutorClient
 from moelora.client.channel import ForwardChannel
 from moelora.client.engine_wire import (
     Connection,
@@ -199,3 +202,29 @@ def test_a_lease_holds_its_adapters_in_slots_until_its_channel_ends(
     wait_for(lambda: held().get("delta:1") == 0, timeout=10)
     with pytest.raises(NotFound):
         client.open_channel(adapters=["no-such-adapter"])
+
+
+def test_an_asyncio_channel_answers_overlapping_calls_each_with_its_own(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """Six calls in flight on one channel at once, over a three-slot ring: each answer is its
+    own input's (distinct inputs, so answers mixed up by request id would show), equal to
+    Forward's with bytes."""
+    running = start_executor(qwen_world)
+    layer = qwen_world.moe_layers[0]
+    base = qwen_world.inputs[layer].numpy()
+    inputs = [base * (1.0 + 0.25 * i) for i in range(6)]
+    expected = [running.client.forward(layer, x, [(TOKENS, "alpha")]).output for x in inputs]
+
+    async def calls() -> list[np.ndarray[Any, Any]]:
+        async with AsyncExecutorClient(running.app.address) as client:
+            ring_context = client.shared_memory(base.shape[1], TOKENS, slots=6, dtype="float32")
+            async with ring_context as ring, await client.open_channel() as channel:
+                answers = await asyncio.gather(
+                    *(channel.forward(layer, x, ring, [(TOKENS, "alpha")]) for x in inputs)
+                )
+                assert channel.serving
+        return [output for output, _ in answers]
+
+    for got, want in zip(asyncio.run(calls()), expected, strict=True):
+        assert np.array_equal(got, want)
