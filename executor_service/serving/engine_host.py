@@ -684,6 +684,8 @@ class _Channels:
 
     #: A ticket not used within this long is void.
     TICKET_SECONDS = 60.0
+    #: Tickets outstanding at once (OpenChannel called in a loop must not grow them unbounded).
+    MAX_TICKETS = 4096
 
     def __init__(
         self,
@@ -711,7 +713,16 @@ class _Channels:
         ticket = secrets.token_urlsafe(24)
         self._expire()
         with self._lock:
-            self._tickets[ticket] = (scope, held, time.monotonic() + self.TICKET_SECONDS)
+            crowded = len(self._tickets) >= self.MAX_TICKETS
+            if not crowded:
+                self._tickets[ticket] = (scope, held, time.monotonic() + self.TICKET_SECONDS)
+        if crowded:
+            self._release(held)
+            raise Overloaded(
+                f"{self.MAX_TICKETS} channel tickets are outstanding, the most the engine "
+                "keeps; connect with the ones you have, or retry",
+                retry_after_ms=1000,
+            )
         return {"socket": str(self.path), "ticket": ticket, "max_in_flight": self.max_in_flight}
 
     def redeem(self, ticket: str) -> tuple[str, HeldAdapters | None] | None:
