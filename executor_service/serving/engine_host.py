@@ -274,6 +274,7 @@ class EngineHost:
         redeemed = None if channels is None else channels.redeem(str(hello.get("ticket", "")))
         if channels is None or redeemed is None:
             link.send_state(False, "unknown or used channel ticket: call OpenChannel for one")
+            link.linger()
             return False
         scope, link.held = redeemed
         link.admit(scope, int(hello.get("pid", 0)), channels.max_in_flight)
@@ -646,6 +647,14 @@ class _Link:
             log_event(log, "front_end_stalled", logging.ERROR, pid=self.pid)
         with contextlib.suppress(OSError):
             self.connection.sock.shutdown(socket.SHUT_RDWR)
+
+    def linger(self) -> None:
+        """Says no more and reads until the peer hangs up (at most the HELLO timeout): closing
+        with its frames unread would reset the connection, losing what was sent it."""
+        with contextlib.suppress(OSError):
+            self.connection.sock.shutdown(socket.SHUT_WR)
+            while self.connection.sock.recv(65536):
+                pass
 
     def enter(self) -> bool:
         """Counts a request in (``leave`` counts it out); False past a channel's limit (it is

@@ -119,9 +119,21 @@ class ForwardChannel:
             except TimeoutError:
                 raise DeadlineExceeded("channel: no answer within the channel's timeout") from None
             except (EOFError, OSError):
+                self._last_words()
                 raise Unavailable(
                     f"channel: the engine closed it ({self.reason or 'it stopped'}); open another"
                 ) from None
+
+    def _last_words(self) -> None:
+        """Reads what the engine said before it hung up (a send can fail before the frames
+        already here are read): its reason, if it gave one."""
+        with contextlib.suppress(EOFError, OSError, ValueError):
+            self._connection.sock.settimeout(0.5)
+            while True:
+                kind, payload = self._connection.recv()
+                if kind is Kind.STATE:
+                    state: dict[str, Any] = json.loads(payload)
+                    self.serving, self.reason = bool(state["serving"]), str(state["reason"])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -101,6 +101,9 @@ class AsyncForwardChannel:
         except TimeoutError:
             raise DeadlineExceeded("channel: no answer within the channel's timeout") from None
         except OSError:
+            # The engine hung up: let the reader take in its last words (the reason).
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._reading), 0.5)
             raise Unavailable(self._closed or "channel: the engine closed it") from None
         finally:
             self._waiting.pop(descriptor.request_id, None)
