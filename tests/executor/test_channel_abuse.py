@@ -121,7 +121,16 @@ def test_malformed_descriptors_are_answered_invalid_argument(
 def test_a_used_ticket_cannot_be_used_again(qwen_world: World, running: Running) -> None:
     opened = running.client._stub.OpenChannel(ex.OpenChannelRequest())
     first = _raw(opened.socket_path)
-    Connection(first).send_json(Kind.HELLO, {"ticket": opened.ticket, "pid": 1})
+    owner = Connection(first)
+    owner.send_json(Kind.HELLO, {"ticket": opened.ticket, "pid": 1})
+    # A round trip: once a descriptor is answered, the ticket has been taken (frames of one
+    # connection are read in order).
+    layer = qwen_world.moe_layers[0]
+    probe = ForwardDescriptor(1, layer, 1.0, 0.0, "", _ref(0), _ref(4096), ((TOKENS, ""),))
+    owner.send(Kind.FORWARD, probe.encode())
+    while (answer := owner.recv())[0] is not Kind.RESULT:
+        pass
+    assert ForwardResult.decode(answer[1]).code == INVALID_ARGUMENT  # admitted: no bytes, though
     thief = _raw(opened.socket_path)
     Connection(thief).send_json(Kind.HELLO, {"ticket": opened.ticket, "pid": 2})
     assert _closed_by_engine(thief)
