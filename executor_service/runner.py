@@ -127,11 +127,16 @@ class Runner:
         if launch.meanwhile is not None:
             launch.meanwhile()
         end.synchronize()
+        self._count_replay(graph, staged - start)
+        return io.output[:rows]
+
+    def _count_replay(self, graph: LayerGraph, staging_seconds: float) -> None:
+        """A replay's metrics, once its end event is reached."""
+        begin, end = self._events[:2]
         self._metrics.graph_runs.inc()
         self._metrics.graph_replays.labels(str(graph.bucket)).inc()
-        self._metrics.stage["stage"].observe(staged - start)
+        self._metrics.stage["stage"].observe(staging_seconds)
         self._metrics.stage["kernel"].observe(begin.elapsed_time(end) / 1000)
-        return io.output[:rows]
 
     def _replay_on_device(
         self, launch: Launch, graph: LayerGraph, outputs: Sequence[torch.Tensor]
@@ -154,10 +159,7 @@ class Runner:
         if launch.meanwhile is not None:
             launch.meanwhile()
         torch.cuda.current_stream(self._sync.device).synchronize()
-        self._metrics.graph_runs.inc()
-        self._metrics.graph_replays.labels(str(graph.bucket)).inc()
-        self._metrics.stage["stage"].observe(staged - start)
-        self._metrics.stage["kernel"].observe(begin.elapsed_time(end) / 1000)
+        self._count_replay(graph, staged - start)
         return out
 
     def _run_eager_on_device(

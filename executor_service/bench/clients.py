@@ -37,8 +37,8 @@ import numpy as np
 
 from executor_service.bench.answers import tensor_to_float32, worst_row_error
 from executor_service.bench.echo_server import STREAM, UNARY
-from moelora.client.channel import ForwardChannel
-from moelora.client.engine_wire import ForwardDescriptor, TensorRef, raise_for
+from moelora.client.channel import ForwardChannel, tensor_ref
+from moelora.client.engine_wire import ForwardDescriptor, raise_for
 from moelora.client.shared_memory import Segment
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 
@@ -209,8 +209,8 @@ class _Transport:
                     slot_wait=10.0,
                     decode_seconds=0.0,
                     scope="",
-                    hidden=_ref(template.shared_hidden_states),
-                    output=_ref(template.shared_output),
+                    hidden=tensor_ref(template.shared_hidden_states),
+                    output=tensor_ref(template.shared_output),
                     segments=tuple((s.num_tokens, s.adapter) for s in template.segments),
                 )
             )
@@ -259,11 +259,6 @@ def _has_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _ref(tensor: executor_pb2.SharedTensor) -> TensorRef:
-    shape = tuple(int(d) for d in tensor.shape)
-    return TensorRef(tensor.region, tensor.offset, 2 * math.prod(shape), tensor.dtype, shape)
 
 
 def _device_copy(data: bytes, nbytes: int) -> Any:

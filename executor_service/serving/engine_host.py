@@ -485,29 +485,16 @@ class EngineHost:
         call = json.loads(payload)
         reply: dict[str, Any] = {"id": call["id"], "code": _OK, "message": "", "value": None}
         try:
-            if call["method"] == "open_channel":
-                args = call["args"]
-                reply["value"] = self.open_channel(
-                    args["scope"], args.get("adapters", []), float(args.get("wait", 0.0))
-                )
-                link.send(Kind.REPLY, json.dumps(reply).encode())
-                return
-            region_call = _REGION_CALLS.get(call["method"])
-            if region_call is not None:
-                reply["value"] = region_call(self.regions, call["args"])
-                link.send(Kind.REPLY, json.dumps(reply).encode())
-                return
-            runtime = self._ready()
-            if call["method"] == "register_cuda":
+            host_call = _HOST_CALLS.get(call["method"])
+            if host_call is not None:
+                reply["value"] = host_call(self, call["args"])
+            else:
+                runtime = self._ready()
+                method = _CALLS.get(call["method"])
+                if method is None:
+                    raise InvalidArgument(f"unknown engine call {call['method']!r}")
                 with runtime.device.guard():
-                    reply["value"] = _register_cuda(self.regions, runtime, call["args"])
-                link.send(Kind.REPLY, json.dumps(reply).encode())
-                return
-            method = _CALLS.get(call["method"])
-            if method is None:
-                raise InvalidArgument(f"unknown engine call {call['method']!r}")
-            with runtime.device.guard():
-                reply["value"] = method(runtime, call["args"])
+                    reply["value"] = method(runtime, call["args"])
         except MoeLoraError as exc:
             failure = _failure(0, exc)
             reply.update(code=failure.code, message=failure.message)
@@ -608,7 +595,8 @@ class _Link:
         log_event(log, "front_end_connected", pid=self.pid, arena=self._arena.name)
 
     def tensor(self, ref: TensorRef, field: str) -> torch.Tensor:
-        """A view of ``ref`` in the front end's arena (bounds and sizes checked)."""
+        """A view of ``ref`` (its shape checked: ``_check_shape``) in the front end's arena,
+        bounds checked."""
         arena = self._arena
         if arena is None:
             raise InvalidArgument(
@@ -619,7 +607,7 @@ class _Link:
         dtype = _torch_dtype(ref, field)
         count = math.prod(ref.shape)
         end = ref.offset + ref.nbytes
-        if count * dtype.itemsize != ref.nbytes or ref.offset < 0 or end > arena.size:
+        if ref.offset < 0 or end > arena.size:
             raise InvalidArgument(f"{field}: {ref} lies outside its shared memory", field)
         if count == 0:
             return torch.empty(ref.shape, dtype=dtype)
@@ -840,37 +828,46 @@ def _region_json(info: RegionInfo) -> dict[str, Any]:
     }
 
 
-def _register(regions: SharedRegions, args: dict[str, Any]) -> dict[str, Any]:
+def _register(host: EngineHost, args: dict[str, Any]) -> dict[str, Any]:
+    regions = host.regions
     info = regions.register(args["scope"], args["region"], args["shm_name"], int(args["size"]))
     return _region_json(info)
 
 
-def _register_cuda(
-    regions: SharedRegions, runtime: ExecutorRuntime, args: dict[str, Any]
-) -> dict[str, Any]:
-    info = regions.register_cuda(
-        args["scope"],
-        args["region"],
-        bytes.fromhex(args["ipc_handle"]),
-        int(args["size"]),
-        str(args["device_uuid"]),
-        runtime.placement.device,
-    )
+def _register_cuda(host: EngineHost, args: dict[str, Any]) -> dict[str, Any]:
+    runtime = host._ready()  # the device to map the memory for
+    with runtime.device.guard():
+        info = host.regions.register_cuda(
+            args["scope"],
+            args["region"],
+            bytes.fromhex(args["ipc_handle"]),
+            int(args["size"]),
+            str(args["device_uuid"]),
+            runtime.placement.device,
+        )
     return _region_json(info)
 
 
-def _unregister(regions: SharedRegions, args: dict[str, Any]) -> None:
-    regions.unregister(args["scope"], args["region"], args["kind"])
+def _unregister(host: EngineHost, args: dict[str, Any]) -> None:
+    host.regions.unregister(args["scope"], args["region"], args["kind"])
 
 
-def _list_regions(regions: SharedRegions, args: dict[str, Any]) -> list[dict[str, Any]]:
-    return [_region_json(r) for r in regions.list(args["scope"], args["kind"])]
+def _list_regions(host: EngineHost, args: dict[str, Any]) -> list[dict[str, Any]]:
+    return [_region_json(r) for r in host.regions.list(args["scope"], args["kind"])]
 
 
-_REGION_CALLS: dict[str, Callable[[SharedRegions, dict[str, Any]], Any]] = {
+def _open_channel(host: EngineHost, args: dict[str, Any]) -> dict[str, Any]:
+    return host.open_channel(args["scope"], args.get("adapters", []), float(args.get("wait", 0)))
+
+
+#: Calls about clients' regions and channels, answered whether or not the model is loaded
+#: (those that need the device ask for it themselves).
+_HOST_CALLS: dict[str, Callable[[EngineHost, dict[str, Any]], Any]] = {
     "register_shm": _register,
+    "register_cuda": _register_cuda,
     "unregister_region": _unregister,
     "list_regions": _list_regions,
+    "open_channel": _open_channel,
 }
 
 _CALLS: dict[str, Callable[[ExecutorRuntime, dict[str, Any]], dict[str, Any]]] = {

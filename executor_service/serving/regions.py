@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -145,8 +146,7 @@ class SharedRegions:
         )
         return self._add(scope, info, lambda: _open_cuda(handle, size, device_uuid, device))
 
-    def _add(self, scope: str, info: RegionInfo, open_memory: object) -> RegionInfo:
-        assert callable(open_memory)
+    def _add(self, scope: str, info: RegionInfo, open_memory: Callable[[], _Memory]) -> RegionInfo:
         with self._lock:
             held = self._scopes.setdefault(scope, {})
             known = held.get(info.region)

@@ -85,12 +85,7 @@ class ForwardChannel:
         """One MoE layer for ``hidden`` (T, H) through a slot of ``ring`` (which must hold
         it): the output (a copy, as ``ring.output`` makes it) and the engine's result (its
         resolved adapters, adapters loaded, server time). Errors raise as for Forward."""
-        slot = ring.take(hidden)
-        if slot is None:
-            raise ValueError(
-                "hidden does not fit a free slot of the ring (its dtype, T or every slot busy); "
-                "a channel carries no bytes"
-            )
+        slot = take_slot(ring, hidden)
         try:
             descriptor = ring_descriptor(
                 ring, slot, hidden, layer, segments, next(self._ids), self.slot_wait
@@ -146,6 +141,17 @@ class ForwardChannel:
         self.close()
 
 
+def take_slot(ring: ForwardRing, hidden: Any) -> Slot:
+    """A free slot of ``ring`` for ``hidden``; ValueError if none (a channel carries no bytes)."""
+    slot = ring.take(hidden)
+    if slot is None:
+        raise ValueError(
+            "hidden does not fit a free slot of the ring (its dtype, T or every slot busy); "
+            "a channel carries no bytes"
+        )
+    return slot
+
+
 def ring_descriptor(
     ring: ForwardRing,
     slot: Slot,
@@ -164,13 +170,14 @@ def ring_descriptor(
         slot_wait=slot_wait,
         decode_seconds=0.0,
         scope="",  # the engine takes the ticket's
-        hidden=_ref(request.shared_hidden_states),
-        output=_ref(request.shared_output),
+        hidden=tensor_ref(request.shared_hidden_states),
+        output=tensor_ref(request.shared_output),
         segments=tuple((s.num_tokens, s.adapter) for s in request.segments),
     )
 
 
-def _ref(tensor: executor_pb2.SharedTensor) -> TensorRef:
+def tensor_ref(tensor: executor_pb2.SharedTensor) -> TensorRef:
+    """The engine's reference for a tensor a Forward request names in a region."""
     shape = tuple(int(d) for d in tensor.shape)
     nbytes = math.prod(shape) * WIRE_TYPES[tensor.dtype].itemsize
     return TensorRef(tensor.region, tensor.offset, nbytes, tensor.dtype, shape)

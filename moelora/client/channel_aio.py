@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from moelora.client.channel import Segments, ring_descriptor
+from moelora.client.channel import Segments, ring_descriptor, take_slot
 from moelora.client.engine_wire import (
     FRAME_HEAD,
     ForwardDescriptor,
@@ -72,12 +72,7 @@ class AsyncForwardChannel:
         self, layer: int, hidden: Array, ring: ForwardRing, segments: Segments | None = None
     ) -> tuple[Array, ForwardResult]:
         """As ``ForwardChannel.forward``; calls may overlap."""
-        slot = ring.take(hidden)
-        if slot is None:
-            raise ValueError(
-                "hidden does not fit a free slot of the ring (its dtype, T or every slot busy); "
-                "a channel carries no bytes"
-            )
+        slot = take_slot(ring, hidden)
         try:
             descriptor = ring_descriptor(
                 ring, slot, hidden, layer, segments, next(self._ids), self.slot_wait

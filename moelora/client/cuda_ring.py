@@ -17,11 +17,10 @@ output is in place when the answer arrives. ``UnregisterCudaMemory`` before free
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, cast
 
 from moelora.client.cuda_ipc import DeviceBuffer, device_uuid
-from moelora.client.shared_memory import Array, Slot
+from moelora.client.shared_memory import Array, Slot, SlotPool, slot_request
 from moelora.client.tensors import WIRE_TYPES, dtype_from_name
 from moelora.v1 import executor_pb2
 
@@ -45,18 +44,15 @@ class CudaMemoryRing:
     ) -> None:
         import torch
 
-        if hidden_size < 1 or max_tokens < 1 or slots < 1:
-            raise ValueError("hidden_size, max_tokens and slots must be at least 1")
         self.region = region
         self.hidden_size = hidden_size
         self.max_tokens = max_tokens
         self.device = torch.device(device)
         self.dtype_code = dtype_from_name(dtype)
         self.dtype: torch.dtype = getattr(torch, WIRE_TYPES[self.dtype_code].torch)
-        self._area = max_tokens * hidden_size * self.dtype.itemsize
-        self.buffer = DeviceBuffer(2 * slots * self._area, self.device)
-        self._lock = threading.Lock()
-        self._free = list(range(slots))
+        area = max_tokens * hidden_size * self.dtype.itemsize
+        self._slots = SlotPool(slots, max_tokens, hidden_size, area)
+        self.buffer = DeviceBuffer(2 * slots * area, self.device)
 
     def register_request(self) -> executor_pb2.RegisterCudaMemoryRequest:
         return executor_pb2.RegisterCudaMemoryRequest(
@@ -69,22 +65,12 @@ class CudaMemoryRing:
     def take(self, hidden: object) -> Slot | None:
         """A free slot that holds ``hidden`` (a (T, H) torch tensor of the ring's dtype), or
         None (the call then sends its bytes in the message)."""
-        shape: tuple[int, ...] = tuple(getattr(hidden, "shape", ()))
-        if getattr(hidden, "dtype", None) != self.dtype or len(shape) != 2:
+        if getattr(hidden, "dtype", None) != self.dtype:
             return None
-        tokens = int(shape[0])
-        if not 1 <= tokens <= self.max_tokens or int(shape[1]) != self.hidden_size:
-            return None
-        with self._lock:
-            if not self._free:
-                return None
-            index = self._free.pop()
-        start = 2 * index * self._area
-        return Slot(index, tokens, start, start + self._area)
+        return self._slots.take(tuple(int(d) for d in getattr(hidden, "shape", ())))
 
     def give_back(self, slot: Slot) -> None:
-        with self._lock:
-            self._free.append(slot.index)
+        self._slots.give_back(slot)
 
     def request(
         self, slot: Slot, hidden: torch.Tensor, layer: int, segments: list[executor_pb2.Segment]
@@ -95,17 +81,7 @@ class CudaMemoryRing:
 
         self._view(slot.input_offset, slot.tokens).copy_(hidden.detach())
         torch.cuda.current_stream(self.device).synchronize()
-        shape = [slot.tokens, self.hidden_size]
-        return executor_pb2.ForwardRequest(
-            layer=layer,
-            segments=segments,
-            shared_hidden_states=executor_pb2.SharedTensor(
-                region=self.region, offset=slot.input_offset, dtype=self.dtype_code, shape=shape
-            ),
-            shared_output=executor_pb2.SharedTensor(
-                region=self.region, offset=slot.output_offset, dtype=self.dtype_code, shape=shape
-            ),
-        )
+        return slot_request(self.region, self.dtype_code, self.hidden_size, slot, layer, segments)
 
     def output(self, slot: Slot, like: Array) -> Array:
         """A copy of the output the executor wrote into ``slot`` (complete once it answered),
@@ -114,7 +90,7 @@ class CudaMemoryRing:
         return cast(Array, view.to(like.device, copy=True))
 
     def _view(self, offset: int, tokens: int) -> torch.Tensor:
-        nbytes = tokens * self._area // self.max_tokens
+        nbytes = tokens * self.hidden_size * self.dtype.itemsize
         return self.buffer.tensor[offset : offset + nbytes].view(self.dtype).view(tokens, -1)
 
     def close(self) -> None:

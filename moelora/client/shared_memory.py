@@ -34,6 +34,8 @@ from moelora.v1 import executor_pb2
 if TYPE_CHECKING:
     import torch
 
+    from moelora.client.tensors import DataTypeCode
+
 #: What a ring takes and gives back: numpy arrays, or torch tensors (bfloat16 too).
 Array = TypeVar("Array", bound="np.ndarray[Any, Any] | torch.Tensor")
 
@@ -106,6 +108,59 @@ class Slot:
     output_offset: int
 
 
+class SlotPool:
+    """``slots`` Forward slots, each ``area`` bytes of input followed by as many of output,
+    for up to ``max_tokens`` rows of ``hidden_size``: the bookkeeping of every ring.
+    Thread-safe."""
+
+    def __init__(self, slots: int, max_tokens: int, hidden_size: int, area: int) -> None:
+        if hidden_size < 1 or max_tokens < 1 or slots < 1:
+            raise ValueError("hidden_size, max_tokens and slots must be at least 1")
+        self.max_tokens = max_tokens
+        self.hidden_size = hidden_size
+        self.area = area
+        self._lock = threading.Lock()
+        self._free = list(range(slots))
+
+    def take(self, shape: tuple[int, ...]) -> Slot | None:
+        """A free slot for a (T, H) tensor of ``shape``; None if it does not fit one or every
+        slot is busy."""
+        if len(shape) != 2 or not 1 <= shape[0] <= self.max_tokens or shape[1] != self.hidden_size:
+            return None
+        with self._lock:
+            if not self._free:
+                return None
+            index = self._free.pop()
+        start = 2 * index * self.area
+        return Slot(index, int(shape[0]), start, start + self.area)
+
+    def give_back(self, slot: Slot) -> None:
+        with self._lock:
+            self._free.append(slot.index)
+
+
+def slot_request(
+    region: str,
+    dtype_code: DataTypeCode,
+    hidden_size: int,
+    slot: Slot,
+    layer: int,
+    segments: list[executor_pb2.Segment],
+) -> executor_pb2.ForwardRequest:
+    """The Forward request naming ``slot`` of ``region`` for its input and its output."""
+    shape = [slot.tokens, hidden_size]
+    return executor_pb2.ForwardRequest(
+        layer=layer,
+        segments=segments,
+        shared_hidden_states=executor_pb2.SharedTensor(
+            region=region, offset=slot.input_offset, dtype=dtype_code, shape=shape
+        ),
+        shared_output=executor_pb2.SharedTensor(
+            region=region, offset=slot.output_offset, dtype=dtype_code, shape=shape
+        ),
+    )
+
+
 class ForwardRing(Protocol):
     """Slots for Forward's tensors that a client registered with an executor: a
     ``SharedMemoryRing``, or a ``moelora.client.cuda_ring.CudaMemoryRing``."""
@@ -137,18 +192,14 @@ class SharedMemoryRing:
         slots: int = 4,
         dtype: str = "bfloat16",
     ) -> None:
-        if hidden_size < 1 or max_tokens < 1 or slots < 1:
-            raise ValueError("hidden_size, max_tokens and slots must be at least 1")
         self.region = region
         self.hidden_size = hidden_size
         self.max_tokens = max_tokens
         self.dtype_code = dtype_from_name(dtype)
         self.wire = WIRE_TYPES[self.dtype_code]
         area = max_tokens * hidden_size * self.wire.itemsize
+        self._slots = SlotPool(slots, max_tokens, hidden_size, area)
         self.segment = Segment.create_unique("moelora-client", 2 * slots * area)
-        self._area = area
-        self._lock = threading.Lock()
-        self._free = list(range(slots))
 
     @property
     def shm_name(self) -> str:
@@ -162,21 +213,12 @@ class SharedMemoryRing:
     def take(self, hidden: np.ndarray[Any, Any] | torch.Tensor) -> Slot | None:
         """A free slot that holds ``hidden`` (T, H) of the ring's dtype, or None (the call then
         sends its bytes in the message)."""
-        tokens = int(hidden.shape[0]) if len(hidden.shape) == 2 else 0
-        if not 1 <= tokens <= self.max_tokens or int(hidden.shape[1]) != self.hidden_size:
-            return None
         if _dtype_name(hidden) != self.wire.name:
             return None
-        with self._lock:
-            if not self._free:
-                return None
-            index = self._free.pop()
-        start = 2 * index * self._area
-        return Slot(index, tokens, start, start + self._area)
+        return self._slots.take(tuple(int(d) for d in hidden.shape))
 
     def give_back(self, slot: Slot) -> None:
-        with self._lock:
-            self._free.append(slot.index)
+        self._slots.give_back(slot)
 
     def request(
         self, slot: Slot, hidden: Array, layer: int, segments: list[executor_pb2.Segment]
@@ -185,17 +227,7 @@ class SharedMemoryRing:
         self._view(slot.input_offset, slot.tokens, like=hidden)[...] = (
             hidden if isinstance(hidden, np.ndarray) else hidden.detach()
         )
-        shape = [slot.tokens, self.hidden_size]
-        return executor_pb2.ForwardRequest(
-            layer=layer,
-            segments=segments,
-            shared_hidden_states=executor_pb2.SharedTensor(
-                region=self.region, offset=slot.input_offset, dtype=self.dtype_code, shape=shape
-            ),
-            shared_output=executor_pb2.SharedTensor(
-                region=self.region, offset=slot.output_offset, dtype=self.dtype_code, shape=shape
-            ),
-        )
+        return slot_request(self.region, self.dtype_code, self.hidden_size, slot, layer, segments)
 
     def output(self, slot: Slot, like: Array) -> Array:
         """A copy of the output the executor wrote into ``slot``, of ``like``'s kind."""
