@@ -12,9 +12,12 @@ attention tier does and checks every single answer:
   graphs replay;
 * each pool request's answer is computed first, alone and eagerly, by the executor's own
   engine in this process (``reference.EagerReference``);
-* ``clients`` processes (half unary ``Forward``, half ``ForwardStream``), each on its own
-  channel, send random pool requests for ``seconds`` and compare every answer row by row
-  (``answers.worst_row_error`` against ``answers.row_tolerance``).
+* ``clients`` processes, each on its own connection, send random pool requests for
+  ``seconds`` and compare every answer row by row (``answers.worst_row_error`` against
+  ``answers.row_tolerance``). They take the ``modes`` in turn: bytes in unary ``Forward`` and
+  in ``ForwardStream``, a shared-memory ring, CUDA tensors through the client's own device
+  path, and asyncio direct channels with calls overlapping and leases churning
+  (``stress_client.MODES``).
 
 It fails on any status other than OK (RESOURCE_EXHAUSTED, a busy executor's answer, is allowed
 up to ``MAX_EXHAUSTED_SHARE`` of the calls), on any mismatch, on a broken stream, and if the
@@ -46,7 +49,7 @@ from executor_service.bench.answers import bf16_bytes, row_tolerance
 from executor_service.bench.processes import free_port, progress
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
-from executor_service.bench.stress_client import PoolRequest, write_pool
+from executor_service.bench.stress_client import MODES, PoolRequest, write_pool
 from executor_service.graphs import BUCKETS
 from executor_service.synthetic import SyntheticAdapter, write_adapter, write_base_checkpoint
 from moelora.client.executor import ExecutorClient
@@ -75,6 +78,14 @@ class StressSettings:
     max_tokens: int = 512
     cuda_graphs: str = "auto"
     seed: int = 0
+    #: The clients' modes, taken in turn (``stress_client.MODES``); None: every mode the
+    #: device can run (``device`` needs a GPU).
+    modes: tuple[str, ...] | None = None
+
+    def client_modes(self) -> tuple[str, ...]:
+        if self.modes is not None:
+            return self.modes
+        return tuple(m for m in MODES if self.device != "cpu" or m != "device")
 
 
 @dataclass
@@ -89,6 +100,8 @@ class StressReport:
     worst_row_error: float = 0.0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
+    #: Requests the executor counted by transport (its metric's label -> count).
+    by_transport: dict[str, int] = field(default_factory=dict)
     #: Launches by the number of requests merged into them (histogram's upper bound -> count).
     batch_sizes: dict[str, int] = field(default_factory=dict)
     mean_batch: float = 0.0
@@ -114,7 +127,22 @@ class StressReport:
             found.append(f"{exhausted} RESOURCE_EXHAUSTED of {self.requests} calls")
         if self.mismatched:
             found.append(f"{self.mismatched} answers differ from the reference: {self.mismatches}")
+        unused = [t for t in self._transports() if not self.by_transport.get(t)]
+        if self.requests and unused:
+            found.append(f"no request came by {unused}: {self.by_transport}")
         return found
+
+    def _transports(self) -> set[str]:
+        """The executor's transport labels that the clients' modes must have used."""
+        on_gpu = self.settings.device != "cpu"
+        label = {
+            "unary": "message",
+            "stream": "message",
+            "shm": "shared_memory",
+            "device": "cuda_memory",
+            "channel": "cuda_memory" if on_gpu else "shared_memory",
+        }
+        return {label[m] for m in self.by_mode}
 
     def table(self) -> str:
         s = self.settings
@@ -123,7 +151,7 @@ class StressReport:
         other = self.requests - ok - exhausted
         lines = [
             f"Stress, {s.seconds:.0f} s: {s.clients} client processes "
-            f"({self.by_mode.get('unary', 0)} unary, {self.by_mode.get('stream', 0)} stream), "
+            f"({', '.join(f'{n} {m}' for m, n in self.by_mode.items())}), "
             f"{s.shape} x {s.layers} layers on {self.device_name}, graphs {s.cuda_graphs}, "
             f"{s.adapters} adapters ({s.pinned} pinned) over {s.slots} slots, pool of {s.pool} "
             f"requests (T 1-{s.max_tokens}, 1-4 segments, base rows too)",
@@ -141,6 +169,8 @@ class StressReport:
             + ", ".join(f"<={k}: {v:,}" for k, v in self.batch_sizes.items() if v),
             "Graph replays by bucket: "
             + ", ".join(f"{k}: {v:,}" for k, v in sorted(self.graph_replays.items())),
+            "Requests by transport (executor's count): "
+            + ", ".join(f"{k}: {v:,}" for k, v in sorted(self.by_transport.items())),
         ]
         failures = self.failures()
         lines.append("FAILED: " + "; ".join(failures) if failures else "PASSED")
@@ -223,6 +253,11 @@ def _summarise_metrics(report: StressReport, url: str) -> None:
     report.slot_loads = int(
         samples.get(("moelora_executor_adapter_misses_total", (("tier", "gpu"),)), 0)
     )
+    report.by_transport = {
+        dict(labels)["transport"]: int(value)
+        for (name, labels), value in samples.items()
+        if name == "moelora_executor_forward_requests_by_transport_total"
+    }
     report.slot_evictions = int(
         samples.get(("moelora_executor_adapter_evictions_total", (("tier", "gpu"),)), 0)
     )
@@ -307,14 +342,16 @@ def _drive(
             client.pin_adapter(f"stress-{i}")
     _progress(f"executor serving on {report.device_name}; {settings.clients} clients start")
     clients = []
+    modes = settings.client_modes()
+    hot = ",".join(f"stress-{i}" for i in range(settings.pinned))
     for i in range(settings.clients):
-        mode = "stream" if i % 2 else "unary"
+        mode = modes[i % len(modes)]
         report.by_mode[mode] += 1
         command = [
             sys.executable, "-m", "executor_service.bench.stress_client",
             f"--address={address}", f"--pool={pool_dir}", f"--mode={mode}",
             f"--seconds={settings.seconds}", f"--seed={settings.seed * 1000 + i}",
-            f"--tolerance={report.tolerance}",
+            f"--tolerance={report.tolerance}", f"--lease={hot}",
         ]  # fmt: skip
         clients.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
     latencies: list[float] = []

@@ -2,10 +2,15 @@
 
 Loads the request pool that the driver wrote (each request's bf16 hidden states and the answer
 it must get, memory-mapped so that every client shares one copy), then until ``--seconds``
-pass: picks a random request, sends it (unary ``Forward``, or on its one open ``ForwardStream``
-with ``--mode stream``), and compares every answer with the request's reference, row by row.
-Prints one JSON line: counts by status code, mismatches (the first few in detail), the worst
-row error and the latencies. numpy and the generated stubs only: no torch, no GPU.
+pass: picks a random request, sends it the way ``--mode`` says, and compares every answer with
+the request's reference, row by row. Prints one JSON line: counts by status code, mismatches
+(the first few in detail), the worst row error and the latencies.
+
+Modes (``MODES``): ``unary`` and ``stream`` send bytes with the generated stubs (numpy only);
+the others go through the client library as a same-host user would
+(``bench.stress_transports``): ``shm`` a registered shared-memory ring, ``device`` CUDA tensors
+through ``ExecutorClient``'s own device path (a CUDA ring and a direct channel), ``channel``
+an asyncio channel with several calls in flight, reopened now and then with a lease.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ _OPTIONS = [
 #: Mismatches described in full in the report (the rest are only counted).
 _DETAILED = 5
 _CODES = {code.value[0]: code.name for code in grpc.StatusCode}
+#: How a client sends its requests (see the module's docstring).
+MODES = ("unary", "stream", "shm", "device", "channel")
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,13 @@ def _unary(stub: executor_pb2_grpc.ExecutorStub, request: executor_pb2.ForwardRe
 
 
 def run(
-    address: str, pool: list[PoolRequest], mode: str, seconds: float, seed: int, tolerance: float
+    address: str,
+    pool: list[PoolRequest],
+    mode: str,
+    seconds: float,
+    seed: int,
+    tolerance: float,
+    lease: list[str] | None = None,
 ) -> dict[str, object]:
     """Sends random pool requests for ``seconds``; the report ``main`` prints."""
     rng = random.Random(seed)
@@ -135,37 +148,47 @@ def run(
     latency: list[float] = []
     worst = 0.0
     errors: list[str] = []
-    with grpc.insecure_channel(address, options=_OPTIONS) as channel:
-        stub = executor_pb2_grpc.ExecutorStub(channel)
-        stream = _Stream(stub) if mode == "stream" else None
-        deadline = time.monotonic() + seconds
-        try:
-            while time.monotonic() < deadline:
-                item = rng.choice(pool)
-                request = item.message()
-                begin = time.perf_counter()
-                try:
-                    code, output = stream.call(request) if stream else _unary(stub, request)
-                except grpc.RpcError as exc:  # the stream itself broke
-                    code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
-                    errors.append(f"stream ended: {code}")
-                    codes[code] += 1
-                    break
-                latency.append(time.perf_counter() - begin)
-                codes[code] += 1
-                if output is None:
-                    continue
-                error = worst_row_error(tensor_to_float32(output), np.asarray(item.expected))
-                worst = max(worst, error)
-                if not error <= tolerance:
-                    mismatched += 1
-                    if len(mismatches) < _DETAILED:
-                        mismatches.append(
-                            {"request": item.index, "segments": item.segments, "error": error}
-                        )
-        finally:
-            if stream is not None:
-                stream.close()
+
+    def check(item: PoolRequest, code: str, output: np.ndarray | None, took: float) -> None:
+        nonlocal mismatched, worst
+        latency.append(took)
+        codes[code] += 1
+        if output is None:
+            return
+        error = worst_row_error(output, np.asarray(item.expected))
+        worst = max(worst, error)
+        if not error <= tolerance:
+            mismatched += 1
+            if len(mismatches) < _DETAILED:
+                detail = {"request": item.index, "segments": item.segments, "error": error}
+                mismatches.append(detail)
+
+    deadline = time.monotonic() + seconds
+    if mode not in ("unary", "stream"):
+        from executor_service.bench import stress_transports
+
+        errors.extend(stress_transports.run(address, pool, mode, deadline, rng, check, lease or []))
+    else:
+        with grpc.insecure_channel(address, options=_OPTIONS) as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            stream = _Stream(stub) if mode == "stream" else None
+            try:
+                while time.monotonic() < deadline:
+                    item = rng.choice(pool)
+                    request = item.message()
+                    begin = time.perf_counter()
+                    try:
+                        code, output = stream.call(request) if stream else _unary(stub, request)
+                    except grpc.RpcError as exc:  # the stream itself broke
+                        code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+                        errors.append(f"stream ended: {code}")
+                        codes[code] += 1
+                        break
+                    answer = None if output is None else tensor_to_float32(output)
+                    check(item, code, answer, time.perf_counter() - begin)
+            finally:
+                if stream is not None:
+                    stream.close()
     return {
         "mode": mode,
         "codes": dict(codes),
@@ -181,13 +204,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--address", required=True)
     parser.add_argument("--pool", type=Path, required=True)
-    parser.add_argument("--mode", choices=["unary", "stream"], default="unary")
+    parser.add_argument("--mode", choices=MODES, default="unary")
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tolerance", type=float, required=True)
+    parser.add_argument("--lease", default="", help="channel: adapters to lease, one a channel")
     args = parser.parse_args(argv)
     pool = load_pool(args.pool)
-    report = run(args.address, pool, args.mode, args.seconds, args.seed, args.tolerance)
+    lease = [a for a in args.lease.split(",") if a]
+    report = run(args.address, pool, args.mode, args.seconds, args.seed, args.tolerance, lease)
     print(json.dumps(report), flush=True)
 
 

@@ -1,0 +1,163 @@
+"""The stress client's same-host transports, through the client library as a user calls it
+(``bench.stress_client --mode shm|device|channel``).
+
+* ``shm``: ``ExecutorClient.shared_memory`` — a registered ring, descriptors over gRPC;
+* ``device``: CUDA tensors into a plain ``ExecutorClient``, which takes its own CUDA ring and
+  direct channel (``moelora.client.device_path``); the run fails if it fell back to bytes;
+* ``channel``: ``AsyncExecutorClient.open_channel`` with ``IN_FLIGHT`` calls at once over one
+  channel and a ring (CUDA memory where this process has a GPU, shared memory otherwise); the
+  channel is closed and reopened every ``CALLS_PER_CHANNEL`` calls, leasing an adapter the
+  driver names, so that tickets, leases and their release churn with the traffic.
+
+Each call's answer goes to ``check`` as float32 rows (None when it failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from executor_service.bench.stress_client import PoolRequest
+from moelora.client.channel_aio import AsyncForwardChannel
+from moelora.client.errors import MoeLoraError
+from moelora.client.executor import ExecutorClient
+from moelora.client.executor_aio import AsyncExecutorClient
+from moelora.client.shared_memory import ForwardRing
+
+#: (request, status code name, answer as float32 rows or None, seconds the call took).
+Check = Callable[[PoolRequest, str, np.ndarray | None, float], None]
+#: Calls one asyncio channel has in flight at once.
+IN_FLIGHT = 4
+#: Calls over one channel before it is closed (its lease released) and another opened.
+CALLS_PER_CHANNEL = 64
+
+
+def _hidden(item: PoolRequest, device: str) -> torch.Tensor:
+    bits = torch.from_numpy(np.array(item.hidden, dtype=np.uint16).view(np.int16))
+    return bits.view(torch.bfloat16).to(device)
+
+
+def _segments(item: PoolRequest) -> list[tuple[int, str | None]]:
+    return [(n, adapter or None) for n, adapter in item.segments]
+
+
+def _rows(output: torch.Tensor) -> np.ndarray:
+    return output.float().cpu().numpy()
+
+
+def run(
+    address: str,
+    pool: list[PoolRequest],
+    mode: str,
+    deadline: float,
+    rng: random.Random,
+    check: Check,
+    lease: Sequence[str] = (),
+) -> list[str]:
+    """Sends random pool requests until ``deadline``; returns problems that are no call's
+    status (a transport that fell back, a channel that broke)."""
+    max_tokens = max(item.hidden.shape[0] for item in pool)
+    hidden_size = pool[0].hidden.shape[1]
+    if mode == "channel":
+        return asyncio.run(_channel(address, pool, deadline, rng, check, lease, max_tokens))
+    gpu = mode == "device"
+    with ExecutorClient(
+        address, timeout=120, device_path=gpu, device_ring_tokens=max_tokens, device_ring_slots=1
+    ) as client:
+        if gpu:
+            _calls(client, pool, deadline, rng, check, None, "cuda")
+            if client.transport != "cuda_memory+channel":
+                return [f"device path fell back: transport {client.transport}"]
+            return []
+        with client.shared_memory(hidden_size, max_tokens, slots=1) as ring:
+            _calls(client, pool, deadline, rng, check, ring, "cpu")
+    return []
+
+
+def _calls(
+    client: ExecutorClient,
+    pool: list[PoolRequest],
+    deadline: float,
+    rng: random.Random,
+    check: Check,
+    ring: Any,
+    device: str,
+) -> None:
+    while time.monotonic() < deadline:
+        item = rng.choice(pool)
+        hidden = _hidden(item, device)
+        begin = time.perf_counter()
+        try:
+            output = client.forward(item.layer, hidden, _segments(item), ring=ring).output
+        except MoeLoraError as exc:
+            check(item, exc.code.name, None, time.perf_counter() - begin)
+            continue
+        took = time.perf_counter() - begin
+        check(item, "OK", _rows(output), took)
+
+
+async def _channel(
+    address: str,
+    pool: list[PoolRequest],
+    deadline: float,
+    rng: random.Random,
+    check: Check,
+    lease: Sequence[str],
+    max_tokens: int,
+) -> list[str]:
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    hidden_size = pool[0].hidden.shape[1]
+    async with AsyncExecutorClient(address, timeout=120) as client:
+        ring_context = (
+            client.cuda_memory(hidden_size, max_tokens, slots=IN_FLIGHT)
+            if gpu
+            else client.shared_memory(hidden_size, max_tokens, slots=IN_FLIGHT)
+        )
+        async with ring_context as ring:
+            while time.monotonic() < deadline:
+                leased = [rng.choice(lease)] if lease else []
+                channel = await client.open_channel(adapters=leased)
+                try:
+                    await asyncio.gather(
+                        *(
+                            _channel_calls(channel, ring, pool, deadline, rng, check, device)
+                            for _ in range(IN_FLIGHT)
+                        )
+                    )
+                    if not channel.serving:
+                        return [f"channel says not serving: {channel.reason}"]
+                finally:
+                    await channel.close()
+    return []
+
+
+async def _channel_calls(
+    channel: AsyncForwardChannel,
+    ring: ForwardRing,
+    pool: list[PoolRequest],
+    deadline: float,
+    rng: random.Random,
+    check: Check,
+    device: str,
+) -> None:
+    """One of the channel's overlapping callers: its share of ``CALLS_PER_CHANNEL``."""
+    for _ in range(CALLS_PER_CHANNEL // IN_FLIGHT):
+        if time.monotonic() >= deadline:
+            return
+        item = rng.choice(pool)
+        hidden = _hidden(item, device)
+        begin = time.perf_counter()
+        try:
+            output, _ = await channel.forward(item.layer, hidden, ring, _segments(item))
+        except MoeLoraError as exc:
+            check(item, exc.code.name, None, time.perf_counter() - begin)
+            continue
+        took = time.perf_counter() - begin
+        check(item, "OK", _rows(output), took)
