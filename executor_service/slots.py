@@ -155,6 +155,10 @@ class SlotManager:
         with self._cond:
             return sum(1 for s in self._slots if s.pinned)
 
+    def pinned_digests(self) -> set[str]:
+        with self._cond:
+            return {s.adapter.digest for s in self._slots if s.pinned and s.adapter}
+
     def check_capacity(self, adapters: Sequence[ResolvedAdapter]) -> None:
         """ResourceExhausted ("split the request") if ``adapters`` can never hold slots at
         the same time."""

@@ -173,13 +173,14 @@ class EngineHost:
         with runtime.device.guard():
             digests = {manager.resolve(ref).digest for ref in refs}
             with self._lock:
-                leased = set(self._leased) | digests
+                # A lease on a pinned adapter takes no slot that pinning had not taken already.
+                leased = (set(self._leased) | digests) - manager.slots.pinned_digests()
                 stats = manager.stats()
                 if len(leased) + stats.pinned_slots >= stats.num_slots:
                     raise ResourceExhausted(
                         f"adapters: leasing them would hold {len(leased)} of {stats.num_slots} "
-                        f"GPU slots for channels ({stats.pinned_slots} pinned); one must stay "
-                        "for other requests: lease fewer, or close channels",
+                        f"GPU slots for channels besides {stats.pinned_slots} pinned; one must "
+                        "stay for other requests: lease fewer, or close channels",
                         "adapters",
                     )
                 self._leased.update(digests)

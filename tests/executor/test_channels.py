@@ -167,7 +167,7 @@ def test_a_lease_holds_its_adapters_in_slots_until_its_channel_ends(
 ) -> None:
     """Leased adapters stay in GPU slots (a reference each) while the channel is open, and
     are let go when it closes or its client disappears; leases that would leave no slot for
-    other requests are refused."""
+    other requests are refused (a lease on a pinned adapter takes none)."""
     running = start_executor(qwen_world)  # 4 slots
     client = running.client
     layer = qwen_world.moe_layers[0]
@@ -188,6 +188,8 @@ def test_a_lease_holds_its_adapters_in_slots_until_its_channel_ends(
         client.pin_adapter("gamma")  # 2 leased + 1 pinned: a third lease would take the last
         with pytest.raises(ResourceExhausted, match="leasing"):
             client.open_channel(adapters=["delta"])
+        with client.open_channel(adapters=["gamma"]) as on_pinned:  # pinned: takes no slot
+            assert on_pinned.leased == ["gamma:1"]
         assert held()["alpha:1"] == 1 and "delta:1" not in held()
     wait_for(lambda: held().get("alpha:1") == 0 and held().get("beta:1") == 0, timeout=10)
 
