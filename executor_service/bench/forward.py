@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from executor_service.bench import stress
+from executor_service.bench import stress, stress_client
 from executor_service.bench.answers import row_tolerance
 from executor_service.bench.clients import forward_request
 from executor_service.bench.processes import child_process, free_port, progress
@@ -361,7 +361,17 @@ def main(argv: list[str] | None = None) -> None:
         help="instead of the table: the stress run (bench/stress.py) for this long",
     )
     parser.add_argument("--stress-clients", type=int, default=32)
+    parser.add_argument(
+        "--stress-modes",
+        default="",
+        help="the stress clients' modes, taken in turn (comma list of "
+        + ", ".join(stress_client.MODES)
+        + "); default: every mode the device runs",
+    )
     args = parser.parse_args(argv)
+    unknown = set(args.stress_modes.split(",")) - {"", *stress_client.MODES}
+    if unknown:
+        parser.error(f"--stress-modes: no such mode {sorted(unknown)}")
     signal.signal(signal.SIGTERM, _stop)
     if args.stress is not None:
         report = stress.run(
@@ -373,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
                 slots=args.slots,
                 max_rank=args.rank,
                 cuda_graphs=args.cuda_graphs,
+                modes=tuple(m for m in args.stress_modes.split(",") if m) or None,
             )
         )
         print(report.table())
