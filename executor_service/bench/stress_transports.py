@@ -62,6 +62,9 @@ def run(
 ) -> list[str]:
     """Sends random pool requests until ``deadline``; returns problems that are no call's
     status (a transport that fell back, a channel that broke)."""
+    # One thread for this process's torch conversions: a pool of threads a core each in every
+    # client process spins on the cores that the executor's launch loop and front ends need.
+    torch.set_num_threads(1)
     max_tokens = max(item.hidden.shape[0] for item in pool)
     hidden_size = pool[0].hidden.shape[1]
     if mode == "channel":
