@@ -17,10 +17,12 @@ does at start-up; cached in ``--cache-dir``), and ``--heuristic`` ignores tables
 
 ``--fp8`` adds, beside each bf16 row, the same layer with its experts quantised to FP8 with
 128×128 block scales (``kernels.synthetic.fp8_layer``; activations, LoRA and output stay bf16),
-twice: "fp8" with the configurations as selected, "fp8 dequant" with both GEMMs switched to
-the main loop that dequantises each weight tile (``GemmConfig.fp8_dequant``), side by side in
-one run. Their floor counts one byte per expert weight, and the summary gives each FP8 time /
-bf16 time.
+three times: "fp8" with the configurations as selected, "fp8 dequant" with both GEMMs
+switched to the main loop that dequantises each weight tile (``GemmConfig.fp8_dequant``), and
+"fp8 w8a8" with both GEMMs' inputs quantised for the FP8 tensor cores
+(``GemmConfig.fp8_activations``, checked against the reference that quantises them too), side
+by side in one run. Their floor counts one byte per expert weight, and the summary gives each
+FP8 time / bf16 time.
 
 First every cell is checked against the float32 reference (relative error below
 ``BF16_TOLERANCE``; for FP8 rows the reference of the dequantised weights); a failure stops
@@ -147,6 +149,16 @@ def floor_us(
 ConfigTransform = Callable[[MoEConfig], MoEConfig]
 
 
+def quantising(config: MoEConfig) -> MoEConfig:
+    """Both GEMMs on the FP8 tensor cores, their inputs quantised per row and 128 columns
+    (``GemmConfig.fp8_activations``; the LoRA then takes the separate shrink)."""
+    return dataclasses.replace(
+        config,
+        w13=dataclasses.replace(config.w13, fp8_activations=True, fused_shrink=False),
+        w2=dataclasses.replace(config.w2, fp8_activations=True, fused_shrink=False),
+    )
+
+
 def dequantising(config: MoEConfig) -> MoEConfig:
     """The FP8 main loop that dequantises each weight tile (``GemmConfig.fp8_dequant``)."""
     return dataclasses.replace(
@@ -249,13 +261,15 @@ def bench_cell(
         # As moe_forward, with this row's configurations: rank 16 with LoRA, else rank 0.
         return fused_moe(x, w, adapters, r, config if adapters is not None else base_config)
 
+    # W8A8 rows: against the reference that quantises the same inputs (their numerics).
+    w8a8 = config.w13.fp8_activations and config.w2.fp8_activations
     err_lora = relative_error(
         forward(hidden, layer, lora, routing),
-        moe_forward_reference(hidden, layer, lora, routing),
+        moe_forward_reference(hidden, layer, lora, routing, fp8_activations=w8a8),
     )
     err_base = relative_error(
         forward(hidden, layer, None, routing),
-        moe_forward_reference(hidden, layer, None, routing),
+        moe_forward_reference(hidden, layer, None, routing, fp8_activations=w8a8),
     )
     base_us = graph_time_us(lambda: forward(hidden, layer, None, routing))
     lora_us = graph_time_us(lambda: forward(hidden, layer, lora, routing))
@@ -387,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             fp8_shape, fp8_weights = dataclasses.replace(shape, fp8=True), fp8_layer(layer)
             variants.append((fp8_shape, fp8_weights, "fp8", None))
             variants.append((fp8_shape, fp8_weights, "fp8 dequant", dequantising))
+            variants.append((fp8_shape, fp8_weights, "fp8 w8a8", quantising))
         for tokens in map(int, args.tokens.split(",")):
             for variant, weights, label, transform in variants:
                 row = bench_cell(

@@ -58,6 +58,12 @@ class GemmConfig:
     fp8_dequant: FP8 weights only: dequantise each weight tile (q·scale, rounded to the
         activations' dtype) and accumulate in the dot, instead of converting the tile exactly
         and scaling each K step's product (a second accumulator's worth of registers).
+    fp8_activations: FP8 weights only: quantise this GEMM's input to FP8 (a scale per row and
+        128 columns, ``kernels.fp8_activations``; one more launch) and run the FP8 tensor
+        cores ("W8A8", the numerics of DeepSeek-V3's reference), the product of each K step
+        scaled by its rows' and columns' scales. The LoRA keeps the unquantised input, so it
+        takes the separate shrink. Answers differ from the bf16-activation path by the input's
+        quantisation (a few 1e-2 relative), not by rounding only.
     """
 
     block_n: int
@@ -71,6 +77,7 @@ class GemmConfig:
     split_k: int = 1
     persistent: int = 0
     fp8_dequant: bool = False
+    fp8_activations: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,9 +183,15 @@ MAX_REGISTER_RANK = 64
 
 
 def _fit_fp8(gemm: GemmConfig) -> GemmConfig:
-    """FP8 weights: pointer loads (the W8A16 main loop has no TMA path), and a K step that
-    lies in one 128-wide scale block (block_k, a power of two, at most 128)."""
-    return dataclasses.replace(gemm, tma=False, block_k=min(gemm.block_k, FP8_BLOCK))
+    """FP8 weights: pointer loads (the FP8 main loops have no TMA path), a K step that lies
+    in one 128-wide scale block (block_k, a power of two, at most 128), and with FP8
+    activations the separate shrink (the LoRA reads the unquantised input)."""
+    return dataclasses.replace(
+        gemm,
+        tma=False,
+        block_k=min(gemm.block_k, FP8_BLOCK),
+        fused_shrink=gemm.fused_shrink and not gemm.fp8_activations,
+    )
 
 
 def fit_stages(
@@ -187,8 +200,8 @@ def fit_stages(
     """Fit a configuration to the LoRA rank and dtypes: ranks above ``MAX_REGISTER_RANK``
     take the separate shrink, FP8 experts (``fp8``) take ``_fit_fp8``'s tiles, and num_stages
     is lowered where the operand tiles would not fit ``SMEM_BUDGET``: x (and a fused shrink's
-    stacked A) of ``elem_size``-byte elements (the hidden states' dtype, fp32: 4), weights of
-    as many bytes, FP8 of one."""
+    stacked A) of ``elem_size``-byte elements (the hidden states' dtype, fp32: 4; FP8
+    activations: one), weights of as many bytes, FP8 of one."""
     if fp8:
         config = dataclasses.replace(config, w13=_fit_fp8(config.w13), w2=_fit_fp8(config.w2))
     rp = padded_rank(lora_rank)
@@ -203,8 +216,9 @@ def fit_stages(
 
     def fit(gemm: GemmConfig, tile_rows: int) -> GemmConfig:
         lora_rows = lora_cols if gemm.fused_shrink else 0
+        x_size = 1 if fp8 and gemm.fp8_activations else elem_size
         per_stage = (
-            (config.block_m + lora_rows) * elem_size + tile_rows * weight_size
+            config.block_m * x_size + lora_rows * elem_size + tile_rows * weight_size
         ) * gemm.block_k
         stages = max(2, min(gemm.num_stages, SMEM_BUDGET // per_stage))
         return dataclasses.replace(gemm, num_stages=stages)

@@ -44,9 +44,12 @@ weight tile by pointers (no TMA) and, as ``GemmConfig.fp8_dequant`` says, either
 exactly to x's dtype for the dot and multiplies each K step's product by its output columns'
 scales before adding it to the fp32 accumulator (vLLM's block-FP8 method without quantising x),
 or dequantises the tile itself (q·scale in fp32, rounded to x's dtype, as the reference
-dequantises) and accumulates in the dot. BLOCK_K divides 128, so a step lies in one scale block
-(``kernels.configs.fit_stages`` sees to it). The LoRA dots, biases and the rest
-stay in the compute dtype.
+dequantises) and accumulates in the dot. With ``GemmConfig.fp8_activations`` the GEMM's input
+is quantised first (``kernels.fp8_activations``: a scale per row and 128 columns) and the FP8
+tensor cores take both tiles (W8A8), each step's product scaled by its rows' and columns'
+scales; the LoRA then reads the unquantised input through the separate shrink. BLOCK_K
+divides 128, so a step lies in one scale block (``kernels.configs.fit_stages`` sees to it).
+The LoRA dots, biases and the rest stay in the compute dtype.
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
@@ -71,6 +74,7 @@ from kernels.configs import (
     padded_rank,
     segments_per_pass,
 )
+from kernels.fp8_activations import quantize_activations
 from kernels.types import FP8_BLOCK, Activation
 
 _CLEAR_BLOCK = 1024  # elements each w13 program zeroes per step of the output clear
@@ -78,6 +82,8 @@ _FP8_BLOCK = tl.constexpr(FP8_BLOCK)  # rows and columns of FP8 weight sharing o
 #: The kernels' FP8 mode (0: the weights are not FP8): scale each product, or dequantise the tile.
 FP8_SCALE_PRODUCT = tl.constexpr(1)
 FP8_DEQUANT = tl.constexpr(2)
+#: FP8 weights and FP8 activations (a float32 scale per row and 128 columns): FP8 dots.
+FP8_W8A8 = tl.constexpr(3)
 _SHRINK_BLOCK_K = 128  # reduction step of the shrink kernel
 _SHRINK_SUB_M = 64  # rows per shrink program
 _SHRINK_STACK = 128  # widest stacked A operand (segments × ranks) of the shrink kernel
@@ -164,6 +170,7 @@ def _main_loop(
     acc,
     x_row_ptrs,
     x_row_mask,
+    xs_row_ptrs,
     w_cols,
     w_col_mask,
     w_desc,
@@ -199,7 +206,10 @@ def _main_loop(
     the first K block, the K blocks ``stride_sk`` apart. FP8 == FP8_SCALE_PRODUCT: the tile is
     converted (exactly) to x's dtype and each step's product multiplied by the scales;
     FP8 == FP8_DEQUANT: the tile is dequantised (q·scale in fp32, rounded to x's dtype) and the
-    dot accumulates."""
+    dot accumulates. FP8 == FP8_W8A8: x is float8_e4m3fn too, xs_row_ptrs (BLOCK_M,) pointing
+    at each row's scale of the first K block (the next block's follows it): the FP8 tensor
+    cores take both tiles and each step's product is scaled by its rows' and columns' scales.
+    """
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_row_ptrs[:, None] + offs_k[None, :]
     w_ptrs = w_cols[None, :] + offs_k[:, None]
@@ -224,7 +234,10 @@ def _main_loop(
         if FP8:
             k_block = (k_base + k0) // _FP8_BLOCK
             scale = tl.load(s_cols + k_block * stride_sk, mask=w_col_mask, other=0.0)
-            if FP8 == FP8_DEQUANT:
+            if FP8 == FP8_W8A8:
+                x_scale = tl.load(xs_row_ptrs + k_block, mask=x_row_mask, other=0.0)
+                acc += tl.dot(x, w) * (x_scale[:, None] * scale[None, :])
+            elif FP8 == FP8_DEQUANT:
                 w = (w.to(tl.float32) * scale[None, :]).to(x.dtype)
                 acc = tl.dot(x, w, acc, input_precision=PRECISION)
             else:
@@ -375,10 +388,11 @@ def _fused_tile(
     if is_first_tile:
         col_slot, col_rank, col_ok = _segment_columns(slot, seg, 0, 0, R, NSEG, RP)
         a_cols = a_ptr + expert * stride_ae + col_slot * stride_as + col_rank * stride_ar
+        tl.static_assert(FP8 != FP8_W8A8, "FP8 activations leave the shrink unfused")
         acc, stacked = _main_loop(
-            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, k_base,
-            a_cols, col_ok, s_cols, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, NSEG * RP, True,
-            EVEN_K, W_TMA, FP8, PRECISION,
+            acc, x_row_ptrs, x_row_mask, x_row_ptrs, w_cols, col_mask, w_desc, expert, w_row,
+            k_base, a_cols, col_ok, s_cols, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, NSEG * RP,
+            True, EVEN_K, W_TMA, FP8, PRECISION,
         )  # fmt: skip
         xa = _collapse(stacked, seg, 0, BLOCK_M, NSEG, RP) + _shrink_rows(
             x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 1, 0, K, R,
@@ -386,8 +400,8 @@ def _fused_tile(
         )  # fmt: skip
     else:
         acc, _ = _main_loop(
-            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, k_base,
-            w_cols, col_mask, s_cols, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False,
+            acc, x_row_ptrs, x_row_mask, x_row_ptrs, w_cols, col_mask, w_desc, expert, w_row,
+            k_base, w_cols, col_mask, s_cols, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False,
             EVEN_K, W_TMA, FP8, PRECISION,
         )  # fmt: skip
     return _lora_expand(
@@ -403,6 +417,7 @@ def _gemm_tile(
     is_first_tile,
     x_row_ptrs,
     x_row_mask,
+    xs_row_ptrs,
     w_cols,
     out_cols,
     col_mask,
@@ -459,7 +474,8 @@ def _gemm_tile(
     x·Aᵀ of the part goes through B — the expand is linear). With the shrink fused the first
     tile of the program computes ``xa`` (passed on to later tiles); else the rows' xa comes
     from the separate shrink launch, RC ranks at a time. Returns the tile and ``xa``.
-    FP8: ``scale_ptr`` (E, N / 128, K / 128) holds W's block scales."""
+    FP8: ``scale_ptr`` (E, N / 128, K / 128) holds W's block scales; FP8_W8A8: x is FP8,
+    ``xs_row_ptrs`` its rows' scales (see ``_main_loop``)."""
     b_rows = out_cols * stride_bn
     if FP8:
         s_cols = scale_ptr + expert * stride_se + (out_cols // _FP8_BLOCK) * stride_sn
@@ -474,8 +490,8 @@ def _gemm_tile(
         )  # fmt: skip
     else:
         acc, _ = _main_loop(
-            acc, x_row_ptrs, x_row_mask, w_cols, col_mask, w_desc, expert, w_row, k_base,
-            w_cols, col_mask, s_cols, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False,
+            acc, x_row_ptrs, x_row_mask, xs_row_ptrs, w_cols, col_mask, w_desc, expert, w_row,
+            k_base, w_cols, col_mask, s_cols, stride_sk, K, BLOCK_M, BLOCK_N, BLOCK_K, 16, False,
             EVEN_K, W_TMA, FP8, PRECISION,
         )  # fmt: skip
         if HAS_LORA and k_base == 0:  # split K: the first part adds the whole LoRA
@@ -553,7 +569,8 @@ def _lora_shrink_kernel(
 @triton.jit
 def _w13_work(
     pid,
-    x_ptr,  # (T, H) hidden states
+    x_ptr,  # (T, H) hidden states; FP8_W8A8: float8_e4m3fn
+    xs_ptr,  # FP8_W8A8: (T, ceil(H/128)) float32 scales of x's row groups; else unused
     w_ptr,  # (E, 2I, H), FP8: float8_e4m3fn
     w_desc,  # W_TMA: a tensor descriptor of w seen as (E, 2, I, H), block (1, 2, BLOCK_N,
     # BLOCK_K); else unused
@@ -575,6 +592,7 @@ def _w13_work(
     alpha,
     limit,
     stride_xt,
+    stride_xs,
     stride_we,
     stride_wn,
     stride_bias,
@@ -605,7 +623,7 @@ def _w13_work(
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
-    FP8: tl.constexpr,  # w is float8_e4m3fn with block scales (W8A16)
+    FP8: tl.constexpr,  # 0 (w is not FP8) or the FP8 main loop (see _main_loop)
     PRECISION: tl.constexpr,
 ):
     """Program ``pid``'s work of ``_w13_kernel``: its N tiles of one block."""
@@ -618,7 +636,9 @@ def _w13_work(
         rows = row0 + tl.arange(0, BLOCK_M)
         pair = _block_pairs(pair_ids_ptr, pid_m, rows, BLOCK_M, PAIR_BLOCKS)
         x_row_mask = pair >= 0
-        x_row_ptrs = x_ptr + (tl.maximum(pair, 0) // top_k).to(tl.int64) * stride_xt
+        token = (tl.maximum(pair, 0) // top_k).to(tl.int64)
+        x_row_ptrs = x_ptr + token * stride_xt
+        xs_row_ptrs = xs_ptr + token * stride_xs
         if FUSED_SHRINK:
             # The rows' adapter segments; x·Aᵀ comes from the first tile's main loop.
             slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
@@ -644,14 +664,13 @@ def _w13_work(
             col_mask = inter_idx < inter
             w_cols = w_ptr + expert * stride_we + w13_rows.to(tl.int64) * stride_wn
             acc, xa = _gemm_tile(
-                tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), xa, tile == first,
-                x_row_ptrs, x_row_mask, w_cols, w13_rows, col_mask, w_desc, n0, 0, scale_ptr,
+                tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), xa, tile == first, x_row_ptrs,
+                x_row_mask, xs_row_ptrs, w_cols, w13_rows, col_mask, w_desc, n0, 0, scale_ptr,
                 a_ptr, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr, row0, pair, top_k,
-                expert, slot, seg, n_seg, H, R,
-                stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
-                stride_bias, stride_se, stride_sn, stride_sk, HAS_BIAS, HAS_LORA, FUSED_SHRINK,
-                PAIR_BLOCKS, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA,
-                FP8, PRECISION,
+                expert, slot, seg, n_seg, H, R, stride_as, stride_ae, stride_ar, stride_bs,
+                stride_be, stride_bn, stride_br, stride_bias, stride_se, stride_sn, stride_sk,
+                HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M, 2 * BLOCK_N, BLOCK_K, NSEG,
+                RP, RC, S_P2, EVEN_K, W_TMA, FP8, PRECISION,
             )  # fmt: skip
             if W_TMA:
                 acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1))
@@ -669,7 +688,8 @@ def _w13_work(
 
 @triton.jit
 def _w13_kernel(
-    x_ptr,  # (T, H) hidden states
+    x_ptr,  # (T, H) hidden states; FP8_W8A8: float8_e4m3fn
+    xs_ptr,  # FP8_W8A8: (T, ceil(H/128)) float32 scales of x's row groups; else unused
     w_ptr,  # (E, 2I, H), FP8: float8_e4m3fn
     w_desc,  # W_TMA: a tensor descriptor of w seen as (E, 2, I, H), block (1, 2, BLOCK_N,
     # BLOCK_K); else unused
@@ -694,6 +714,7 @@ def _w13_kernel(
     alpha,
     limit,
     stride_xt,
+    stride_xs,
     stride_we,
     stride_wn,
     stride_bias,
@@ -724,7 +745,7 @@ def _w13_kernel(
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
-    FP8: tl.constexpr,  # w is float8_e4m3fn with block scales (W8A16)
+    FP8: tl.constexpr,  # 0 (w is not FP8) or the FP8 main loop (see _main_loop)
     PRECISION: tl.constexpr,
     CLEAR_BLOCK: tl.constexpr,
     PERSISTENT: tl.constexpr,  # a program per SM (or so) loops over the work
@@ -742,20 +763,20 @@ def _w13_kernel(
     if PERSISTENT:
         for pid in range(tl.program_id(0), num_work, tl.num_programs(0)):
             _w13_work(
-                pid, x_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr,
-                pair_ids_ptr, row_slots_ptr, enabled_ptr, block_experts_ptr, num_blocks, H,
-                inter, top_k, R, alpha, limit, stride_xt, stride_we, stride_wn, stride_bias,
-                stride_se, stride_sn, stride_sk, stride_as, stride_ae, stride_ar, stride_bs,
-                stride_be, stride_bn, stride_br, stride_om, ACTIVATION, HAS_BIAS, HAS_LORA,
-                FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, TILES_PER_PROGRAM,
+                pid, x_ptr, xs_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr,
+                out_ptr, pair_ids_ptr, row_slots_ptr, enabled_ptr, block_experts_ptr, num_blocks, H,
+                inter, top_k, R, alpha, limit, stride_xt, stride_xs, stride_we, stride_wn,
+                stride_bias, stride_se, stride_sn, stride_sk, stride_as, stride_ae, stride_ar,
+                stride_bs, stride_be, stride_bn, stride_br, stride_om, ACTIVATION, HAS_BIAS,
+                HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, TILES_PER_PROGRAM,
                 GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, FP8, PRECISION,
             )  # fmt: skip
     else:
         pid = tl.program_id(0)
         _w13_work(
-            pid, x_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr,
+            pid, x_ptr, xs_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr,
             pair_ids_ptr, row_slots_ptr, enabled_ptr, block_experts_ptr, num_blocks, H,
-            inter, top_k, R, alpha, limit, stride_xt, stride_we, stride_wn, stride_bias,
+            inter, top_k, R, alpha, limit, stride_xt, stride_xs, stride_we, stride_wn, stride_bias,
             stride_se, stride_sn, stride_sk, stride_as, stride_ae, stride_ar, stride_bs,
             stride_be, stride_bn, stride_br, stride_om, ACTIVATION, HAS_BIAS, HAS_LORA,
             FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, TILES_PER_PROGRAM,
@@ -766,7 +787,8 @@ def _w13_kernel(
 @triton.jit
 def _w2_work(
     pid,
-    act_ptr,  # (max_rows, I) activation from _w13_kernel
+    act_ptr,  # (max_rows, I) activation from _w13_kernel; FP8_W8A8: quantised, float8_e4m3fn
+    xs_ptr,  # FP8_W8A8: (max_rows, ceil(I/128)) float32 scales of act's row groups; else unused
     w_ptr,  # (E, H, I), FP8: float8_e4m3fn
     w_desc,  # W_TMA: a tensor descriptor of w, block (1, BLOCK_N, BLOCK_K); else unused
     scale_ptr,  # FP8: (E, ceil(H/128), ceil(I/128)) float32 block scales of w; else unused
@@ -787,6 +809,7 @@ def _w2_work(
     top_k,
     R,
     stride_am,
+    stride_xs,
     stride_we,
     stride_wn,
     stride_bias,
@@ -818,7 +841,7 @@ def _w2_work(
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
-    FP8: tl.constexpr,  # w is float8_e4m3fn with block scales (W8A16)
+    FP8: tl.constexpr,  # 0 (w is not FP8) or the FP8 main loop (see _main_loop)
     PRECISION: tl.constexpr,
 ):
     """Program ``pid``'s work of ``_w2_kernel``: its N tiles of one block (one part of K)."""
@@ -839,6 +862,7 @@ def _w2_work(
         # Padding rows of the activation were written by _w13_kernel (finite): no mask needed.
         x_row_mask = rows >= 0
         x_row_ptrs = act_ptr + rows.to(tl.int64) * stride_am + k_base
+        xs_row_ptrs = xs_ptr + rows.to(tl.int64) * stride_xs  # the main loop adds K's block
         routed_weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
         if ATOMIC_SUM:
             out_rows = out_ptr + (pair // top_k).to(tl.int64) * stride_out
@@ -858,14 +882,13 @@ def _w2_work(
             col_mask = cols < H
             w_cols = w_ptr + expert * stride_we + cols.to(tl.int64) * stride_wn + k_base
             acc, xa = _gemm_tile(
-                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), xa, tile == first,
-                x_row_ptrs, x_row_mask, w_cols, cols, col_mask, w_desc, tile * BLOCK_N, k_base,
+                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), xa, tile == first, x_row_ptrs,
+                x_row_mask, xs_row_ptrs, w_cols, cols, col_mask, w_desc, tile * BLOCK_N, k_base,
                 scale_ptr, a_ptr + k_base, xa_ptr, b_ptr, bias_ptr, row_slots_ptr, enabled_ptr,
-                row0, pair, top_k, expert, slot, seg, n_seg, k_len, R,
-                stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br,
-                stride_bias, stride_se, stride_sn, stride_sk, HAS_BIAS, HAS_LORA, FUSED_SHRINK,
-                PAIR_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, FP8,
-                PRECISION,
+                row0, pair, top_k, expert, slot, seg, n_seg, k_len, R, stride_as, stride_ae,
+                stride_ar, stride_bs, stride_be, stride_bn, stride_br, stride_bias, stride_se,
+                stride_sn, stride_sk, HAS_BIAS, HAS_LORA, FUSED_SHRINK, PAIR_BLOCKS, BLOCK_M,
+                BLOCK_N, BLOCK_K, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, FP8, PRECISION,
             )  # fmt: skip
             acc *= routed_weight[:, None]
             out_ptrs = out_rows[:, None] + cols[None, :]
@@ -878,7 +901,8 @@ def _w2_work(
 
 @triton.jit
 def _w2_kernel(
-    act_ptr,  # (max_rows, I) activation from _w13_kernel
+    act_ptr,  # (max_rows, I) activation from _w13_kernel; FP8_W8A8: quantised, float8_e4m3fn
+    xs_ptr,  # FP8_W8A8: (max_rows, ceil(I/128)) float32 scales of act's row groups; else unused
     w_ptr,  # (E, H, I), FP8: float8_e4m3fn
     w_desc,  # W_TMA: a tensor descriptor of w, block (1, BLOCK_N, BLOCK_K); else unused
     scale_ptr,  # FP8: (E, ceil(H/128), ceil(I/128)) float32 block scales of w; else unused
@@ -899,6 +923,7 @@ def _w2_kernel(
     top_k,
     R,
     stride_am,
+    stride_xs,
     stride_we,
     stride_wn,
     stride_bias,
@@ -930,7 +955,7 @@ def _w2_kernel(
     S_P2: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr,
-    FP8: tl.constexpr,  # w is float8_e4m3fn with block scales (W8A16)
+    FP8: tl.constexpr,  # 0 (w is not FP8) or the FP8 main loop (see _main_loop)
     PRECISION: tl.constexpr,
     PERSISTENT: tl.constexpr,  # a program per SM (or so) loops over the work
     PDL: tl.constexpr,
@@ -940,20 +965,21 @@ def _w2_kernel(
     if PERSISTENT:
         for pid in range(tl.program_id(0), num_work, tl.num_programs(0)):
             _w2_work(
-                pid, act_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr,
-                pair_ids_ptr, row_slots_ptr, enabled_ptr, block_experts_ptr, topk_weights_ptr,
-                num_blocks, H, inter, k_split, top_k, R, stride_am, stride_we, stride_wn,
-                stride_bias, stride_se, stride_sn, stride_sk, stride_as, stride_ae, stride_ar,
-                stride_bs, stride_be, stride_bn, stride_br, stride_out, HAS_BIAS, HAS_LORA,
-                FUSED_SHRINK, ATOMIC_SUM, PAIR_BLOCKS, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA, FP8, PRECISION,
+                pid, act_ptr, xs_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr,
+                out_ptr, pair_ids_ptr, row_slots_ptr, enabled_ptr, block_experts_ptr,
+                topk_weights_ptr, num_blocks, H, inter, k_split, top_k, R, stride_am, stride_xs,
+                stride_we, stride_wn, stride_bias, stride_se, stride_sn, stride_sk, stride_as,
+                stride_ae, stride_ar, stride_bs, stride_be, stride_bn, stride_br, stride_out,
+                HAS_BIAS, HAS_LORA, FUSED_SHRINK, ATOMIC_SUM, PAIR_BLOCKS, SPLIT_K, BLOCK_M,
+                BLOCK_N, BLOCK_K, TILES_PER_PROGRAM, GROUP_M, NSEG, RP, RC, S_P2, EVEN_K, W_TMA,
+                FP8, PRECISION,
             )  # fmt: skip
     else:
         pid = tl.program_id(0)
         _w2_work(
-            pid, act_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr,
+            pid, act_ptr, xs_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, a_ptr, xa_ptr, b_ptr, out_ptr,
             pair_ids_ptr, row_slots_ptr, enabled_ptr, block_experts_ptr, topk_weights_ptr,
-            num_blocks, H, inter, k_split, top_k, R, stride_am, stride_we, stride_wn,
+            num_blocks, H, inter, k_split, top_k, R, stride_am, stride_xs, stride_we, stride_wn,
             stride_bias, stride_se, stride_sn, stride_sk, stride_as, stride_ae, stride_ar,
             stride_bs, stride_be, stride_bn, stride_br, stride_out, HAS_BIAS, HAS_LORA,
             FUSED_SHRINK, ATOMIC_SUM, PAIR_BLOCKS, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -1011,7 +1037,20 @@ def _fp8_mode(scale: torch.Tensor | None, cfg: GemmConfig) -> int:
     """The kernels' FP8 constexpr: 0 without scales (the weights are not FP8)."""
     if scale is None:
         return 0
+    if cfg.fp8_activations:
+        return int(FP8_W8A8)
     return int(FP8_DEQUANT) if cfg.fp8_dequant else int(FP8_SCALE_PRODUCT)
+
+
+def _gemm_input(
+    x: torch.Tensor, scale: torch.Tensor | None, cfg: GemmConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the GEMM's x operand, its row-group scales): x quantised to FP8 where the launch runs
+    W8A8 (``GemmConfig.fp8_activations``), else x itself and a placeholder never read."""
+    if _fp8_mode(scale, cfg) == FP8_W8A8:
+        assert not cfg.fused_shrink, "FP8 activations take the separate shrink"
+        return quantize_activations(x)
+    return x, x
 
 
 def lora_shrink_stage(
@@ -1206,6 +1245,7 @@ def w13_stage(
     act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
     cfg = config.w13
     scale, *scale_strides = _scale_args(w13, w13_scale, cfg)
+    x, x_scale = _gemm_input(hidden, w13_scale, cfg)
     la = _lora_args(hidden, "13", True, top_k, alignment, lora, config, cfg)
     bias = b13 if b13 is not None else w13
     grid = _grid(alignment, triton.cdiv(inter, cfg.block_n), cfg, 1, hidden.device)
@@ -1216,11 +1256,12 @@ def w13_stage(
     w_desc = w13_descriptor(w13, cfg) if tma else None
     clear_per_program = triton.cdiv(triton.cdiv(clear_numel, grid[0]), _CLEAR_BLOCK)
     _w13_kernel[grid](
-        hidden, w13, w_desc if w_desc is not None else w13, scale, bias, la.a, la.xa, la.b, act,
+        x, x_scale, w13, w_desc if w_desc is not None else w13, scale, bias, la.a, la.xa, la.b, act,
         alignment.sorted_pair_ids, la.row_slots, _enabled(alignment), alignment.block_experts,
         clear if clear is not None else act, clear_numel, clear_per_program * _CLEAR_BLOCK,
         max_blocks, h, inter, top_k, la.rank, alpha, limit,
-        hidden.stride(0), w13.stride(0), w13.stride(1), bias.stride(0), *scale_strides,
+        x.stride(0), x_scale.stride(0), w13.stride(0), w13.stride(1), bias.stride(0),
+        *scale_strides,
         la.a.stride(0), la.a.stride(1), la.a.stride(2),
         la.b.stride(0), la.b.stride(1), la.b.stride(2), la.b.stride(3),
         act.stride(0),
@@ -1270,6 +1311,7 @@ def w2_stage(
     top_k = topk_weights.shape[1]
     cfg = config.w2
     scale, *scale_strides = _scale_args(w2, w2_scale, cfg)
+    x, x_scale = _gemm_input(act, w2_scale, cfg)
     la = _lora_args(act, "2", False, top_k, alignment, lora, config, cfg)
     bias = b2 if b2 is not None else w2
     # Pair blocks take pointer loads: ptxas (CUDA 13.0, sm_90a) crashed compiling them with TMA.
@@ -1278,11 +1320,12 @@ def w2_stage(
     w_desc = weight_descriptor(w2, cfg) if tma else None
     split_k, k_split = _split_k(inter, cfg, config.atomic_sum)
     _w2_kernel[_grid(alignment, triton.cdiv(h, cfg.block_n), cfg, split_k, act.device)](
-        act, w2, w_desc if w_desc is not None else w2, scale, bias, la.a, la.xa, la.b, out,
+        x, x_scale, w2, w_desc if w_desc is not None else w2, scale, bias, la.a, la.xa, la.b, out,
         alignment.sorted_pair_ids, la.row_slots, _enabled(alignment), alignment.block_experts,
         topk_weights,
         alignment.max_blocks, h, inter, k_split, top_k, la.rank,
-        act.stride(0), w2.stride(0), w2.stride(1), bias.stride(0), *scale_strides,
+        x.stride(0), x_scale.stride(0), w2.stride(0), w2.stride(1), bias.stride(0),
+        *scale_strides,
         la.a.stride(0), la.a.stride(1), la.a.stride(2),
         la.b.stride(0), la.b.stride(1), la.b.stride(2), la.b.stride(3),
         out.stride(0),

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8 import dequantize
+from kernels.fp8_activations import dequantize_activations, quantize_activations_reference
 from kernels.routing import route
 from kernels.row_blocks import linear
 from kernels.shared_expert import shared_expert_forward
@@ -85,16 +86,29 @@ def _expert_weights(
     return layer.w13[expert].to(dtype), layer.w2[expert].to(dtype)
 
 
+def _gemm_input(x: torch.Tensor, dtype: torch.dtype, fp8_activations: bool) -> torch.Tensor:
+    """An expert GEMM's input: x, or with FP8 activations x rounded to ``dtype`` (as the
+    kernels store it), quantised and dequantised."""
+    if not fp8_activations:
+        return x
+    q, scale = quantize_activations_reference(x.to(dtype))
+    return dequantize_activations(q, scale, x.dtype)
+
+
 def moe_forward_reference(
     hidden: torch.Tensor,
     layer: MoELayerWeights,
     lora: LoRAContext | None = None,
     routing: Routing | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """One MoE layer for ``hidden`` (T, H); returns (T, H) in hidden's dtype.
 
     ``routing`` defaults to ``route(hidden, layer)``; ``lora`` None means no adapters.
+    ``fp8_activations`` (FP8 experts): the experts' GEMMs take their inputs quantised as the
+    W8A8 kernels do (``kernels.fp8_activations``: x, and the activation after rounding to
+    hidden's dtype); the LoRA takes them unquantised.
     """
     validate_forward_inputs(hidden, layer, lora, routing)
     if routing is None:
@@ -107,14 +121,14 @@ def moe_forward_reference(
         tokens, position = torch.nonzero(routing.topk_ids == expert, as_tuple=True)
         xe = x[tokens]
         w13, w2 = _expert_weights(layer, expert, compute_dtype)
-        gate_up = linear(xe, w13)
+        gate_up = linear(_gemm_input(xe, hidden.dtype, fp8_activations), w13)
         if layer.b13 is not None:
             gate_up += layer.b13[expert].to(compute_dtype)
         row_slots = None if token_slots is None else token_slots[tokens]
         if slots is not None and row_slots is not None:
             _add_lora(gate_up, xe, row_slots, slots.a13[:, expert], slots.b13[:, expert])
         a = activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
-        y = linear(a, w2)
+        y = linear(_gemm_input(a, hidden.dtype, fp8_activations), w2)
         if layer.b2 is not None:
             y += layer.b2[expert].to(compute_dtype)
         if slots is not None and row_slots is not None:

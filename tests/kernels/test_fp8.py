@@ -20,6 +20,11 @@ from kernels.config_select import ConfigSelector
 from kernels.configs import GemmConfig, MoEConfig
 from kernels.forward import fused_moe, layer_shape, moe_forward
 from kernels.fp8 import dequantize, expand_scales, quantize
+from kernels.fp8_activations import (
+    dequantize_activations,
+    quantize_activations,
+    quantize_activations_reference,
+)
 from kernels.model_shape import LayerShape
 from kernels.reference import moe_forward_reference
 from kernels.routing import route
@@ -30,6 +35,7 @@ from kernels.synthetic import (
     random_layer,
     random_slots,
     relative_error,
+    worst_row_error,
 )
 from kernels.types import (
     FP8_BLOCK,
@@ -51,6 +57,19 @@ from .conftest import DEVICE, assert_rows_close
 # one more fp32 rounding per step, far below the bounds (measured: fp32 2-4e-7 against 2e-5,
 # fp16 3-5e-4 against 3e-3). Dequantising the tile, q·s is rounded to x's dtype as a layer
 # stored in that dtype would be: the bounds are those of such a layer.
+
+#: W8A8 against the reference that quantises the same inputs: (whole, worst row). An input
+#: that lies within its dtype's rounding of an FP8 rounding tie may round either way in the
+#: kernel and in the reference (the activation is accumulated in a different order before
+#: it is quantised): one FP8 step, 2^-4 of that input, in one of a row's K inputs moves the
+#: row by about 2^-4/√K (measured in the interpreter: fp32 1.3e-7 without such a tie, 1.6e-4
+#: / 9e-4 per row with one; fp16 up to 2.7e-3 / 1.4e-2). Skipping the quantisation would err
+#: by ≈ 4e-2 (test_w8a8_quantises_only_the_experts_inputs).
+W8A8_TOLERANCE = {
+    torch.float32: (5e-3, 3e-2),
+    torch.float16: (5e-3, 3e-2),
+    torch.bfloat16: (2e-2, 4e-2),
+}
 
 #: Activation dtypes of the Triton path: bf16 only on a GPU (the interpreter's bf16 dots
 #: are wrong).
@@ -84,20 +103,15 @@ class Case:
     decode: bool = False
     gpt_oss: bool = False
 
-    def config(self, dequant: bool = False) -> MoEConfig:
+    def config(self, main_loop: str = "scale_product") -> MoEConfig:
+        dequant, w8a8 = main_loop == "dequant_tile", main_loop == "w8a8"
+        fused = self.fused_shrink and not w8a8  # FP8 activations take the separate shrink
+        knobs = {"fused_shrink": fused, "fp8_dequant": dequant, "fp8_activations": w8a8}
         return MoEConfig(
             block_m=self.block_m,
             lora_segments=2,
-            w13=GemmConfig(*self.w13, 1, 4, 2, fused_shrink=self.fused_shrink, fp8_dequant=dequant),
-            w2=GemmConfig(
-                *self.w2,
-                1,
-                4,
-                2,
-                fused_shrink=self.fused_shrink,
-                split_k=self.split_k,
-                fp8_dequant=dequant,
-            ),
+            w13=GemmConfig(*self.w13, 1, 4, 2, **knobs),
+            w2=GemmConfig(*self.w2, 1, 4, 2, split_k=self.split_k, **knobs),
             atomic_sum=self.atomic_sum,
             decode=self.decode,
         )
@@ -153,20 +167,67 @@ def _inputs(
 
 
 @pytest.mark.usefixtures("poison_allocations")
-@pytest.mark.parametrize("dequant", [False, True], ids=["scale_product", "dequant_tile"])
+@pytest.mark.parametrize("main_loop", ["scale_product", "dequant_tile", "w8a8"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_fp8_matches_dequantised_reference(
-    name: str, dtype: torch.dtype, dequant: bool
+    name: str, dtype: torch.dtype, main_loop: str
 ) -> None:
+    """Each main loop against the float64 reference of the dequantised weights; W8A8 against
+    the reference that quantises the GEMMs' inputs as it does (that quantisation is its
+    numerics, several times the bounds: see test_w8a8_quantises_only_the_experts_inputs)."""
     case = CASES[name]
     hidden, layer, lora = _inputs(case, dtype)
     assert layer.fp8 and layer.dtype == dtype
     routing = route(hidden, layer)
-    got = fused_moe(hidden, layer, lora, routing, case.config(dequant))
+    got = fused_moe(hidden, layer, lora, routing, case.config(main_loop))
     assert got.dtype == dtype and got.shape == hidden.shape
-    expected = moe_forward_reference(hidden, layer, lora, routing, torch.float64)
-    assert_rows_close(got, expected, f"{name} {dtype} dequant={dequant}")
+    what = f"{name} {dtype} {main_loop}"
+    if main_loop != "w8a8":
+        expected = moe_forward_reference(hidden, layer, lora, routing, torch.float64)
+        assert_rows_close(got, expected, what)
+        return
+    expected = moe_forward_reference(hidden, layer, lora, routing, torch.float64, True)
+    whole, worst = relative_error(got, expected), worst_row_error(got, expected)
+    bound, row_bound = W8A8_TOLERANCE[dtype]
+    assert whole < bound and worst < row_bound, f"{what}: {whole:.2e}, worst row {worst:.2e}"
+
+
+def test_w8a8_quantises_only_the_experts_inputs() -> None:
+    """The W8A8 reference differs from the bf16-activation one by far more than the kernels'
+    bounds (so the comparison above sees a kernel that skips the quantisation), and not at
+    all where no adapter and no expert input is involved: with LoRA only in one path the
+    LoRA delta itself stays exact (its inputs are not quantised)."""
+    case = CASES["gpt_oss_biases_h192_i160"]
+    hidden, layer, lora = _inputs(case, torch.float32)
+    routing = route(hidden, layer)
+    plain = moe_forward_reference(hidden, layer, lora, routing, torch.float64)
+    w8a8 = moe_forward_reference(hidden, layer, lora, routing, torch.float64, True)
+    assert relative_error(w8a8, plain) > 2e-2
+    delta = w8a8 - moe_forward_reference(hidden, layer, None, routing, torch.float64, True)
+    exact = plain - moe_forward_reference(hidden, layer, None, routing, torch.float64)
+    # The LoRA of w2 reads the activation, which x's quantisation moved: close, not equal.
+    assert relative_error(delta, exact) < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_activation_quantisation_kernel_equals_its_reference(dtype: torch.dtype) -> None:
+    """Equal values (scales bit for bit), ties to even included, over rows of very different
+    magnitudes, an all-zero group and a ragged last group."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(37, 300, generator=gen) * torch.logspace(-6, 3, 37)[:, None]
+    rows[4, :128] = 0.0
+    rows[5, :4] = torch.tensor([448.0, 168.0, -176.0, 7.9])  # a tie and a carry at e4m3
+    x = rows.to(dtype).to(DEVICE)
+    q, scale = quantize_activations(x)
+    q_ref, scale_ref = quantize_activations_reference(x)
+    assert scale.shape == (37, 3) and scale.dtype == torch.float32
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.float(), q_ref.float())  # ±0 alike: a product does not tell them apart
+    assert scale[4, 0] == 1.0
+    back = dequantize_activations(q, scale, torch.float64)
+    bound = 2**-4 * x.double().abs() + 2**-10 * scale.double().repeat_interleave(128, 1)[:, :300]
+    assert ((back - x.double()).abs() <= bound).all()
 
 
 @pytest.mark.usefixtures("poison_allocations")
