@@ -29,7 +29,8 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     pad = -columns % FP8_BLOCK
     groups = torch.nn.functional.pad(x.float(), (0, pad)).reshape(rows, -1, FP8_BLOCK)
     amax = groups.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
+    # A tensor divisor: torch on CUDA multiplies by the reciprocal of a scalar one.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, _FP8_MAX), torch.ones_like(amax))
     q = (groups / scale[:, :, None]).reshape(rows, -1)[:, :columns].to(FP8_DTYPE)
     return q.contiguous(), scale.contiguous()
 
