@@ -80,6 +80,13 @@ def _compute(num_experts: int, rows_per_expert: float) -> MoEConfig:
     )
 
 
+#: From this many tokens FP8 experts dequantise each weight tile (``GemmConfig.fp8_dequant``):
+#: on an H200 it beat scaling each step's product at M = 64 (0.88–0.97 of its time), 512
+#: (0.27–0.97) and 4096 (0.26–0.28) on Qwen3, Mixtral and GPT-OSS shapes, tied or lost at
+#: M = 8 (0.99–1.10) and lost at M = 1 (1.05–1.14) (kernels/BENCHMARKS.md, "FP8 experts").
+FP8_DEQUANT_TOKENS = 64
+
+
 def heuristic_config(
     num_tokens: int,
     num_experts: int,
@@ -106,5 +113,11 @@ def heuristic_config(
             decode=True,
             w13=dataclasses.replace(config.w13, fused_shrink=True),
             w2=dataclasses.replace(config.w2, fused_shrink=True),
+        )
+    if fp8 and num_tokens >= FP8_DEQUANT_TOKENS:
+        config = dataclasses.replace(
+            config,
+            w13=dataclasses.replace(config.w13, fp8_dequant=True),
+            w2=dataclasses.replace(config.w2, fp8_dequant=True),
         )
     return fit_stages(config, elem_size, fp8=fp8)
