@@ -125,23 +125,9 @@ def precompile_set(
                     fp8=fp8,
                 )
             )
-    with_tma = [
-        dataclasses.replace(
-            c, w13=dataclasses.replace(c.w13, tma=True), w2=dataclasses.replace(c.w2, tma=True)
-        )
-        for c in configs
-        if not fp8
-    ]
+    with_tma = [c.each_gemm(tma=True) for c in configs if not fp8]
     # FP8's two main loops (GemmConfig.fp8_dequant) are kernel variants of their own too.
-    dequant = [
-        dataclasses.replace(
-            c,
-            w13=dataclasses.replace(c.w13, fp8_dequant=True),
-            w2=dataclasses.replace(c.w2, fp8_dequant=True),
-        )
-        for c in configs
-        if fp8
-    ]
+    dequant = [c.each_gemm(fp8_dequant=True) for c in configs if fp8]
     # Split K is a kernel variant of its own (a constexpr). Persistent programs are too, but
     # they are searched last and rarely win (kernels/BENCHMARKS.md): they compile while
     # timing, if the budget gets that far, rather than double the compile set.
@@ -237,16 +223,7 @@ def search(
     consider([dataclasses.replace(best, w13=dataclasses.replace(best.w13, tma=not best.w13.tma))])
     consider([dataclasses.replace(best, w2=dataclasses.replace(best.w2, tma=not best.w2.tma))])
     if not _streaming(best.block_m):
-        consider(
-            [
-                dataclasses.replace(
-                    best,
-                    w13=dataclasses.replace(best.w13, group_m=g),
-                    w2=dataclasses.replace(best.w2, group_m=g),
-                )
-                for g in (0, 1, 8)
-            ]
-        )
+        consider([best.each_gemm(group_m=g) for g in (0, 1, 8)])
     for knob in PROGRAM_KNOBS:
         consider(program_knobs(best, knob))
     return best

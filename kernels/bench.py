@@ -152,20 +152,12 @@ ConfigTransform = Callable[[MoEConfig], MoEConfig]
 def quantising(config: MoEConfig) -> MoEConfig:
     """Both GEMMs on the FP8 tensor cores, their inputs quantised per row and 128 columns
     (``GemmConfig.fp8_activations``; the LoRA then takes the separate shrink)."""
-    return dataclasses.replace(
-        config,
-        w13=dataclasses.replace(config.w13, fp8_activations=True, fused_shrink=False),
-        w2=dataclasses.replace(config.w2, fp8_activations=True, fused_shrink=False),
-    )
+    return config.each_gemm(fp8_activations=True, fused_shrink=False)
 
 
 def dequantising(config: MoEConfig) -> MoEConfig:
     """The FP8 main loop that dequantises each weight tile (``GemmConfig.fp8_dequant``)."""
-    return dataclasses.replace(
-        config,
-        w13=dataclasses.replace(config.w13, fp8_dequant=True),
-        w2=dataclasses.replace(config.w2, fp8_dequant=True),
-    )
+    return config.each_gemm(fp8_dequant=True)
 
 
 @dataclass

@@ -101,6 +101,14 @@ class MoEConfig:
     atomic_sum: bool = True
     decode: bool = False
 
+    def each_gemm(self, **changes: Any) -> MoEConfig:
+        """This configuration with ``changes`` made to both GEMMs' ``GemmConfig``."""
+        return dataclasses.replace(
+            self,
+            w13=dataclasses.replace(self.w13, **changes),
+            w2=dataclasses.replace(self.w2, **changes),
+        )
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -206,11 +214,7 @@ def fit_stages(
         config = dataclasses.replace(config, w13=_fit_fp8(config.w13), w2=_fit_fp8(config.w2))
     rp = padded_rank(lora_rank)
     if rp > MAX_REGISTER_RANK:
-        config = dataclasses.replace(
-            config,
-            w13=dataclasses.replace(config.w13, fused_shrink=False),
-            w2=dataclasses.replace(config.w2, fused_shrink=False),
-        )
+        config = config.each_gemm(fused_shrink=False)
     lora_cols = segments_per_pass(config.lora_segments, rp) * rp
     weight_size = 1 if fp8 else elem_size
 

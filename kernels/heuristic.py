@@ -108,16 +108,7 @@ def heuristic_config(
     config = dataclasses.replace(config, atomic_sum=num_tokens * top_k * hidden <= (1 << 22))
     if decode_pays(num_tokens, num_experts, top_k):
         # One row per block: a separate shrink launch would cost more than it saves.
-        config = dataclasses.replace(
-            config,
-            decode=True,
-            w13=dataclasses.replace(config.w13, fused_shrink=True),
-            w2=dataclasses.replace(config.w2, fused_shrink=True),
-        )
+        config = dataclasses.replace(config.each_gemm(fused_shrink=True), decode=True)
     if fp8 and num_tokens >= FP8_DEQUANT_TOKENS:
-        config = dataclasses.replace(
-            config,
-            w13=dataclasses.replace(config.w13, fp8_dequant=True),
-            w2=dataclasses.replace(config.w2, fp8_dequant=True),
-        )
+        config = config.each_gemm(fp8_dequant=True)
     return fit_stages(config, elem_size, fp8=fp8)

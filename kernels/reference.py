@@ -86,7 +86,7 @@ def _expert_weights(
     return layer.w13[expert].to(dtype), layer.w2[expert].to(dtype)
 
 
-def _gemm_input(x: torch.Tensor, dtype: torch.dtype, fp8_activations: bool) -> torch.Tensor:
+def _expert_input(x: torch.Tensor, dtype: torch.dtype, fp8_activations: bool) -> torch.Tensor:
     """An expert GEMM's input: x, or with FP8 activations x rounded to ``dtype`` (as the
     kernels store it), quantised and dequantised."""
     if not fp8_activations:
@@ -121,14 +121,14 @@ def moe_forward_reference(
         tokens, position = torch.nonzero(routing.topk_ids == expert, as_tuple=True)
         xe = x[tokens]
         w13, w2 = _expert_weights(layer, expert, compute_dtype)
-        gate_up = linear(_gemm_input(xe, hidden.dtype, fp8_activations), w13)
+        gate_up = linear(_expert_input(xe, hidden.dtype, fp8_activations), w13)
         if layer.b13 is not None:
             gate_up += layer.b13[expert].to(compute_dtype)
         row_slots = None if token_slots is None else token_slots[tokens]
         if slots is not None and row_slots is not None:
             _add_lora(gate_up, xe, row_slots, slots.a13[:, expert], slots.b13[:, expert])
         a = activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
-        y = linear(_gemm_input(a, hidden.dtype, fp8_activations), w2)
+        y = linear(_expert_input(a, hidden.dtype, fp8_activations), w2)
         if layer.b2 is not None:
             y += layer.b2[expert].to(compute_dtype)
         if slots is not None and row_slots is not None:

@@ -21,7 +21,7 @@ import queue
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,7 +138,7 @@ def run(
     seconds: float,
     seed: int,
     tolerance: float,
-    lease: list[str] | None = None,
+    lease: Sequence[str] = (),
 ) -> dict[str, object]:
     """Sends random pool requests for ``seconds``; the report ``main`` prints."""
     rng = random.Random(seed)
@@ -167,7 +167,7 @@ def run(
     if mode not in ("unary", "stream"):
         from executor_service.bench import stress_transports
 
-        errors.extend(stress_transports.run(address, pool, mode, deadline, rng, check, lease or []))
+        errors.extend(stress_transports.run(address, pool, mode, deadline, rng, check, lease))
     else:
         with grpc.insecure_channel(address, options=_OPTIONS) as channel:
             stub = executor_pb2_grpc.ExecutorStub(channel)

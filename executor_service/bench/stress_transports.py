@@ -47,8 +47,15 @@ def _segments(item: PoolRequest) -> list[tuple[int, str | None]]:
     return [(n, adapter or None) for n, adapter in item.segments]
 
 
-def _rows(output: torch.Tensor) -> np.ndarray:
-    return output.float().cpu().numpy()
+def _answered(
+    check: Check, item: PoolRequest, begin: float, output: torch.Tensor | MoeLoraError
+) -> None:
+    """Hands one call's outcome to ``check``: its status, and its answer as float32 rows."""
+    took = time.perf_counter() - begin
+    if isinstance(output, MoeLoraError):
+        check(item, output.code.name, None, took)
+    else:
+        check(item, "OK", output.float().cpu().numpy(), took)
 
 
 def run(
@@ -68,7 +75,8 @@ def run(
     max_tokens = max(item.hidden.shape[0] for item in pool)
     hidden_size = pool[0].hidden.shape[1]
     if mode == "channel":
-        return asyncio.run(_channel(address, pool, deadline, rng, check, lease, max_tokens))
+        ring_shape = (hidden_size, max_tokens)
+        return asyncio.run(_channel(address, pool, deadline, rng, check, lease, ring_shape))
     gpu = mode == "device"
     with ExecutorClient(
         address, timeout=120, device_path=gpu, device_ring_tokens=max_tokens, device_ring_slots=1
@@ -96,13 +104,12 @@ def _calls(
         item = rng.choice(pool)
         hidden = _hidden(item, device)
         begin = time.perf_counter()
+        output: torch.Tensor | MoeLoraError
         try:
             output = client.forward(item.layer, hidden, _segments(item), ring=ring).output
         except MoeLoraError as exc:
-            check(item, exc.code.name, None, time.perf_counter() - begin)
-            continue
-        took = time.perf_counter() - begin
-        check(item, "OK", _rows(output), took)
+            output = exc
+        _answered(check, item, begin, output)
 
 
 async def _channel(
@@ -112,11 +119,12 @@ async def _channel(
     rng: random.Random,
     check: Check,
     lease: Sequence[str],
-    max_tokens: int,
+    ring_shape: tuple[int, int],
 ) -> list[str]:
+    """``ring_shape``: (hidden size, largest T) of the ring's slots."""
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
-    hidden_size = pool[0].hidden.shape[1]
+    hidden_size, max_tokens = ring_shape
     async with AsyncExecutorClient(address, timeout=120) as client:
         ring_context = (
             client.cuda_memory(hidden_size, max_tokens, slots=IN_FLIGHT)
@@ -157,10 +165,9 @@ async def _channel_calls(
         item = rng.choice(pool)
         hidden = _hidden(item, device)
         begin = time.perf_counter()
+        output: torch.Tensor | MoeLoraError
         try:
             output, _ = await channel.forward(item.layer, hidden, ring, _segments(item))
         except MoeLoraError as exc:
-            check(item, exc.code.name, None, time.perf_counter() - begin)
-            continue
-        took = time.perf_counter() - begin
-        check(item, "OK", _rows(output), took)
+            output = exc
+        _answered(check, item, begin, output)

@@ -195,19 +195,25 @@ def test_triton_fp8_matches_dequantised_reference(
 
 def test_w8a8_quantises_only_the_experts_inputs() -> None:
     """The W8A8 reference differs from the bf16-activation one by far more than the kernels'
-    bounds (so the comparison above sees a kernel that skips the quantisation), and not at
-    all where no adapter and no expert input is involved: with LoRA only in one path the
-    LoRA delta itself stays exact (its inputs are not quantised)."""
+    bounds (so the comparison above sees a kernel that skips the quantisation), and the LoRA
+    reads unquantised inputs: with the experts' weights zero only biases and LoRA remain, and
+    W8A8 gives the plain answer — the reference exactly, the kernel within the usual bounds
+    (quantising the LoRA's inputs would move it by about 4e-2)."""
     case = CASES["gpt_oss_biases_h192_i160"]
     hidden, layer, lora = _inputs(case, torch.float32)
     routing = route(hidden, layer)
     plain = moe_forward_reference(hidden, layer, lora, routing, torch.float64)
     w8a8 = moe_forward_reference(hidden, layer, lora, routing, torch.float64, True)
     assert relative_error(w8a8, plain) > 2e-2
-    delta = w8a8 - moe_forward_reference(hidden, layer, None, routing, torch.float64, True)
-    exact = plain - moe_forward_reference(hidden, layer, None, routing, torch.float64)
-    # The LoRA of w2 reads the activation, which x's quantisation moved: close, not equal.
-    assert relative_error(delta, exact) < 0.1
+    zero = dataclasses.replace(
+        layer, w13=torch.zeros_like(layer.w13), w2=torch.zeros_like(layer.w2)
+    )
+    expected = moe_forward_reference(hidden, zero, lora, routing, torch.float64)
+    assert expected.abs().max() > 0
+    w8a8_zero = moe_forward_reference(hidden, zero, lora, routing, torch.float64, True)
+    assert torch.equal(w8a8_zero, expected)
+    got = fused_moe(hidden, zero, lora, routing, case.config("w8a8"))
+    assert_rows_close(got, expected, "zero experts, w8a8")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
