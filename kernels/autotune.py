@@ -2,17 +2,18 @@
 
 For every token bucket (the executor's: 1, 2, 4, …, 512 and 4096) a coordinate search starts
 from the heuristic's configuration (or the previous bucket's best, whichever is faster) and
-times, one knob group at a time, a pruned space: BLOCK_M, the w13 tiles, the w2 tiles, then
-where the LoRA shrink runs, the segments per pass, the sum over k, the TMA loads, the launch
-order, then persistent programs and w2's split K (``program_knobs``). In buckets of at most
-one pair per expert, whether the alignment is folded into the GEMMs (``MoEConfig.decode``) is
-a knob too, tried before the tiles. ``refine`` times only the last group around given
-configurations (a shipped table made before those knobs existed). Each candidate is timed
-as the benchmark times it (CUDA graph replay under do_bench, L2 flushed) on the layer itself
-with random hidden states, routing and adapters. With ``jobs`` > 1 every candidate is first
-compiled by worker processes (``kernels.compile_pool``), so the timing loop waits for no
-compiler. The budget is shared out over the buckets still to tune; a bucket cut short keeps
-the best it timed. Each bucket's best is checked against the float32 reference.
+times, one knob group at a time, a pruned space: BLOCK_M, the w13 tiles, the w2 tiles (for FP8
+weights more of them, each with both W8A16 main loops), then where the LoRA shrink runs (and in
+how many parts over K), the segments per pass, the sum over k, the TMA loads, the launch order,
+then persistent programs and w2's split K (``program_knobs``). In buckets of at most one pair
+per expert, whether the alignment is folded into the GEMMs (``MoEConfig.decode``) is a knob
+too, tried before the tiles. ``refine`` times only the last group around given configurations
+(a shipped table made before those knobs existed). Each candidate is timed as the benchmark
+times it (CUDA graph replay under do_bench, L2 flushed) on the layer itself with random hidden
+states, routing and adapters. With ``jobs`` > 1 every candidate is first compiled by worker
+processes (``kernels.compile_pool``), so the timing loop waits for no compiler. The budget is
+shared out over the buckets still to tune; a bucket cut short keeps the best it timed. Each
+bucket's best is checked against the float32 reference.
 """
 
 from __future__ import annotations
@@ -66,11 +67,21 @@ W2_COMPUTE = [
     (128, 64, 4, 8, 4), (64, 128, 1, 4, 4),
 ]  # fmt: skip
 
+#: Tiles tried besides those for FP8 weights: a byte per weight leaves shared memory for deeper
+#: pipelines while streaming (decode is latency bound: bytes in flight), and for the 128-wide
+#: K steps (one scale block) of tensor-core tiles.
+W13_STREAMING_FP8 = [(16, 128, 1, 4, 8), (32, 128, 1, 4, 6), (64, 128, 1, 4, 6)]
+W2_STREAMING_FP8 = [(64, 128, 1, 4, 6), (32, 128, 1, 4, 6), (128, 128, 1, 4, 4)]
+W13_COMPUTE_FP8 = [(64, 128, 1, 4, 3), (32, 128, 1, 4, 6)]
+W2_COMPUTE_FP8 = [(128, 128, 1, 4, 3), (64, 128, 1, 4, 6)]
 
 #: Programs per multiprocessor tried for persistent launches (0: a program per tile).
 PERSISTENT_OPTIONS = (0, 1, 2)
 #: w2 K parts tried where the sum is atomic and the GEMMs stream weights.
 SPLIT_K_OPTIONS = (1, 2, 4)
+#: K parts of a separate LoRA shrink tried where the GEMMs stream weights (a decode step's
+#: shrink otherwise runs one program per pair over all of K).
+SHRINK_SPLIT_OPTIONS = (1, 4, 8)
 
 
 def decode_candidate(rows_per_expert: float) -> bool:
@@ -92,13 +103,21 @@ def _streaming(block_m: int) -> bool:
     return block_m <= 32
 
 
-def tile_spaces(block_m: int, group_m: int) -> tuple[list[GemmConfig], list[GemmConfig]]:
-    """The (w13, w2) tiles searched for blocks of ``block_m`` rows."""
+def tile_spaces(
+    block_m: int, group_m: int, fp8: bool = False
+) -> tuple[list[GemmConfig], list[GemmConfig]]:
+    """The (w13, w2) tiles searched for blocks of ``block_m`` rows (of FP8 weights: ``fp8``)."""
     if _streaming(block_m):
-        return [GemmConfig(*c) for c in W13_STREAMING], [GemmConfig(*c) for c in W2_STREAMING]
+        w13, w2 = W13_STREAMING, W2_STREAMING
+        if fp8:
+            w13, w2 = w13 + W13_STREAMING_FP8, w2 + W2_STREAMING_FP8
+        return [GemmConfig(*c) for c in w13], [GemmConfig(*c) for c in w2]
+    w13, w2 = W13_COMPUTE, W2_COMPUTE
+    if fp8:
+        w13, w2 = w13 + W13_COMPUTE_FP8, w2 + W2_COMPUTE_FP8
     return (
-        [GemmConfig(*c, group_m=group_m) for c in W13_COMPUTE],
-        [GemmConfig(*c, group_m=group_m) for c in W2_COMPUTE],
+        [GemmConfig(*c, group_m=group_m) for c in w13],
+        [GemmConfig(*c, group_m=group_m) for c in w2],
     )
 
 
@@ -109,25 +128,32 @@ def precompile_set(
     launch: each BLOCK_M with every w13 tile paired with a w2 tile (the two GEMMs compile
     apart, so pairing them covers all their combinations), with pair blocks too where the
     bucket may use them, and each tile also through a TMA descriptor (not for FP8 experts,
-    ``fp8``: they take pointer loads, and each tile with both FP8 main loops)."""
+    ``fp8``: they take pointer loads, and each tile with both W8A16 main loops, unless the
+    start quantises activations)."""
     modes = [False, True] if decode_candidate(rows_per_expert) else [False]
-    configs = []
+    unfitted = []
     for decode, bm in itertools.product(modes, block_m_options(rows_per_expert)):
-        w13_space, w2_space = tile_spaces(bm, start.w13.group_m)
+        w13_space, w2_space = tile_spaces(bm, start.w13.group_m, fp8)
         for w13, w2 in itertools.zip_longest(w13_space, w2_space):
-            configs.append(
-                fit_stages(
-                    dataclasses.replace(
-                        start, block_m=bm, decode=decode, w13=w13 or start.w13, w2=w2 or start.w2
-                    ),
-                    2,
-                    rank,
-                    fp8=fp8,
+            unfitted.append(
+                dataclasses.replace(
+                    start,
+                    block_m=bm,
+                    decode=decode,
+                    w13=_retile(start.w13, w13 or start.w13),
+                    w2=_retile(start.w2, w2 or start.w2),
                 )
             )
+    configs = [fit_stages(c, 2, rank, fp8=fp8) for c in unfitted]
     with_tma = [c.each_gemm(tma=True) for c in configs if not fp8]
-    # FP8's two main loops (GemmConfig.fp8_dequant) are kernel variants of their own too.
-    dequant = [c.each_gemm(fp8_dequant=True) for c in configs if fp8]
+    # FP8's main loops (GemmConfig.fp8_dequant) are kernel variants of their own too.
+    dequant = []
+    if fp8 and not start.w13.fp8_activations:
+        dequant = [
+            fit_stages(c.each_gemm(fp8_dequant=d), 2, rank, fp8=True)
+            for c in unfitted
+            for d in (False, True)
+        ]
     # Split K is a kernel variant of its own (a constexpr). Persistent programs are too, but
     # they are searched last and rarely win (kernels/BENCHMARKS.md): they compile while
     # timing, if the budget gets that far, rather than double the compile set.
@@ -138,6 +164,22 @@ def precompile_set(
         if _streaming(c.block_m)
     ]
     return list(dict.fromkeys(configs + with_tma + dequant + split))
+
+
+def _retile(gemm: GemmConfig, tile: GemmConfig) -> GemmConfig:
+    """``tile`` in the FP8 main loop of ``gemm`` (its other knobs as the tile space has them)."""
+    return dataclasses.replace(
+        tile, fp8_dequant=gemm.fp8_dequant, fp8_activations=gemm.fp8_activations
+    )
+
+
+def _tile_candidates(gemm: GemmConfig, space: list[GemmConfig], fp8: bool) -> list[GemmConfig]:
+    """The tiles of ``space`` for a GEMM now ``gemm``; with FP8 weights in both W8A16 main
+    loops (their best tiles differ: the scaled product holds a second accumulator)."""
+    tiles = [_retile(gemm, tile) for tile in space]
+    if not fp8 or gemm.fp8_activations:
+        return tiles
+    return [dataclasses.replace(t, fp8_dequant=d) for t in tiles for d in (False, True)]
 
 
 def program_knobs(best: MoEConfig, knob: str) -> list[MoEConfig]:
@@ -168,6 +210,21 @@ def program_knobs(best: MoEConfig, knob: str) -> list[MoEConfig]:
 PROGRAM_KNOBS = ("w13", "w2", "split_k")
 
 
+def shrink_knobs(best: MoEConfig) -> list[MoEConfig]:
+    """Where each GEMM's LoRA shrink runs, one GEMM at a time: fused into its main loop, or
+    the separate launch, whose K is also cut into parts with streaming tiles."""
+    parts = SHRINK_SPLIT_OPTIONS if _streaming(best.block_m) else (1,)
+
+    def options(gemm: GemmConfig) -> list[GemmConfig]:
+        fused = dataclasses.replace(gemm, fused_shrink=True, shrink_split_k=1)
+        apart = [dataclasses.replace(gemm, fused_shrink=False, shrink_split_k=p) for p in parts]
+        return [g for g in [fused, *apart] if g != gemm]
+
+    return [dataclasses.replace(best, w13=g) for g in options(best.w13)] + [
+        dataclasses.replace(best, w2=g) for g in options(best.w2)
+    ]
+
+
 def search(
     time_us: Callable[[MoEConfig], float],
     start: MoEConfig,
@@ -196,30 +253,14 @@ def search(
     consider([dataclasses.replace(best, block_m=bm) for bm in block_m_options(rows_per_expert)])
     if decode_candidate(rows_per_expert):
         consider([dataclasses.replace(best, decode=not best.decode)])
-    w13_space, w2_space = tile_spaces(best.block_m, best.w13.group_m)
-    consider([dataclasses.replace(best, w13=g) for g in w13_space])
-    consider([dataclasses.replace(best, w2=g) for g in w2_space])
+    w13_space, w2_space = tile_spaces(best.block_m, best.w13.group_m, fp8)
+    consider([dataclasses.replace(best, w13=g) for g in _tile_candidates(best.w13, w13_space, fp8)])
+    consider([dataclasses.replace(best, w2=g) for g in _tile_candidates(best.w2, w2_space, fp8)])
     if rank > 0:
         consider(
-            [
-                dataclasses.replace(best, w2=dataclasses.replace(best.w2, fused_shrink=not f))
-                for f in (best.w2.fused_shrink,)
-            ]
-            + [dataclasses.replace(best, lora_segments=s) for s in (1, 2, 4)]
+            shrink_knobs(best) + [dataclasses.replace(best, lora_segments=s) for s in (1, 2, 4)]
         )
     consider([dataclasses.replace(best, atomic_sum=not best.atomic_sum)])
-    if fp8:
-        w13, w2 = best.w13, best.w2
-        consider(
-            [
-                dataclasses.replace(
-                    best, w13=dataclasses.replace(w13, fp8_dequant=not w13.fp8_dequant)
-                )
-            ]
-        )
-        consider(
-            [dataclasses.replace(best, w2=dataclasses.replace(w2, fp8_dequant=not w2.fp8_dequant))]
-        )
     consider([dataclasses.replace(best, w13=dataclasses.replace(best.w13, tma=not best.w13.tma))])
     consider([dataclasses.replace(best, w2=dataclasses.replace(best.w2, tma=not best.w2.tma))])
     if not _streaming(best.block_m):
@@ -286,8 +327,13 @@ class Timer:
         return float(ms) * 1e3
 
     def error(self, config: MoEConfig) -> float:
+        """Against the float32 reference of the numerics ``config`` chose (FP8 activations
+        or not)."""
         i = self.inputs
-        expected = moe_forward_reference(i.hidden, self.layer, i.lora, i.routing)
+        w8a8 = config.w13.fp8_activations
+        expected = moe_forward_reference(
+            i.hidden, self.layer, i.lora, i.routing, fp8_activations=w8a8
+        )
         return relative_error(self.run(config), expected)
 
 

@@ -55,6 +55,11 @@ class GemmConfig:
     persistent: launch this many programs per multiprocessor (0: one program per piece of
         work), each looping over the (block, N program) work in the launch order: no program
         launch and retirement per tile, and a program's next tile follows its last at once.
+    shrink_split_k: with the shrink not fused, its reduction over K is cut into this many
+        parts, each a program that adds its float32 partial sum into x·Aᵀ atomically (a
+        decode step otherwise has one program per pair, streaming all of K serially; from
+        three parts the order of the additions varies, so the last bit may differ between
+        runs).
     fp8_dequant: FP8 weights only: dequantise each weight tile (q·scale, rounded to the
         activations' dtype) and accumulate in the dot, instead of converting the tile exactly
         and scaling each K step's product (a second accumulator's worth of registers).
@@ -76,6 +81,7 @@ class GemmConfig:
     tma: bool = False
     split_k: int = 1
     persistent: int = 0
+    shrink_split_k: int = 1
     fp8_dequant: bool = False
     fp8_activations: bool = False
 

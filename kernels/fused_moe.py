@@ -4,7 +4,9 @@ The kernels run over the blocks of ``kernels.align`` (BLOCK_M pairs of one exper
 
 ``_lora_shrink_kernel`` (LoRA, unless fused): ``xa = x A[s,e]ᵀ`` for every aligned row, once
     per block (a program per 64 rows), into a small (rows, R) buffer in the operand dtype; run
-    on the hidden states with A13 before w13 and on the activation with A2 before w2.
+    on the hidden states with A13 before w13 and on the activation with A2 before w2. With
+    ``GemmConfig.shrink_split_k`` each block's K is cut into parts, a program each, adding
+    into a float32 buffer (decode: a handful of blocks would otherwise loop over all of K).
 ``_w13_kernel``: ``g_u = x W13[e]ᵀ (+ b13) + B13[s,e] xa13``, then the activation, stored as
     the (rows, I) intermediate ``a`` in the aligned row order. Gate and up columns share one
     tile (interleaved with pointer loads; [gate | up] halves when one TMA box of W13 seen as
@@ -26,7 +28,7 @@ GEMM's main loop, as a second dot on the x tiles it loads anyway, in the first t
 program (no launch, no serial K loop over a handful of blocks; but every program of a block
 repeats it: on an H100 it pays at about one row per expert, see kernels/BENCHMARKS.md). The
 expand is a small dot in the GEMM epilogue. Only rank-R vectors per row go through memory,
-and every sum has a fixed order.
+and every sum has a fixed order (but a shrink split in three or more parts).
 
 A block may hold rows of several adapter slots ("segments", numbered by slot). The shrink
 handles up to ``MoEConfig.lora_segments`` segments (in the main loop: ``segments_per_pass``)
@@ -521,6 +523,7 @@ def _lora_shrink_kernel(
     enabled_ptr,  # PAIR_BLOCKS: the slots' enabled flags (row_slots_ptr: token slots)
     block_experts_ptr,
     K,
+    K_PART,  # PARTS > 1: columns of K per part (a multiple of BLOCK_K)
     top_k,
     R,
     stride_x,
@@ -536,13 +539,18 @@ def _lora_shrink_kernel(
     RP: tl.constexpr,
     RC: tl.constexpr,  # ranks per pass: the accumulator is (SUB_M, NSEG*RC)
     S_P2: tl.constexpr,
+    PARTS: tl.constexpr,  # programs per SUB_M rows, each over K_PART columns of K
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per SUB_M rows of a block: its segments are only those of its rows, and
-    the register tile stays (SUB_M, NSEG*RC) whatever the rank."""
+    """One program per SUB_M rows of a block (and part of K): its segments are only those of
+    its rows, and the register tile stays (SUB_M, NSEG*RC) whatever the rank. With PARTS > 1
+    each part adds its float32 partial sum into xa (zeroed) atomically."""
     _wait_for_inputs(PDL)
     pid = tl.program_id(0)
+    part = pid % PARTS
+    pid = pid // PARTS
+    k_lo = part * K_PART
     block = pid // (BLOCK_M // SUB_M)
     expert = tl.load(block_experts_ptr + block).to(tl.int64)
     if expert < 0:
@@ -553,17 +561,21 @@ def _lora_shrink_kernel(
     slot = _row_slots(row_slots_ptr, enabled_ptr, rows, pair, top_k, PAIR_BLOCKS)
     seg, n_seg = _block_segments(slot, S_P2)
     if GATHER:
-        x_row_ptrs = x_ptr + (tl.maximum(pair, 0) // top_k).to(tl.int64) * stride_x
+        x_row_ptrs = x_ptr + (tl.maximum(pair, 0) // top_k).to(tl.int64) * stride_x + k_lo
     else:
-        x_row_ptrs = x_ptr + rows.to(tl.int64) * stride_x
+        x_row_ptrs = x_ptr + rows.to(tl.int64) * stride_x + k_lo
+    k_len = tl.minimum(K_PART, K - k_lo) if PARTS > 1 else K
     for r0 in tl.static_range(0, RP, RC):
         # Rows without an adapter (padding included) read nothing and store zeros.
         xa = _shrink_rows(
-            x_row_ptrs, seg >= 0, a_ptr, expert, slot, seg, n_seg, 0, r0, K, R,
+            x_row_ptrs, seg >= 0, a_ptr + k_lo, expert, slot, seg, n_seg, 0, r0, k_len, R,
             stride_as, stride_ae, stride_ar, SUB_M, BLOCK_K, NSEG, RC, PRECISION,
         )  # fmt: skip
         out = xa_ptr + rows[:, None] * RP + r0 + tl.arange(0, RC)[None, :]
-        tl.store(out, xa.to(xa_ptr.dtype.element_ty))
+        if PARTS > 1:
+            tl.atomic_add(out, xa, sem="relaxed")
+        else:
+            tl.store(out, xa.to(xa_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -1061,9 +1073,11 @@ def lora_shrink_stage(
     alignment: Alignment,
     lora: LoRABuffers,
     config: MoEConfig,
+    gemm: GemmConfig,
 ) -> torch.Tensor:
     """x·A[s, e]ᵀ for every aligned row: (max_rows, RP) in x's dtype (the expand rounds it
-    to that before its dot anyway).
+    to that before its dot anyway), or float32 where ``gemm.shrink_split_k`` cuts K into
+    parts that add their sums atomically.
 
     x: the hidden states (T, K), rows gathered by token (``gather``), or the aligned
     activation (max_rows, K); lora_a (S, E, R, K).
@@ -1072,16 +1086,23 @@ def lora_shrink_stage(
     rc = min(rp, MAX_REGISTER_RANK)
     block_m = alignment.block_m
     sub_m = min(block_m, _SHRINK_SUB_M)
-    xa = torch.empty((alignment.max_blocks * block_m, rp), dtype=x.dtype, device=x.device)
     block_k = _SHRINK_BLOCK_K if x.element_size() == 2 else _SHRINK_BLOCK_K // 2
-    _lora_shrink_kernel[(alignment.max_blocks * (block_m // sub_m),)](
+    k = x.shape[1]
+    k_part = triton.cdiv(triton.cdiv(k, gemm.shrink_split_k), block_k) * block_k
+    parts = triton.cdiv(k, k_part)
+    rows = alignment.max_blocks * block_m
+    if parts > 1:
+        xa = torch.zeros((rows, rp), dtype=torch.float32, device=x.device)
+    else:
+        xa = torch.empty((rows, rp), dtype=x.dtype, device=x.device)
+    _lora_shrink_kernel[(alignment.max_blocks * (block_m // sub_m) * parts,)](
         x, lora_a, xa, alignment.sorted_pair_ids, lora.row_slots, _enabled(alignment),
-        alignment.block_experts, x.shape[1], top_k, lora_a.shape[2],
+        alignment.block_experts, k, k_part, top_k, lora_a.shape[2],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         GATHER=gather, PAIR_BLOCKS=alignment.pair_blocks,
         BLOCK_M=block_m, SUB_M=sub_m, BLOCK_K=block_k,
         NSEG=max(1, min(config.lora_segments, _SHRINK_STACK // rc)), RP=rp, RC=rc, S_P2=s_p2,
-        PRECISION=_dot_precision(x.dtype), **_pdl_launch(x.device),
+        PARTS=parts, PRECISION=_dot_precision(x.dtype), **_pdl_launch(x.device),
         num_warps=4, num_stages=3,
     )  # fmt: skip
     return xa
@@ -1124,7 +1145,7 @@ def _lora_args(
     # A fused shrink keeps the whole rank in registers: larger ranks take the separate one.
     fused = gemm.fused_shrink and rp <= MAX_REGISTER_RANK
     # With the shrink fused, x is a placeholder: the GEMM computes x·Aᵀ itself.
-    xa = x if fused else lora_shrink_stage(x, lora_a, gather, top_k, alignment, lora, config)
+    xa = x if fused else lora_shrink_stage(x, lora_a, gather, top_k, alignment, lora, config, gemm)
     nseg = segments_per_pass(config.lora_segments, rp)
     rank, rc = lora_a.shape[2], min(rp, MAX_REGISTER_RANK)
     return _LoRAArgs(lora_a, xa, lora_b, lora.row_slots, rank, rp, rc, s_p2, nseg, fused)

@@ -81,9 +81,10 @@ def _compute(num_experts: int, rows_per_expert: float) -> MoEConfig:
 
 
 #: From this many tokens FP8 experts dequantise each weight tile (``GemmConfig.fp8_dequant``):
-#: on an H200 it beat scaling each step's product at M = 64 (0.88–0.97 of its time), 512
-#: (0.27–0.97) and 4096 (0.26–0.28) on Qwen3, Mixtral and GPT-OSS shapes, tied or lost at
-#: M = 8 (0.99–1.10) and lost at M = 1 (1.05–1.14) (kernels/BENCHMARKS.md, "FP8 experts").
+#: with these tiles on an H200 it beat scaling each step's product at M = 64 (0.88–0.97 of its
+#: time), 512 (0.27–0.97) and 4096 (0.26–0.28) on Qwen3, Mixtral and GPT-OSS shapes, tied or
+#: lost at M = 8 (0.99–1.10) and lost at M = 1 (1.05–1.14). (Tuned tiles, the H200 table's
+#: FP8 rows, take it from M = 8.)
 FP8_DEQUANT_TOKENS = 64
 
 

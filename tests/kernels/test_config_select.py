@@ -181,6 +181,15 @@ def test_search_finds_the_minimum_of_its_space() -> None:
 
     best = search(time_us, start, 16.0, 16, deadline=time.monotonic() + 60)
     assert _cost(best) == min(map(_cost, timed)) < _cost(start)
+    # Where each GEMM's shrink runs is a knob of its own.
+    assert (
+        {c.w13.fused_shrink for c in timed}
+        == {c.w2.fused_shrink for c in timed}
+        == {
+            False,
+            True,
+        }
+    )
     assert best.block_m == 32 and best.w13.block_n == 64 and best.w2.block_n == 32
     _assert_precompiled(timed, start, 16.0)
 
@@ -189,16 +198,18 @@ def _kernel(gemm: GemmConfig) -> GemmConfig:
     """What selects a compiled kernel, less what the search leaves to compile while timing
     (the launch order and persistent programs, searched last); the stages are fitted at
     launch."""
-    return dataclasses.replace(gemm, num_stages=0, persistent=0, group_m=0)
+    return dataclasses.replace(gemm, num_stages=0, persistent=0, group_m=0, shrink_split_k=1)
 
 
 def _assert_precompiled(timed: list[MoEConfig], start: MoEConfig, rows_per_expert: float) -> None:
-    """Every kernel the search launched was compiled ahead by the precompile set."""
+    """Every kernel the search launched was compiled ahead by the precompile set, but for
+    those with the LoRA shrink moved (two variants, compiled while timing)."""
     covered = precompile_set(start, rows_per_expert, 16)
     w13s = {(c.block_m, _kernel(c.w13)) for c in covered}
     w2s = {(c.block_m, _kernel(c.w2)) for c in covered}
     for config in timed:
-        if config.w2.fused_shrink == start.w2.fused_shrink:
+        shrinks = (config.w13.fused_shrink, config.w2.fused_shrink)
+        if shrinks == (start.w13.fused_shrink, start.w2.fused_shrink):
             assert (config.block_m, _kernel(config.w13)) in w13s
             assert (config.block_m, _kernel(config.w2)) in w2s
 
@@ -229,8 +240,9 @@ def test_search_tries_persistent_programs_and_split_k() -> None:
 
 
 def test_search_tries_both_fp8_main_loops_for_fp8_experts_only() -> None:
-    """FP8 experts: each GEMM's main loop (scale the product, or dequantise the tile) is a
-    knob of the search, and the precompile set covers both; bf16 experts never see it."""
+    """FP8 experts: each GEMM's tiles (the FP8 ones too) are tried in both W8A16 main loops
+    (scale the product, or dequantise the tile), and the precompile set covers both; a start
+    that quantises activations keeps doing so; bf16 experts never see either."""
     start = heuristic_config(4096, 128, 2048, 768, 8, fp8=True)
     timed: list[MoEConfig] = []
 
@@ -241,6 +253,17 @@ def test_search_tries_both_fp8_main_loops_for_fp8_experts_only() -> None:
     best = search(w13_dequant_wins, start, 256.0, 16, deadline=time.monotonic() + 60, fp8=True)
     assert best.w13.fp8_dequant and not best.w2.fp8_dequant
     assert {c.w2.fp8_dequant for c in timed} == {False, True}
+    w13_space, _ = tile_spaces(start.block_m, start.w13.group_m, fp8=True)
+    assert len(w13_space) > len(tile_spaces(start.block_m, start.w13.group_m)[0])
+    tried = {(c.w13.block_n, c.w13.num_warps, c.w13.fp8_dequant) for c in timed}
+    for tile in w13_space:
+        assert {(tile.block_n, tile.num_warps, d) for d in (False, True)} <= tried, tile
+    timed.clear()
+    w8a8 = start.each_gemm(fp8_activations=True)
+    search(w13_dequant_wins, w8a8, 256.0, 16, deadline=time.monotonic() + 60, fp8=True)
+    assert len(timed) > 10
+    assert all(c.w13.fp8_activations and c.w2.fp8_activations for c in timed)
+    assert all(c.w13.fp8_activations for c in precompile_set(w8a8, 256.0, 16, fp8=True))
     covered = precompile_set(start, 256.0, 16, fp8=True)
     assert {(c.w13.fp8_dequant, c.w2.fp8_dequant) for c in covered} == {
         (False, False),

@@ -71,6 +71,7 @@ class Case:
     w2_tma: bool = False
     w13_tma: bool = False
     split_k: int = 1  # w2's (with the atomic sum)
+    shrink_split_k: tuple[int, int] = (1, 1)  # w13, w2: K parts of the separate shrink
     persistent: tuple[int, int] = (0, 0)  # w13, w2: programs per multiprocessor (here 2)
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -86,6 +87,7 @@ class Case:
                 fused_shrink=self.fused_shrink[0],
                 tma=self.w13_tma,
                 persistent=self.persistent[0],
+                shrink_split_k=self.shrink_split_k[0],
             ),
             w2=GemmConfig(
                 *self.w2,
@@ -96,6 +98,7 @@ class Case:
                 tma=self.w2_tma,
                 split_k=self.split_k,
                 persistent=self.persistent[1],
+                shrink_split_k=self.shrink_split_k[1],
             ),
             atomic_sum=atomic_sum,
             decode=self.decode,
@@ -241,6 +244,22 @@ CASES = {
     ),
     "w2_split_k_separate_shrink_more_parts_than_steps": Case(
         inter=40, rank=16, w2=(32, 32, 1), split_k=4
+    ),
+    # The separate shrink's K cut into parts that add into x·Aᵀ (GemmConfig.shrink_split_k):
+    # H = 200 in four parts of 64 (fp32 steps; the last 8 wide), I = 80 in two; in fp16 with
+    # rank 16 two parts of 128 each (the second 72 and 16 wide).
+    "separate_shrink_split_over_k_decode": Case(
+        tokens=3, hidden=200, inter=80, decode=True, shrink_split_k=(4, 3)
+    ),
+    "separate_shrink_split_over_k_fp16_rank_16": Case(
+        tokens=37,
+        experts=7,
+        top_k=4,
+        hidden=200,
+        inter=144,
+        dtype=torch.float16,
+        rank=16,
+        shrink_split_k=(3, 2),
     ),
     # Persistent programs (the interpreter has 2 multiprocessors): each loops over several
     # (block, N program) pieces of work, padding blocks among them; with TMA, the fused
