@@ -13,6 +13,9 @@ regime of rows per expert (``M * k / E``), written as rules. The regimes:
   and a grouped launch order (a block's N tiles together, so its gathered rows stay in L2) for
   many-expert layers; with few experts many blocks share each weight tile, so block index
   fastest.
+
+FP8 experts (fitted on the H200 table's tuned FP8 rows) take wider streaming tiles and
+dequantise each weight tile, but in decode steps.
 """
 
 from __future__ import annotations
@@ -80,12 +83,12 @@ def _compute(num_experts: int, rows_per_expert: float) -> MoEConfig:
     )
 
 
-#: From this many tokens FP8 experts dequantise each weight tile (``GemmConfig.fp8_dequant``):
-#: with these tiles on an H200 it beat scaling each step's product at M = 64 (0.88–0.97 of its
-#: time), 512 (0.27–0.97) and 4096 (0.26–0.28) on Qwen3, Mixtral and GPT-OSS shapes, tied or
-#: lost at M = 8 (0.99–1.10) and lost at M = 1 (1.05–1.14). (Tuned tiles, the H200 table's
-#: FP8 rows, take it from M = 8.)
-FP8_DEQUANT_TOKENS = 64
+#: FP8 experts streaming weights beyond a decode step (``MoEConfig.decode``): the tiles the
+#: tuner chose at M = 8 and 64 on the Qwen3-30B-A3B, Mixtral-8x7B and GPT-OSS-20B-like shapes
+#: (and at M = 512 on Qwen3; H200 table), each weight tile dequantised: wider than bf16's, a
+#: weight being one byte. The heuristic's earlier FP8 tiles were 17–23% slower at M = 8.
+FP8_STREAMING_W13 = GemmConfig(64, 128, 1, 4, 4, fp8_dequant=True)
+FP8_STREAMING_W2 = GemmConfig(128, 128, 1, 4, 4, fp8_dequant=True)
 
 
 def heuristic_config(
@@ -107,9 +110,14 @@ def heuristic_config(
         config = _compute(num_experts, rows_per_expert)
     # Scalar fp32 atomics cost more than the (T*k, H) round trip once there are millions.
     config = dataclasses.replace(config, atomic_sum=num_tokens * top_k * hidden <= (1 << 22))
-    if decode_pays(num_tokens, num_experts, top_k):
+    decode = decode_pays(num_tokens, num_experts, top_k)
+    if decode:
         # One row per block: a separate shrink launch would cost more than it saves.
         config = dataclasses.replace(config.each_gemm(fused_shrink=True), decode=True)
-    if fp8 and num_tokens >= FP8_DEQUANT_TOKENS:
+    if fp8 and not decode:
+        # The tuned rows dequantised tiles in every bucket but decode, where three of six
+        # GEMMs scaled each step's product.
+        if rows_per_expert <= 48:
+            config = dataclasses.replace(config, w13=FP8_STREAMING_W13, w2=FP8_STREAMING_W2)
         config = config.each_gemm(fp8_dequant=True)
     return fit_stages(config, elem_size, fp8=fp8)
