@@ -17,12 +17,11 @@ does at start-up; cached in ``--cache-dir``), and ``--heuristic`` ignores tables
 
 ``--fp8`` adds, beside each bf16 row, the same layer with its experts quantised to FP8 with
 128×128 block scales (``kernels.synthetic.fp8_layer``; activations, LoRA and output stay bf16),
-three times: "fp8" with the configurations as selected, "fp8 dequant" with both GEMMs
-switched to the main loop that dequantises each weight tile (``GemmConfig.fp8_dequant``), and
-"fp8 w8a8" with both GEMMs' inputs quantised for the FP8 tensor cores
-(``GemmConfig.fp8_activations``, checked against the reference that quantises them too), side
-by side in one run. Their floor counts one byte per expert weight, and the summary gives each
-FP8 time / bf16 time.
+twice: "fp8" with the configurations as selected (their W8A16 main loop included: the tuner
+tries every tile in both), and "fp8 w8a8" with both GEMMs' inputs quantised for the FP8
+tensor cores (``GemmConfig.fp8_activations``, checked against the reference that quantises
+them too), side by side in one run. Their floor counts one byte per expert weight, and the
+summary gives each FP8 time / bf16 time.
 
 First every cell is checked against the float32 reference (relative error below
 ``BF16_TOLERANCE``; for FP8 rows the reference of the dequantised weights); a failure stops
@@ -153,11 +152,6 @@ def quantising(config: MoEConfig) -> MoEConfig:
     """Both GEMMs on the FP8 tensor cores, their inputs quantised per row and 128 columns
     (``GemmConfig.fp8_activations``; the LoRA then takes the separate shrink)."""
     return config.each_gemm(fp8_activations=True, fused_shrink=False)
-
-
-def dequantising(config: MoEConfig) -> MoEConfig:
-    """The FP8 main loop that dequantises each weight tile (``GemmConfig.fp8_dequant``)."""
-    return config.each_gemm(fp8_dequant=True)
 
 
 @dataclass
@@ -392,7 +386,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.fp8:
             fp8_shape, fp8_weights = dataclasses.replace(shape, fp8=True), fp8_layer(layer)
             variants.append((fp8_shape, fp8_weights, "fp8", None))
-            variants.append((fp8_shape, fp8_weights, "fp8 dequant", dequantising))
             variants.append((fp8_shape, fp8_weights, "fp8 w8a8", quantising))
         for tokens in map(int, args.tokens.split(",")):
             for variant, weights, label, transform in variants:

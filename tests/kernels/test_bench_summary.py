@@ -18,8 +18,8 @@ def test_fp8_rows_are_timed_against_their_bf16_twin() -> None:
         _row(1, "bf16", 100.0), _row(1, "fp8", 55.0),
         _row(4096, "bf16", 1000.0), _row(4096, "fp8", 700.0),
     ]  # fmt: skip
-    text = summary([*rows, _row(1, "fp8 dequant", 50.0)])
-    assert "FP8 dequant / bf16 base+LoRA time, M = 1: 0.50–0.50 (≤ 0.6: 1/1)" in text
+    text = summary([*rows, _row(1, "fp8 w8a8", 50.0)])
+    assert "FP8 w8a8 / bf16 base+LoRA time, M = 1: 0.50–0.50 (≤ 0.6: 1/1)" in text
     assert "FP8 / bf16 base+LoRA time, M = 1: 0.55–0.55 (≤ 0.6: 1/1)" in text
     assert "FP8 / bf16 base+LoRA time, M = 4096: 0.70–0.70 (≤ 0.65: 0/1)" in text
     # vLLM's anchors (bf16, M = 1 and 4096) are compared with the bf16 rows only.
