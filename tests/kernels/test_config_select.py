@@ -181,15 +181,10 @@ def test_search_finds_the_minimum_of_its_space() -> None:
 
     best = search(time_us, start, 16.0, 16, deadline=time.monotonic() + 60)
     assert _cost(best) == min(map(_cost, timed)) < _cost(start)
-    # Where each GEMM's shrink runs is a knob of its own.
-    assert (
-        {c.w13.fused_shrink for c in timed}
-        == {c.w2.fused_shrink for c in timed}
-        == {
-            False,
-            True,
-        }
-    )
+    # Where each GEMM's shrink runs is a knob of its own, the separate one in K parts too.
+    assert {c.w13.fused_shrink for c in timed} == {c.w2.fused_shrink for c in timed} == {0, 1}
+    assert {c.w13.shrink_split_k for c in timed if not c.w13.fused_shrink} == {1, 4, 8}
+    assert {c.w13.shrink_split_k for c in timed if c.w13.fused_shrink} == {1}
     assert best.block_m == 32 and best.w13.block_n == 64 and best.w2.block_n == 32
     _assert_precompiled(timed, start, 16.0)
 
