@@ -34,6 +34,10 @@ from shared.rpc_metrics import MethodMetrics
 
 log = logging.getLogger(__name__)
 
+#: After a drain, how long calls already answered get to send their statuses before the
+#: server stops and cancels what is left.
+STATUS_FLUSH_SECONDS = 1.0
+
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -317,7 +321,9 @@ class GrpcServer:
         if not idle:
             log_event(log, "drain_timeout", logging.WARNING, grace_seconds=grace)
         time.sleep(max(0.0, linger - (time.monotonic() - started)))
-        self._server.stop(0).wait()
+        # A call whose handler has just returned may still be sending its status; stop(0)
+        # would cancel it, and its client would see "Cancelling all calls", not the answer.
+        self._server.stop(STATUS_FLUSH_SECONDS).wait()
         self._admission.close()
         if on_drained is not None:
             on_drained()
