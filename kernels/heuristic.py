@@ -87,8 +87,8 @@ def _compute(num_experts: int, rows_per_expert: float) -> MoEConfig:
 #: tuner chose at M = 8 and 64 on the Qwen3-30B-A3B, Mixtral-8x7B and GPT-OSS-20B-like shapes
 #: (and at M = 512 on Qwen3; H200 table), each weight tile dequantised: wider than bf16's, a
 #: weight being one byte. The heuristic's earlier FP8 tiles were 17–23% slower at M = 8.
-FP8_STREAMING_W13 = GemmConfig(64, 128, 1, 4, 4, fp8_dequant=True)
-FP8_STREAMING_W2 = GemmConfig(128, 128, 1, 4, 4, fp8_dequant=True)
+FP8_STREAMING_W13 = GemmConfig(64, 128, 1, 4, 4)
+FP8_STREAMING_W2 = GemmConfig(128, 128, 1, 4, 4)
 
 
 def heuristic_config(
