@@ -8,14 +8,19 @@ regime of rows per expert (``M * k / E``), written as rules. The regimes:
   SM keeps loading; deeper K steps for wide H; the w2 shrink fused into its main loop (the
   separate launch would be a few serial K loops); with a handful of pairs the alignment folded
   into the GEMMs (``MoEConfig.decode``) and both shrinks fused.
-* up to ~48 rows: still streaming, BLOCK_M 16 or 32.
+* up to ~40 rows: still streaming, BLOCK_M 16 or 32 (tables chose streaming tiles at 32–34
+  rows on four of six shapes; at 48, DeepSeek-V2-Lite M = 512 on an H200, the compute tiles
+  were 1.43× faster).
 * beyond: tensor-core bound. 64- then 128-row blocks with wide tiles, one tile per program,
   and a grouped launch order (a block's N tiles together, so its gathered rows stay in L2) for
   many-expert layers; with few experts many blocks share each weight tile, so block index
   fastest.
 
 FP8 experts (fitted on the H200 table's tuned FP8 rows) take wider streaming tiles and
-dequantise each weight tile, but in decode steps.
+dequantise each weight tile. In decode steps both LoRA shrinks run apart, in K parts: the
+fused shrink re-reads x·Aᵀ's input once per N program, which FP8's halved weight bytes leave
+exposed (1.11–1.89× faster than both fused on six shapes at M = 1, H200;
+``python -m kernels.tune_budget`` finds the same on its own).
 """
 
 from __future__ import annotations
@@ -83,6 +88,11 @@ def _compute(num_experts: int, rows_per_expert: float) -> MoEConfig:
     )
 
 
+#: Rows per expert up to which the GEMMs stream weights (BLOCK_M 16 or 32).
+STREAMING_ROWS = 40
+#: K parts of each separate LoRA shrink in an FP8 decode step.
+FP8_DECODE_SHRINK_PARTS = 8
+
 #: FP8 experts streaming weights beyond a decode step (``MoEConfig.decode``): the tiles the
 #: tuner chose at M = 8 and 64 on the Qwen3-30B-A3B, Mixtral-8x7B and GPT-OSS-20B-like shapes
 #: (and at M = 512 on Qwen3; H200 table), each weight tile dequantised: wider than bf16's, a
@@ -104,20 +114,23 @@ def heuristic_config(
     """A reasonable configuration for a shape nobody tuned; ``elem_size``: bytes of the
     hidden states' dtype; ``fp8``: FP8 experts (``fit_stages``)."""
     rows_per_expert = num_tokens * top_k / num_experts
-    if rows_per_expert <= 48:
+    if rows_per_expert <= STREAMING_ROWS:
         config = _streaming(num_tokens, hidden, inter, rows_per_expert)
     else:
         config = _compute(num_experts, rows_per_expert)
     # Scalar fp32 atomics cost more than the (T*k, H) round trip once there are millions.
     config = dataclasses.replace(config, atomic_sum=num_tokens * top_k * hidden <= (1 << 22))
     decode = decode_pays(num_tokens, num_experts, top_k)
-    if decode:
+    if decode and fp8:
+        config = dataclasses.replace(
+            config.each_gemm(fused_shrink=False, shrink_split_k=FP8_DECODE_SHRINK_PARTS),
+            decode=True,
+        )
+    elif decode:
         # One row per block: a separate shrink launch would cost more than it saves.
         config = dataclasses.replace(config.each_gemm(fused_shrink=True), decode=True)
-    if fp8 and not decode:
-        # The tuned rows dequantised tiles in every bucket but decode, where three of six
-        # GEMMs scaled each step's product.
-        if rows_per_expert <= 48:
-            config = dataclasses.replace(config, w13=FP8_STREAMING_W13, w2=FP8_STREAMING_W2)
+    elif fp8 and rows_per_expert <= STREAMING_ROWS:
+        config = dataclasses.replace(config, w13=FP8_STREAMING_W13, w2=FP8_STREAMING_W2)
+    if fp8:
         config = config.each_gemm(fp8_dequant=True)
     return fit_stages(config, elem_size, fp8=fp8)

@@ -37,7 +37,12 @@ from kernels.configs import (
     segments_per_pass,
     table_key,
 )
-from kernels.heuristic import decode_pays, heuristic_config
+from kernels.heuristic import (
+    FP8_DECODE_SHRINK_PARTS,
+    FP8_STREAMING_W13,
+    decode_pays,
+    heuristic_config,
+)
 from kernels.model_shape import LayerShape, shape_from_checkpoint, shape_from_config
 from kernels.reference import moe_forward_reference
 from kernels.synthetic import random_layer, relative_error
@@ -325,6 +330,29 @@ def test_decode_only_for_few_pairs() -> None:
     # Ranks above the register limit keep pair blocks but take the separate shrink.
     big = fit_stages(heuristic_config(1, 128, 2048, 768, 8), 2, lora_rank=128)
     assert big.decode and not big.w13.fused_shrink and not big.w2.fused_shrink
+
+
+def test_fp8_decode_dequantises_and_splits_both_shrinks() -> None:
+    # Measured at M = 1 on six shapes (kernels/heuristic.py); bf16 decode keeps them fused.
+    for shape in ((128, 2048, 768, 8), (8, 4096, 14336, 2), (64, 2048, 1408, 6)):
+        fp8 = heuristic_config(1, *shape, fp8=True)
+        assert fp8.decode
+        for gemm in (fp8.w13, fp8.w2):
+            assert gemm.fp8_dequant and not gemm.fused_shrink
+            assert gemm.shrink_split_k == FP8_DECODE_SHRINK_PARTS
+        bf16 = heuristic_config(1, *shape)
+        assert bf16.w13.fused_shrink and bf16.w2.fused_shrink and bf16.w13.shrink_split_k == 1
+    # Past decode FP8 keeps its wide streaming tiles, each dequantised.
+    streaming = heuristic_config(8, 128, 2048, 768, 8, fp8=True)
+    assert not streaming.decode and streaming.w13.block_n == FP8_STREAMING_W13.block_n
+    assert streaming.w13.fp8_dequant and streaming.w2.fp8_dequant
+
+
+def test_streaming_ends_between_34_and_48_rows_per_expert() -> None:
+    # Qwen1.5-MoE at M = 512 (34 rows per expert) streams; DeepSeek-V2-Lite (48) does not.
+    assert heuristic_config(512, 60, 2048, 1408, 4).block_m <= 32
+    assert heuristic_config(512, 64, 2048, 1408, 6).block_m == 64
+    assert heuristic_config(512, 64, 2048, 1408, 6, fp8=True).block_m == 64
 
 
 @pytest.mark.parametrize("decode", [False, True])

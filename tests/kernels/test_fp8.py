@@ -280,7 +280,7 @@ def test_torch_backend_is_the_reference_of_the_dequantised_layer() -> None:
 def test_fp8_configurations_take_pointer_loads_and_short_k_steps() -> None:
     """Every configuration an FP8 layer gets (heuristic, autotuning's compile set) loads its
     weights by pointers with BLOCK_K dividing 128; FP8 shapes are keyed apart from bf16; the
-    heuristic dequantises tiles but in decode steps, streaming through the FP8 tiles."""
+    heuristic dequantises every tile, streaming through the FP8 tiles past decode steps."""
     selector = ConfigSelector("test-gpu", use_tables=False)
     # DeepSeek-V3 (256-wide K steps at M = 1 in bf16) and Qwen3 (TMA in the compute regime).
     shapes = (LayerShape(256, 7168, 2048, 8, fp8=True), LayerShape(128, 2048, 768, 8, fp8=True))
@@ -292,10 +292,10 @@ def test_fp8_configurations_take_pointer_loads_and_short_k_steps() -> None:
     gemms = [g for c in configs for g in (c.w13, c.w2)]
     assert not any(g.tma for g in gemms)
     assert all(FP8_BLOCK % g.block_k == 0 for g in gemms)
-    # The heuristic's main loop: products scaled in decode, tiles dequantised from M = 8 (the
-    # FP8 streaming tiles) and in the tensor-core regime; bf16 experts never dequantise.
+    # The heuristic's main loop: tiles dequantised in decode, from M = 8 (the FP8 streaming
+    # tiles) and in the tensor-core regime; bf16 experts never dequantise.
     chosen = {t: selector.select(t, shapes[1], 16, torch.bfloat16).config for t in (1, 8, 4096)}
-    assert chosen[1].decode and not (chosen[1].w13.fp8_dequant or chosen[1].w2.fp8_dequant)
+    assert chosen[1].decode and chosen[1].w13.fp8_dequant and chosen[1].w2.fp8_dequant
     assert chosen[8].w13.block_n == FP8_STREAMING_W13.block_n and chosen[8].w13.fp8_dequant
     assert chosen[8].w2.block_n == FP8_STREAMING_W2.block_n and chosen[8].w2.fp8_dequant
     assert chosen[4096].w13.fp8_dequant and chosen[4096].w2.fp8_dequant
