@@ -240,11 +240,12 @@ class ExecutorSettings(ServerSettings):
         512 * 1024 * 1024, ge=4 * 1024 * 1024, description="largest gRPC message in bytes"
     )
     kernel_autotune_seconds: float = Field(
-        300.0,
+        0.0,
         ge=0,
         description="start-up budget for autotuning the MoE kernels when this GPU has no tuned "
-        "table for the model's shape and rank (before SERVING; cached on disk); 0 = heuristic "
-        "configurations only",
+        "table for the model's shape and rank (before SERVING; cached on disk); 0 = the "
+        "heuristic's configurations (budgets under a minute found nothing faster, 150 s found "
+        "5-11%: kernels/BENCHMARKS.md)",
     )
     kernel_cache_dir: Path = Field(
         Path("~/.moelora/kernel-configs"),
