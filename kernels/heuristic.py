@@ -8,8 +8,8 @@ regime of rows per expert (``M * k / E``), written as rules. The regimes:
   SM keeps loading; deeper K steps for wide H; the w2 shrink fused into its main loop (the
   separate launch would be a few serial K loops); with a handful of pairs the alignment folded
   into the GEMMs (``MoEConfig.decode``) and both shrinks fused.
-* up to ~40 rows: still streaming, BLOCK_M 16 or 32 (tables chose streaming tiles at 32–34
-  rows on four of six shapes; at 48, DeepSeek-V2-Lite M = 512 on an H200, the compute tiles
+* up to ~40 rows: still streaming, BLOCK_M 16 or 32 (the tables' rows at 32–34 rows per
+  expert stream in 7 of 9; at 48, DeepSeek-V2-Lite M = 512 on an H200, the compute tiles
   were 1.43× faster).
 * beyond: tensor-core bound. 64- then 128-row blocks with wide tiles, one tile per program,
   and a grouped launch order (a block's N tiles together, so its gathered rows stay in L2) for
@@ -19,8 +19,8 @@ regime of rows per expert (``M * k / E``), written as rules. The regimes:
 FP8 experts (fitted on the H200 table's tuned FP8 rows) take wider streaming tiles and
 dequantise each weight tile. In decode steps both LoRA shrinks run apart, in K parts: the
 fused shrink re-reads x·Aᵀ's input once per N program, which FP8's halved weight bytes leave
-exposed (1.11–1.89× faster than both fused on six shapes at M = 1, H200;
-``python -m kernels.tune_budget`` finds the same on its own).
+exposed (1.11–1.89× faster than both fused on six shapes at M = 1, H200; start-up
+autotuning of OLMoE chose the same main loop and separate shrinks).
 """
 
 from __future__ import annotations
