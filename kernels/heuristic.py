@@ -17,10 +17,10 @@ regime of rows per expert (``M * k / E``), written as rules. The regimes:
   fastest.
 
 FP8 experts (fitted on the H200 table's tuned FP8 rows) take wider streaming tiles and
-dequantise each weight tile. In decode steps both LoRA shrinks run apart, in K parts: the
-fused shrink re-reads x·Aᵀ's input once per N program, which FP8's halved weight bytes leave
-exposed (1.11–1.89× faster than both fused on six shapes at M = 1, H200; start-up
-autotuning of OLMoE chose the same main loop and separate shrinks).
+dequantise each weight tile. While each expert gets a row or two both LoRA shrinks run
+apart, in K parts (decode steps too): the fused shrink re-reads x·Aᵀ's input once per N
+program and a separate one in a single part runs each pair serially over K, both of which
+FP8's halved weight bytes leave exposed (start-up autotuning of OLMoE chose the same).
 """
 
 from __future__ import annotations
@@ -90,8 +90,11 @@ def _compute(num_experts: int, rows_per_expert: float) -> MoEConfig:
 
 #: Rows per expert up to which the GEMMs stream weights (BLOCK_M 16 or 32).
 STREAMING_ROWS = 40
-#: K parts of each separate LoRA shrink in an FP8 decode step.
-FP8_DECODE_SHRINK_PARTS = 8
+#: FP8 experts with at most this many rows per expert run each LoRA shrink apart, in
+#: ``FP8_SHRINK_PARTS`` K parts (measured up to M = 8 on six shapes, H200: 1.11–1.89× at
+#: M = 1 over both fused, 1.01–1.15× at M = 4 and 8 over one part).
+FP8_SPLIT_SHRINK_ROWS = 2
+FP8_SHRINK_PARTS = 8
 
 #: FP8 experts streaming weights beyond a decode step (``MoEConfig.decode``): the tiles the
 #: tuner chose at M = 8 and 64 on the Qwen3-30B-A3B, Mixtral-8x7B and GPT-OSS-20B-like shapes
@@ -121,16 +124,13 @@ def heuristic_config(
     # Scalar fp32 atomics cost more than the (T*k, H) round trip once there are millions.
     config = dataclasses.replace(config, atomic_sum=num_tokens * top_k * hidden <= (1 << 22))
     decode = decode_pays(num_tokens, num_experts, top_k)
-    if decode and fp8:
-        config = dataclasses.replace(
-            config.each_gemm(fused_shrink=False, shrink_split_k=FP8_DECODE_SHRINK_PARTS),
-            decode=True,
-        )
-    elif decode:
-        # One row per block: a separate shrink launch would cost more than it saves.
+    if decode:
+        # One row per block: a separate shrink launch would cost more than it saves (bf16).
         config = dataclasses.replace(config.each_gemm(fused_shrink=True), decode=True)
-    elif fp8 and rows_per_expert <= STREAMING_ROWS:
-        config = dataclasses.replace(config, w13=FP8_STREAMING_W13, w2=FP8_STREAMING_W2)
     if fp8:
+        if not decode and rows_per_expert <= STREAMING_ROWS:
+            config = dataclasses.replace(config, w13=FP8_STREAMING_W13, w2=FP8_STREAMING_W2)
+        if rows_per_expert <= FP8_SPLIT_SHRINK_ROWS:
+            config = config.each_gemm(fused_shrink=False, shrink_split_k=FP8_SHRINK_PARTS)
         config = config.each_gemm(fp8_dequant=True)
     return fit_stages(config, elem_size, fp8=fp8)

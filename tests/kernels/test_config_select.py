@@ -38,7 +38,7 @@ from kernels.configs import (
     table_key,
 )
 from kernels.heuristic import (
-    FP8_DECODE_SHRINK_PARTS,
+    FP8_SHRINK_PARTS,
     FP8_STREAMING_W13,
     decode_pays,
     heuristic_config,
@@ -332,20 +332,25 @@ def test_decode_only_for_few_pairs() -> None:
     assert big.decode and not big.w13.fused_shrink and not big.w2.fused_shrink
 
 
-def test_fp8_decode_dequantises_and_splits_both_shrinks() -> None:
+def test_fp8_decode_and_first_buckets_dequantise_and_split_both_shrinks() -> None:
     # Measured at M = 1 on six shapes (kernels/heuristic.py); bf16 decode keeps them fused.
     for shape in ((128, 2048, 768, 8), (8, 4096, 14336, 2), (64, 2048, 1408, 6)):
         fp8 = heuristic_config(1, *shape, fp8=True)
         assert fp8.decode
         for gemm in (fp8.w13, fp8.w2):
             assert gemm.fp8_dequant and not gemm.fused_shrink
-            assert gemm.shrink_split_k == FP8_DECODE_SHRINK_PARTS
+            assert gemm.shrink_split_k == FP8_SHRINK_PARTS
         bf16 = heuristic_config(1, *shape)
         assert bf16.w13.fused_shrink and bf16.w2.fused_shrink and bf16.w13.shrink_split_k == 1
-    # Past decode FP8 keeps its wide streaming tiles, each dequantised.
+    # Past decode FP8 keeps its wide streaming tiles, each dequantised, the shrinks in parts
+    # while experts get a row or two.
     streaming = heuristic_config(8, 128, 2048, 768, 8, fp8=True)
     assert not streaming.decode and streaming.w13.block_n == FP8_STREAMING_W13.block_n
     assert streaming.w13.fp8_dequant and streaming.w2.fp8_dequant
+    assert streaming.w13.shrink_split_k == streaming.w2.shrink_split_k == FP8_SHRINK_PARTS
+    wider = heuristic_config(64, 128, 2048, 768, 8, fp8=True)
+    assert wider.w13.shrink_split_k == wider.w2.shrink_split_k == 1
+    assert heuristic_config(8, 128, 2048, 768, 8).w13.shrink_split_k == 1
 
 
 def test_streaming_ends_between_34_and_48_rows_per_expert() -> None:
