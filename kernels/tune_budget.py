@@ -23,14 +23,14 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from kernels.autotune import BUCKETS, TOLERANCE, CellInputs, Timer, autotune
 from kernels.bench import SHAPES, SLOTS, TOKENS, ZOO
-from kernels.configs import fit_stages
-from kernels.heuristic import heuristic_config
+from kernels.config_select import ConfigSelector
+from kernels.configs import device_name
+from kernels.forward import layer_shape
 from kernels.model_shape import LayerShape
 from kernels.synthetic import fp8_layer, random_layer
 
@@ -76,14 +76,15 @@ def run_here(
     result = autotune(
         layer, rank, budget_s=budget_s, num_slots=SLOTS, jobs=jobs, log=lambda _line: None
     )
+    # Both as the executor's selector hands them out (stages fitted to the rank).
+    heuristic = ConfigSelector(device_name(device), use_tables=False)
+    tuned = ConfigSelector(device_name(device), use_tables=False)
+    keyed = layer_shape(layer)
+    tuned.add(keyed, rank, result.configs)
     heuristic_us, tuned_us, chosen = {}, {}, {}
     for m in tokens:
         timer = Timer(layer, CellInputs.make(layer, m, rank, SLOTS))
-        heuristic = heuristic_config(
-            m, shape.experts, shape.hidden, shape.inter, shape.top_k, 2, fp8=fp8
-        )
-        # As the executor's selector hands them out: stages fitted to the rank.
-        configs = [fit_stages(c, 2, rank, fp8=fp8) for c in (heuristic, result.configs[m])]
+        configs = [s.select(m, keyed, rank, layer.dtype).config for s in (heuristic, tuned)]
         for config in configs:
             error = timer.error(config)
             if not error < TOLERANCE:
@@ -163,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-process", action="store_true",
                         help="no fresh process and Triton cache per search")  # fmt: skip
     parser.add_argument("--json-lines", action="store_true", help="one JSON line per run")
-    parser.add_argument("--json", type=Path, help="write every run here")
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
     if not set(tokens) <= set(BUCKETS):
@@ -178,8 +178,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(dataclasses.asdict(result)), flush=True)
             else:
                 print(f"{key} {budget:g} s: geomean {result.geomean():.2f}", flush=True)
-    if args.json is not None:
-        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
     if not args.json_lines:
         gpu = torch.cuda.get_device_name()
         print(f"\nStart-up autotune against the heuristic on {gpu}, rank {args.rank}:\n")
