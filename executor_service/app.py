@@ -77,7 +77,9 @@ class ExecutorApp:
         self._kernel = kernel
         self._source = source
         #: The engine: where requests meet the runtime once it is loaded.
-        self.host = EngineHost(workers=settings.grpc_workers + 8)
+        self.host = EngineHost(
+            workers=settings.grpc_workers + 8, pinned_bytes=settings.frontend_arena_pinned_bytes
+        )
         engine_end, front_end = socket.socketpair()
         self._arena = Arena.create("moelora-frontend", settings.frontend_arena_bytes)
         self.link = EngineLink(front_end, self._arena, on_state=self._on_engine_state)

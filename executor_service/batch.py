@@ -54,6 +54,9 @@ class Prepared:
     #: tensor, a view of shared memory that a front end reads, or (with ``hidden`` on the GPU)
     #: a view of the client's CUDA memory.
     output: torch.Tensor
+    #: ``hidden`` and ``output`` are in page-locked host memory the device reads and writes
+    #: in place (``ForwardInput.mapped``).
+    mapped: bool = False
 
     @property
     def tokens(self) -> int:

@@ -194,6 +194,14 @@ class ExecutorSettings(ServerSettings):
         "input and output tensors on their way to and from the engine; a request needs about "
         "twice its hidden_states' bytes while it is served (pages are taken as they are used)",
     )
+    frontend_arena_pinned_bytes: int = Field(
+        64 * 1024**2,
+        ge=0,
+        description="on a GPU, the first bytes of each front end's arena that the engine "
+        "page-locks (taken at once): requests whose tensors lie there are read and written by "
+        "the GPU in place, with no copy on the launch loop (the allocator fills the arena from "
+        "its start); 0: every request is copied through staging",
+    )
     gil_switch_interval_us: int = Field(
         200,
         ge=1,

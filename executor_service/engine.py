@@ -49,6 +49,9 @@ class ForwardInput:
     topk_weights: torch.Tensor | None = None
     #: (T, H) in hidden's dtype, where the answer goes; None: a new tensor.
     output: torch.Tensor | None = None
+    #: ``hidden`` and ``output`` lie in page-locked host memory that the device reads and
+    #: writes in place (a front end's pinned arena): no copy through staging.
+    mapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class ForwardEngine:
             routing=routing,
             slot_deadline=time.monotonic() + slot_wait,
             output=self._output(request, tokens),
+            mapped=request.mapped,
         )
 
     def _output(self, request: ForwardInput, tokens: int) -> torch.Tensor:
@@ -163,6 +167,7 @@ class ForwardEngine:
             if any(a is not None for r in requests for a in r.adapters):
                 slots = token_slots(requests, lease.slots)
             on_device = requests[0].hidden.is_cuda  # all or none: batch.batch_key
+            mapped = not on_device and all(r.mapped for r in requests)
             launch = Launch(
                 layer_index=index,
                 layer=layer,
@@ -171,11 +176,12 @@ class ForwardEngine:
                 lora_slots=self.adapters.lora_slots(index),
                 routing=merged_routing(requests),
                 meanwhile=meanwhile,
-                outputs=[r.output for r in requests] if on_device else None,
+                outputs=[r.output for r in requests] if on_device or mapped else None,
+                mapped=mapped,
             )
             out = self._runner.run(launch)
         encoding = time.perf_counter()
-        if not on_device:  # else the runner wrote them before its synchronisation
+        if out is not None:  # else the runner wrote them before its synchronisation
             # One torch call for all requests (see Staging.fill); casts to the wire dtype.
             rows = torch.split(out, [r.tokens for r in requests])
             torch._foreach_copy_([r.output for r in requests], list(rows))

@@ -9,9 +9,12 @@ output back there (``kernels/host_copy.py``), so a launch fills the staging, rep
 synchronises once. Adapters change only device tensors that the kernels read (slot ids and the
 slot buffers, allocated once at start-up and never reallocated), so one graph serves every
 adapter mix; rows past a launch's tokens carry slot -1 and are ignored. The second graph of
-each pair is for requests whose tensors are in a client's CUDA memory: it takes its input
-from, and leaves its output in, the cache's device buffers, which the launch fills from and
-copies to the client's memory on the device.
+each pair ("device I/O") is for requests whose tensors the device reaches where they lie: a
+client's CUDA memory, or a front end's page-locked arena. Its first kernel gathers each row
+from the address the staging's ``sources`` table gives it, its last scatters each output row
+to the address in ``dests`` (``kernels.host_copy.gather_rows``): a launch writes two tables of
+addresses, replays and synchronises, and no row is copied by the CPU or by a launch from
+Python.
 
 Everything a graph reads or writes outside its own memory pool must outlive it: the staging,
 the slot buffers, the weights, and the device input and slot-id buffers, which the cache owns
@@ -39,7 +42,7 @@ import torch
 from executor_service.batch import KernelFn
 from executor_service.staging import Staging
 from kernels import LoRAContext, LoRASlots, MoELayerWeights
-from kernels.host_copy import copy_bytes
+from kernels.host_copy import copy_bytes, gather_rows, scatter_rows
 from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -95,8 +98,6 @@ class GraphCache:
         # The device side of the staging, read by every graph's kernels (see the module doc).
         self._hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self._slots = torch.full((rows,), -1, dtype=torch.int32, device=device)
-        #: Where the device-I/O graphs write their output (``device_output``).
-        self._output = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self._graphs: dict[tuple[int, int, bool], LayerGraph | None] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
@@ -109,17 +110,9 @@ class GraphCache:
 
     def get(self, layer: int, bucket: int, device_io: bool = False) -> LayerGraph | None:
         """The graph of (layer, bucket); None if its capture failed (the launch runs
-        eagerly). KeyError before ``capture_all``. ``device_io``: the variant whose input
-        and output stay on the device (``device_input``, ``device_output``)."""
+        eagerly). KeyError before ``capture_all``. ``device_io``: the variant that gathers
+        and scatters rows by the staging's address tables."""
         return self._graphs[(layer, bucket, device_io)]
-
-    def device_input(self, rows: int) -> torch.Tensor:
-        """Where a device-I/O launch puts its ``rows`` input rows before replaying."""
-        return self._hidden[:rows]
-
-    def device_output(self, rows: int) -> torch.Tensor:
-        """Where a device-I/O graph left the output of a launch of ``rows`` rows."""
-        return self._output[:rows]
 
     def capture_all(self) -> CaptureReport:
         """Captures the graph of every (layer, bucket); call once, before serving."""
@@ -159,11 +152,16 @@ class GraphCache:
         io = self.staging
 
         def forward() -> None:
-            if not device_io:
+            if device_io:
+                gather_rows(hidden, io.sources[:bucket])
+            else:
                 copy_bytes(hidden, io.input[:bucket])
             copy_bytes(slots, io.slots[:bucket])
             out = self._kernel(hidden, weights, lora, None)
-            copy_bytes(self._output[:bucket] if device_io else io.output[:bucket], out)
+            if device_io:
+                scatter_rows(out.contiguous(), io.dests[:bucket])
+            else:
+                copy_bytes(io.output[:bucket], out)
 
         try:
             side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]

@@ -115,7 +115,10 @@ def _serve_with_front_ends(settings: ExecutorSettings, kernel: KernelFn | None, 
     workdir = Path(tempfile.mkdtemp(prefix="moelora-executor-"))
     metrics_dir = workdir / "metrics"
     metrics_dir.mkdir()
-    host = EngineHost(workers=(settings.grpc_workers + 8) * count)
+    host = EngineHost(
+        workers=(settings.grpc_workers + 8) * count,
+        pinned_bytes=settings.frontend_arena_pinned_bytes,
+    )
     host.listen(workdir / "engine.sock")
     host.listen_channels(settings.channel_dir, settings.max_channel_in_flight)
     listen = concrete_listen(settings.listen)

@@ -212,6 +212,14 @@ class ExecutorMetrics:
             ["mode"],
             registry=registry,
         )
+        self.launch_io = Counter(
+            "moelora_executor_launch_io_total",
+            "Launches on a GPU by how their rows reach the device: staged (copied into "
+            "page-locked staging on the launch loop), mapped (read and written in place in a "
+            "front end's page-locked arena), device (a client's CUDA memory)",
+            ["io"],
+            registry=registry,
+        )
         self.graph_replays = Counter(
             "moelora_executor_graph_replays_total",
             "CUDA-graph replays by token bucket (a launch of T tokens replays the smallest "

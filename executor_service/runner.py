@@ -1,16 +1,25 @@
-"""One launch on the device: the merged input in, the merged output out (on the CPU, or, for
-requests in clients' CUDA memory, on the device).
+"""One launch on the device: the merged input in, the merged output out (on the CPU, or
+written where each request said).
 
-On the CPU the kernel runs eagerly on the concatenated rows. On a GPU the rows go into
-page-locked ``Staging`` buffers, which the GPU's threads read and write across the bus (no copy
-engine: ``kernels/host_copy.py``). A launch whose token count fits a CUDA-graph bucket fills
-the graphs' staging and replays that graph, copies included (padded rows carry slot -1); a
-longer one or one with caller-given routing runs eagerly through the runner's own staging.
-Requests whose tensors are in clients' CUDA memory are gathered and scattered on the device
-around a graph of their own (``GraphCache.get(..., device_io=True)``), or an eager launch.
+On the CPU the kernel runs eagerly on the concatenated rows. On a GPU the rows reach the
+device one of three ways (counted by ``moelora_executor_launch_io_total``):
+
+* **device**: requests whose tensors are in clients' CUDA memory are gathered and scattered
+  on the device around a graph of their own (``GraphCache.get(..., device_io=True)``), or an
+  eager launch.
+* **mapped**: requests whose tensors lie in page-locked host memory in the compute dtype (a
+  front end's pinned arena) take the same path, the gather and scatter kernels reading and
+  writing that memory across the bus (``kernels/host_copy.py``): the launch loop copies no
+  rows.
+* **staged**: otherwise the launch loop copies the rows into page-locked ``Staging`` buffers
+  (casting on the way), which the GPU's threads read and write across the bus (no copy
+  engine). A launch whose token count fits a CUDA-graph bucket fills the graphs' staging and
+  replays that graph, copies included (padded rows carry slot -1); a longer one or one with
+  caller-given routing runs eagerly through the runner's own staging.
+
 Either way the launch ends with its one synchronisation. Device time comes from CUDA events
-read after it: per stage (h2d, kernel, d2h) when eager, the whole replay as "kernel" for a
-graph.
+read after it: per stage (h2d, kernel, d2h) when eager through staging, the whole replay (or
+kernel) as "kernel" otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from executor_service.metrics import ExecutorMetrics
 from executor_service.slot_buffers import DeviceSync
 from executor_service.staging import Staging
 from kernels import LoRAContext, LoRASlots, MoELayerWeights, Routing
-from kernels.host_copy import copy_bytes
+from kernels.host_copy import copy_bytes, gather_rows, scatter_rows
 
 
 @dataclass(frozen=True)
@@ -45,10 +54,12 @@ class Launch:
     #: Work for the launching thread between enqueueing the launch on a GPU and waiting for it
     #: (it must not touch the device or the staging). None, and on the CPU: nothing.
     meanwhile: Callable[[], None] | None = None
-    #: When the parts are on the GPU (clients' CUDA memory): per request, where its rows go,
-    #: written before the launch's synchronisation. None: the caller copies them from the
-    #: returned rows.
+    #: When the parts are on the GPU (clients' CUDA memory) or ``mapped``: per request, where
+    #: its rows go, written before the launch's synchronisation. None: the caller copies them
+    #: from the returned rows.
     outputs: Sequence[torch.Tensor] | None = None
+    #: The parts and outputs are page-locked host memory the device reads and writes in place.
+    mapped: bool = False
 
 
 class Runner:
@@ -77,28 +88,42 @@ class Runner:
             else []
         )
 
-    def run(self, launch: Launch) -> torch.Tensor:
-        """(ΣT, H) in the compute dtype on the CPU. On a GPU it views page-locked staging:
-        read it before the next launch."""
+    def run(self, launch: Launch) -> torch.Tensor | None:
+        """None when each request's rows were written to ``launch.outputs`` (on a GPU, for
+        device and mapped launches); else (ΣT, H) in the compute dtype on the CPU, for the
+        caller to copy out. On a GPU that views page-locked staging: read it before the next
+        launch."""
         if self._staging is None:
             return self._run_host(launch)
         with self._sync.on_device():
-            graph = self._graph(launch)
-            if launch.outputs is not None:
+            outputs = launch.outputs
+            if outputs is not None and (launch.parts[0].is_cuda or self._maps(launch, outputs)):
+                self._metrics.launch_io.labels("mapped" if launch.mapped else "device").inc()
+                graph = self._graph(launch, device_io=True)
                 if graph is not None:
-                    return self._replay_on_device(launch, graph, launch.outputs)
-                return self._run_eager_on_device(launch, self._staging, launch.outputs)
+                    self._replay_on_device(launch, graph, outputs)
+                else:
+                    self._run_eager_on_device(launch, self._staging, outputs)
+                return None
+            self._metrics.launch_io.labels("staged").inc()
+            graph = self._graph(launch, device_io=False)
             if graph is not None:
                 return self._replay(launch, graph)
             return self._run_eager(launch, self._staging)
 
-    def _graph(self, launch: Launch) -> LayerGraph | None:
+    def _maps(self, launch: Launch, outputs: Sequence[torch.Tensor]) -> bool:
+        """Whether the GPU can read the parts and write the outputs in place: page-locked
+        host memory, in the compute dtype (the gather and scatter copy bytes, casting
+        nothing)."""
+        return launch.mapped and all(t.dtype == self._dtype for t in (*launch.parts, *outputs))
+
+    def _graph(self, launch: Launch, device_io: bool) -> LayerGraph | None:
         if self._graphs is None or launch.routing is not None:
             return None
         bucket = self._graphs.bucket(sum(int(p.shape[0]) for p in launch.parts))
         if bucket is None:
             return None
-        return self._graphs.get(launch.layer_index, bucket, device_io=launch.outputs is not None)
+        return self._graphs.get(launch.layer_index, bucket, device_io=device_io)
 
     def _run_host(self, launch: Launch) -> torch.Tensor:
         start = time.perf_counter()
@@ -140,36 +165,35 @@ class Runner:
 
     def _replay_on_device(
         self, launch: Launch, graph: LayerGraph, outputs: Sequence[torch.Tensor]
-    ) -> torch.Tensor:
-        """A device-I/O graph: the parts gathered into its input on the device, its output
-        scattered to ``outputs`` there; only the slot ids cross the bus."""
+    ) -> None:
+        """A device-I/O graph: it gathers the parts' rows from where they lie and scatters
+        its output rows to ``outputs`` (across the bus for mapped host memory); the launch
+        only writes the graph's address tables."""
         graphs = self._graphs
         assert graphs is not None
         start = time.perf_counter()
-        rows = sum(int(p.shape[0]) for p in launch.parts)
-        graphs.staging.fill_slots(launch.token_slots, rows, pad_to=graph.bucket)
-        _gather(launch.parts, graphs.device_input(rows))
+        io = graphs.staging
+        rows, _sources, targets = self._addresses(launch, outputs, io, pad_to=graph.bucket)
+        io.fill_slots(launch.token_slots, rows, pad_to=graph.bucket)
         staged = time.perf_counter()
         begin, end = self._events[:2]
         begin.record()
         graph.replay()
         end.record()
-        out = graphs.device_output(rows)
-        _scatter(out, outputs)
+        _copy_back(outputs, targets)
         if launch.meanwhile is not None:
             launch.meanwhile()
         torch.cuda.current_stream(self._sync.device).synchronize()
         self._count_replay(graph, staged - start)
-        return out
 
     def _run_eager_on_device(
         self, launch: Launch, staging: Staging, outputs: Sequence[torch.Tensor]
-    ) -> torch.Tensor:
+    ) -> None:
         device = self._sync.device
         start = time.perf_counter()
-        rows = sum(int(p.shape[0]) for p in launch.parts)
+        rows, _sources, targets = self._addresses(launch, outputs, staging)
         hidden = torch.empty(rows, launch.layer.hidden_size, dtype=self._dtype, device=device)
-        _gather(launch.parts, hidden)
+        gather_rows(hidden, staging.sources[:rows])
         lora = None
         if launch.token_slots is not None:
             staging.fill_slots(launch.token_slots, rows)
@@ -186,14 +210,34 @@ class Runner:
         events[0].record()
         out = self._kernel(hidden, launch.layer, lora, routing)
         events[1].record()
-        _scatter(out, outputs)
+        scatter_rows(out.contiguous(), staging.dests[:rows])
+        _copy_back(outputs, targets)
         if launch.meanwhile is not None:
             launch.meanwhile()
         torch.cuda.current_stream(device).synchronize()
         self._metrics.eager_runs.inc()
         self._metrics.stage["stage"].observe(staged - start)
         self._metrics.stage["kernel"].observe(events[0].elapsed_time(events[1]) / 1000)
-        return out
+
+    def _addresses(
+        self,
+        launch: Launch,
+        outputs: Sequence[torch.Tensor],
+        staging: Staging,
+        pad_to: int = 0,
+    ) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+        """Fills ``staging``'s address tables for a device-I/O launch; returns its rows, the
+        tensors its rows are gathered from and those they are scattered to (``outputs``, or
+        device stand-ins of the compute dtype for ``_copy_back``). Rows move as bytes:
+        tensors of another dtype, only ever a client's CUDA memory (mapped host memory is in
+        the compute dtype), pass through device copies, which the caller keeps until the
+        launch's synchronisation."""
+        dtype = self._dtype
+        sources = [p if p.dtype == dtype else p.to(dtype) for p in launch.parts]
+        targets = [o if o.dtype == dtype else torch.empty_like(o, dtype=dtype) for o in outputs]
+        rows = sum(int(p.shape[0]) for p in sources)
+        staging.fill_addresses(sources, targets, pad_to=max(pad_to, rows))
+        return rows, sources, targets
 
     def _run_eager(self, launch: Launch, staging: Staging) -> torch.Tensor:
         device = self._sync.device
@@ -235,23 +279,9 @@ def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-def _gather(parts: Sequence[torch.Tensor], dest: torch.Tensor) -> None:
-    """``dest`` ← the parts one after the other, on the device (casting to its dtype)."""
-    if all(p.device == dest.device for p in parts):
-        torch.cat([p.to(dest.dtype) for p in parts], out=dest)  # one kernel for all
-        return
-    at = 0
-    for part in parts:  # another GPU's memory, over the peer link: byte copies by our kernel
-        rows = int(part.shape[0])
-        copy_bytes(dest[at : at + rows], part.to(dest.dtype).contiguous())
-        at += rows
-
-
-def _scatter(rows: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
-    """Each output ← its rows of ``rows``, on the device (casting to the output's dtype)."""
-    pieces = torch.split(rows, [int(o.shape[0]) for o in outputs])
-    if all(o.device == rows.device for o in outputs):
-        torch._foreach_copy_(list(outputs), list(pieces))
-        return
-    for output, piece in zip(outputs, pieces, strict=True):
-        copy_bytes(output, piece.to(output.dtype).contiguous())
+def _copy_back(outputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> None:
+    """Each output ← its stand-in of the compute dtype (``Runner._addresses``), cast on the
+    device."""
+    for output, target in zip(outputs, targets, strict=True):
+        if output is not target:
+            output.copy_(target)

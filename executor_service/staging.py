@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels import Routing
+from kernels.host_copy import row_addresses
 
 
 class Staging:
@@ -30,6 +31,9 @@ class Staging:
         self._dtype = dtype
         self._growable = growable
         self.input = self.output = self.slots = torch.empty(0)
+        #: Per row, the address it is gathered from and the one it is scattered to (0: none):
+        #: a device-I/O graph's way in and out (``kernels.host_copy.gather_rows``).
+        self.sources = self.dests = torch.empty(0, dtype=torch.int64)
         self._grow(rows)
         self._topk_ids = torch.empty(0, dtype=torch.int32)
         self._topk_weights = torch.empty(0, dtype=torch.float32)
@@ -44,6 +48,8 @@ class Staging:
         self.input = torch.zeros(rows, self._hidden, dtype=self._dtype).pin_memory()
         self.output = torch.empty(rows, self._hidden, dtype=self._dtype).pin_memory()
         self.slots = torch.empty(rows, dtype=torch.int32).pin_memory()
+        self.sources = torch.zeros(rows, dtype=torch.int64).pin_memory()
+        self.dests = torch.zeros(rows, dtype=torch.int64).pin_memory()
 
     def fill(
         self,
@@ -60,6 +66,18 @@ class Staging:
         if parts:  # none while a graph is captured
             torch.cat(list(parts), out=self.input[:rows])
         self.fill_slots(token_slots, rows, pad_to)
+        return rows
+
+    def fill_addresses(
+        self, parts: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], pad_to: int
+    ) -> int:
+        """The addresses of the parts' rows (gathered) and of the outputs' rows (scattered),
+        one request after the other, 0 from there up to ``pad_to``; returns the rows. Every
+        tensor must be memory the device reaches at its own address."""
+        self._grow(pad_to)
+        rows = row_addresses(parts, self.sources[:pad_to])
+        if row_addresses(outputs, self.dests[:pad_to]) != rows:
+            raise ValueError("the outputs' rows differ from the inputs'")
         return rows
 
     def fill_slots(self, token_slots: torch.Tensor | None, rows: int, pad_to: int = 0) -> None:

@@ -18,11 +18,19 @@ It costs nothing in rate: 44–51 GB/s for 2–67 MB on that H100, as a copy eng
 ``copy_bytes(dest, source)``: both contiguous, with the same number of bytes, any dtypes.
 Each is device memory or page-locked host memory. Without a GPU (Triton's interpreter),
 any CPU memory.
+
+``gather_rows(dest, sources)`` and ``scatter_rows(source, dests)``: rows copied from and to
+the addresses in a table of one address per row (0: leave that row), which
+``row_addresses`` fills. A CUDA graph that captures them reads the table when it is
+replayed, so one graph gathers and scatters any set of requests' rows, wherever they lie,
+with no launch from Python per request (each costs tens of microseconds).
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 # (Triton kernels take untyped pointer and constexpr arguments.)
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -67,6 +75,81 @@ def copy_bytes(dest: torch.Tensor, source: torch.Tensor) -> None:
     _copy_bytes_kernel[grid](
         _bytes(source), _bytes(dest), nbytes, BLOCK=BLOCK_BYTES, num_warps=NUM_WARPS
     )
+
+
+#: Elements per program of ``gather_rows`` and ``scatter_rows``.
+ROW_BLOCK = 1024
+
+
+@triton.jit
+def _table_rows_kernel(
+    matrix_ptr, table_ptr, row_elements, GATHER: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Row ``i`` of the matrix ← the row at address table[i] (GATHER), or the other way."""
+    row = tl.program_id(0)
+    address = tl.load(table_ptr + row)
+    if address != 0:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < row_elements
+        far = address.to(tl.pointer_type(matrix_ptr.dtype.element_ty))
+        near = matrix_ptr + row.to(tl.int64) * row_elements
+        if GATHER:
+            tl.store(near + cols, tl.load(far + cols, mask=mask), mask=mask)
+        else:
+            tl.store(far + cols, tl.load(near + cols, mask=mask), mask=mask)
+
+
+def gather_rows(dest: torch.Tensor, sources: torch.Tensor) -> None:
+    """dest[i] ← the row at address sources[i] (same dtype and width), for every i whose
+    address is not 0; those rows keep what they held.
+
+    ``dest``: (R, C) contiguous, device memory. ``sources``: (R,) int64 that the device reads
+    when the kernel runs (page-locked on a GPU), each address memory the device reaches at
+    that address: unchecked, as ``copy_bytes`` checks its tensors, since a table holds bare
+    addresses.
+    """
+    _table_rows(dest, sources, gather=True)
+
+
+def scatter_rows(source: torch.Tensor, dests: torch.Tensor) -> None:
+    """The row at address dests[i] ← source[i], for every i whose address is not 0
+    (``gather_rows`` the other way)."""
+    _table_rows(source, dests, gather=False)
+
+
+def _table_rows(matrix: torch.Tensor, table: torch.Tensor, gather: bool) -> None:
+    if matrix.dim() != 2 or not matrix.is_contiguous():
+        raise ValueError("rows must be a contiguous matrix")
+    if table.dtype != torch.int64 or tuple(table.shape) != (matrix.shape[0],):
+        raise ValueError(f"need one int64 address per row: {matrix.shape[0]}")
+    rows, columns = int(matrix.shape[0]), int(matrix.shape[1])
+    if rows and columns:
+        grid = (rows, triton.cdiv(columns, ROW_BLOCK))
+        _table_rows_kernel[grid](
+            matrix, table, columns, GATHER=gather, BLOCK=ROW_BLOCK, num_warps=NUM_WARPS
+        )
+
+
+def row_addresses(matrices: Sequence[torch.Tensor], table: torch.Tensor) -> int:
+    """Writes the addresses of the rows of ``matrices`` (each (n_i, C), contiguous), one after
+    the other, into the start of ``table`` (int64) and 0 into the rest of it; returns the
+    number of rows. One small torch call per matrix: a launch fills its tables on the
+    launch loop's time."""
+    at = 0
+    row_bytes = matrices[0].shape[1] * matrices[0].element_size() if matrices else 0
+    for matrix in matrices:
+        if matrix.dim() != 2 or not matrix.is_contiguous():
+            raise ValueError("rows must be contiguous matrices")
+        if matrix.shape[1] * matrix.element_size() != row_bytes:
+            raise ValueError("every matrix needs rows of the same bytes")
+        rows = int(matrix.shape[0])
+        if at + rows > table.numel():
+            raise ValueError(f"{at + rows} rows do not fit a table of {table.numel()}")
+        base = matrix.data_ptr()
+        torch.arange(base, base + rows * row_bytes, row_bytes, out=table[at : at + rows])
+        at += rows
+    table[at:].zero_()
+    return at
 
 
 def copy_bytes_reference(dest: torch.Tensor, source: torch.Tensor) -> None:

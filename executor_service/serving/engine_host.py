@@ -49,6 +49,7 @@ from executor_service.engine import ForwardInput, ForwardOutput
 from executor_service.registry_source import registry_status
 from executor_service.runtime import ExecutorRuntime, replica_name
 from executor_service.serving.regions import HeldRegion, RegionInfo, SharedRegions
+from moelora.client.cuda_ipc import CudaError, register_host, unregister_host
 from moelora.client.engine_wire import (
     MAX_FRAME,
     Connection,
@@ -94,8 +95,13 @@ class EngineHost:
     """Serves front ends' requests with the runtime attached once the model loaded; until
     then (and after ``set_state(False, ...)``) every request answers UNAVAILABLE."""
 
-    def __init__(self, workers: int, send_timeout: float = SEND_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self, workers: int, send_timeout: float = SEND_TIMEOUT_SECONDS, pinned_bytes: int = 0
+    ) -> None:
         self._send_timeout = send_timeout
+        #: How much of each front end's arena to page-lock on a GPU (its requests' rows are
+        #: then read and written by the device in place).
+        self._pinned_bytes = pinned_bytes
         self._runtime: ExecutorRuntime | None = None
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="engine")
         self._lock = threading.Lock()
@@ -116,6 +122,18 @@ class EngineHost:
 
     def attach(self, runtime: ExecutorRuntime) -> None:
         self._runtime = runtime
+        with self._lock:
+            links = list(self._links)
+        for link in links:
+            self._pin(link)
+
+    def _pin(self, link: _Link) -> None:
+        """Page-locks the start of a front end's arena for the runtime's GPU, if there is
+        one (before its first request: at HELLO, or at ``attach`` for earlier front ends)."""
+        runtime = self._runtime
+        if runtime is None or runtime.placement.device.type != "cuda" or link.channel:
+            return
+        link.pin(self._pinned_bytes, runtime.placement.device)
 
     def set_state(self, serving: bool, reason: str = "") -> None:
         """Tells every front end whether to report SERVING (and why not)."""
@@ -249,6 +267,7 @@ class EngineHost:
                         return
                 elif kind is Kind.HELLO:
                     link.hello(json.loads(payload))
+                    self._pin(link)
                 else:
                     raise ValueError(f"unexpected frame {kind.name} from a peer")
         except (EOFError, OSError):
@@ -429,6 +448,11 @@ class EngineHost:
             )
         transport = "message" if hidden_region is None else hidden_region.info.transport
         transports.labels(transport).inc()
+        mapped = (
+            hidden_region is None
+            and output_region is None
+            and link.mapped(descriptor.hidden, descriptor.output)
+        )
         ids, weights = descriptor.topk_ids, descriptor.topk_weights
         routing_regions = [region(r) for r in (ids, weights) if r is not None]
         if any(r is not None and r.on_device for r in routing_regions):
@@ -447,6 +471,7 @@ class EngineHost:
                 else tensor(weights, routing_regions[1], "routing.topk_weights")
             ),
             output=tensor(descriptor.output, output_region, "shared_output"),
+            mapped=mapped,
         )
 
     def _answered(
@@ -574,6 +599,11 @@ class _Link:
         connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_timeout))
         self.pid = 0
         self._arena: ShmSegment | None = None
+        #: The arena as bytes (requests' tensors are views of it), and how many of its first
+        #: bytes are page-locked for the GPU (0: none).
+        self._flat: torch.Tensor | None = None
+        self._pinned = 0
+        self._device: torch.device | None = None
         self._in_flight = 0
         self._idle = threading.Condition()
         self._open = True
@@ -593,7 +623,35 @@ class _Link:
         self._arena = ShmSegment(str(message["arena"]))
         # Both ends have it mapped now: its name can go, so that no crash leaves it behind.
         self._arena.unlink()
+        self._flat = torch.frombuffer(self._arena.buffer, dtype=torch.uint8)
         log_event(log, "front_end_connected", pid=self.pid, arena=self._arena.name)
+
+    def pin(self, limit: int, device: torch.device) -> None:
+        """Page-locks the arena's first ``limit`` bytes for ``device`` (once). A failure costs
+        only speed: the requests are then copied through staging."""
+        with self._idle:  # HELLO's reader and ``attach`` may both come
+            flat = self._flat
+            size = 0 if flat is None else min(limit, flat.numel())
+            if flat is None or self._pinned or size == 0:
+                return
+            started = time.perf_counter()
+            try:
+                register_host(flat.data_ptr(), size, device)
+            except CudaError as exc:
+                log_event(log, "arena_pin_failed", logging.WARNING, pid=self.pid, error=str(exc))
+                return
+            self._pinned, self._device = size, device
+        log_event(
+            log,
+            "arena_pinned",
+            pid=self.pid,
+            bytes=size,
+            seconds=round(time.perf_counter() - started, 3),
+        )
+
+    def mapped(self, *refs: TensorRef) -> bool:
+        """Whether the tensors lie wholly in the arena's page-locked bytes."""
+        return all(r.offset >= 0 and r.offset + r.nbytes <= self._pinned for r in refs)
 
     def tensor(self, ref: TensorRef, field: str) -> torch.Tensor:
         """A view of ``ref`` (its shape checked: ``_check_shape``) in the front end's arena,
@@ -606,14 +664,15 @@ class _Link:
                 field,
             )
         dtype = _torch_dtype(ref, field)
-        count = math.prod(ref.shape)
         end = ref.offset + ref.nbytes
         if ref.offset < 0 or end > arena.size:
             raise InvalidArgument(f"{field}: {ref} lies outside its shared memory", field)
-        if count == 0:
+        if ref.offset % dtype.itemsize:
+            raise InvalidArgument(f"{field}: {ref} is not aligned to its dtype", field)
+        if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        flat = torch.frombuffer(arena.buffer, dtype=dtype, count=count, offset=ref.offset)
-        return flat.view(ref.shape)
+        assert self._flat is not None  # with the arena
+        return self._flat[ref.offset : end].view(dtype).view(ref.shape)
 
     def send(self, kind: Kind, payload: bytes) -> None:
         if not self._open:
@@ -665,6 +724,14 @@ class _Link:
         def release() -> None:
             with self._idle:
                 self._idle.wait_for(lambda: self._in_flight == 0)
+            # Every launch that read or wrote it has been synchronised by now.
+            if self._pinned and self._flat is not None and self._device is not None:
+                self._pinned = 0
+                try:
+                    unregister_host(self._flat.data_ptr(), self._device)
+                except CudaError:  # a lost device: the pages go with the process
+                    log_event(log, "arena_unpin_failed", logging.WARNING, exc_info=True)
+            self._flat = None
             if self._arena is not None:
                 self._arena.close()
             log_event(log, "channel_closed" if self.channel else "front_end_gone", pid=self.pid)

@@ -55,6 +55,13 @@ def _cudart() -> ctypes.CDLL:
     lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), ctypes.c_void_p]
     lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _Handle, ctypes.c_uint]
     lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cudaHostGetDevicePointer.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_void_p,
+        ctypes.c_uint,
+    ]
     return lib
 
 
@@ -127,6 +134,33 @@ def open_ipc_handle(handle: bytes, device: torch.device) -> int:
         )
     assert pointer.value is not None
     return pointer.value
+
+
+#: ``cudaHostRegisterPortable | cudaHostRegisterMapped``: every context reaches the memory,
+#: through a device address.
+_HOST_REGISTER = 1 | 2
+
+
+def register_host(pointer: int, nbytes: int, device: torch.device) -> None:
+    """Page-locks ``nbytes`` of host memory at ``pointer`` so that kernels on ``device`` read
+    and write it in place at the same address. CudaError if it cannot be registered, or if
+    the device would need another address for it (no ``canUseHostPointerForRegisteredMem``):
+    callers pass host addresses to kernels."""
+    lib = _cudart()
+    with _device(device):
+        _check(lib.cudaHostRegister(pointer, nbytes, _HOST_REGISTER), "cudaHostRegister")
+        mapped = ctypes.c_void_p()
+        code = lib.cudaHostGetDevicePointer(ctypes.byref(mapped), pointer, 0)
+        if code != 0 or mapped.value != pointer:
+            lib.cudaHostUnregister(pointer)
+            _check(code, "cudaHostGetDevicePointer")
+            raise CudaError("registered host memory has another address on the device")
+
+
+def unregister_host(pointer: int, device: torch.device) -> None:
+    """Ends ``register_host`` (no kernel may still use the memory)."""
+    with _device(device):
+        _check(_cudart().cudaHostUnregister(pointer), "cudaHostUnregister")
 
 
 def allocation_size(pointer: int, device: torch.device) -> int:

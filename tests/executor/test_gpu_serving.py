@@ -199,6 +199,33 @@ def test_merged_requests_match_each_alone_on_the_gpu(world: World, running: Runn
     assert running.metric("moelora_executor_forward_runs_total", mode="graph") > 0
 
 
+def test_requests_in_the_pinned_arena_are_read_and_written_in_place(world: World) -> None:
+    """bf16 requests whose tensors lie in the front end's page-locked arena launch "mapped":
+    the GPU gathers and scatters their rows across the bus, the launch loop copies none. A
+    request past the pinned bytes is staged. Every answer equals, bit for bit, the same
+    request served with pinning off (the same kernels on the same rows)."""
+    small = world.hidden.to(torch.bfloat16)  # 1,536 bytes in and as many out: inside 4 KiB
+    large = torch.randn(100, small.shape[1], generator=torch.Generator().manual_seed(4))
+    calls: list[tuple[torch.Tensor, list[tuple[int, str | None]]]] = [
+        (small, [(TOKENS, "alpha")]),
+        (small, [(5, "beta"), (7, None)]),
+        (large.to(torch.bfloat16), [(60, "gamma"), (40, None)]),  # 12,800 bytes: past it
+        (small[:1], [(1, "alpha")]),
+    ]
+    io = "moelora_executor_launch_io_total"
+    with _running(world, frontend_arena_pinned_bytes=0) as plain:
+        expected = [plain.client.forward(world.layer, x, seg).output for x, seg in calls]
+        assert plain.metric(io, io="mapped") == 0
+        assert plain.metric(io, io="staged") == len(calls)
+    with _running(world, frontend_arena_pinned_bytes=4096) as pinned:
+        answers = [pinned.client.forward(world.layer, x, seg).output for x, seg in calls]
+        assert pinned.metric(io, io="mapped") == len(calls) - 1
+        assert pinned.metric(io, io="staged") == 1
+    for (x, segments), want, got in zip(calls, expected, answers, strict=True):
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        assert torch.equal(got, want), segments
+
+
 def test_a_launch_past_the_largest_graph_runs_eagerly_and_matches(
     world: World, running: Running
 ) -> None:

@@ -1,13 +1,20 @@
-"""``copy_bytes`` against torch's copy: every byte once, whatever the size and dtypes; on a GPU
-between page-locked host memory and the device both ways, and inside a CUDA graph that reads
-and writes its host buffers when it is replayed."""
+"""``copy_bytes``, ``gather_rows`` and ``scatter_rows`` against torch's copy: every byte once,
+whatever the size and dtypes; on a GPU between page-locked host memory and the device both
+ways, and inside a CUDA graph that reads and writes its host buffers when it is replayed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.host_copy import BLOCK_BYTES, copy_bytes, copy_bytes_reference
+from kernels.host_copy import (
+    BLOCK_BYTES,
+    copy_bytes,
+    copy_bytes_reference,
+    gather_rows,
+    row_addresses,
+    scatter_rows,
+)
 
 from .conftest import DEVICE, gpu_only
 
@@ -43,6 +50,49 @@ def test_refuses_mismatched_or_strided_tensors() -> None:
     strided = torch.empty(4, 4, device=DEVICE)[:, :2]
     with pytest.raises(ValueError, match="source must be contiguous"):
         copy_bytes(torch.empty(8, device=DEVICE), strided)
+
+
+def _addresses(rows: int) -> torch.Tensor:
+    table = torch.full((rows,), -1, dtype=torch.int64)
+    return table.pin_memory() if DEVICE == "cuda" else table
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_gather_from_and_scatter_to_the_table_s_addresses(dtype: torch.dtype) -> None:
+    """Requests' rows (uneven counts, separate buffers, width past one program's block)
+    gathered in order into a padded matrix and scattered back to other buffers: rows past
+    the table's addresses are left alone both ways."""
+    columns, padded = 1500, 16
+    generator = torch.Generator().manual_seed(8)
+    parts = [torch.randn(n, columns, generator=generator).to(dtype) for n in (3, 1, 7)]
+    parts = [p.pin_memory() if DEVICE == "cuda" else p for p in parts]
+    table = _addresses(padded)
+    assert row_addresses(parts, table) == 11
+    assert bool((table[11:] == 0).all()) and table[0] == parts[0].data_ptr()
+    dest = torch.full((padded, columns), 5.0, dtype=dtype, device=DEVICE)
+    gather_rows(dest, table)
+    assert torch.equal(dest[:11].cpu(), torch.cat(parts))
+    assert bool((dest[11:] == 5.0).all()), "a padding row was written"
+    outputs = [torch.zeros_like(p) for p in parts]
+    outputs = [o.pin_memory() if DEVICE == "cuda" else o for o in outputs]
+    assert row_addresses(outputs, table) == 11
+    source = (dest * 2).contiguous()
+    scatter_rows(source, table)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    for part, output in zip(parts, outputs, strict=True):
+        assert torch.equal(output, part * 2)
+
+
+def test_row_addresses_refuses_rows_it_cannot_describe() -> None:
+    table = _addresses(4)
+    with pytest.raises(ValueError, match="same bytes"):
+        row_addresses([torch.zeros(1, 4), torch.zeros(1, 8)], table)
+    with pytest.raises(ValueError, match="5 rows do not fit a table of 4"):
+        row_addresses([torch.zeros(5, 4)], table)
+    with pytest.raises(ValueError, match="contiguous"):
+        row_addresses([torch.zeros(4, 8)[:, :4]], table)
+    assert row_addresses([], table) == 0 and bool((table == 0).all())
 
 
 @gpu_only
