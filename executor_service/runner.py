@@ -4,13 +4,14 @@ written where each request said).
 On the CPU the kernel runs eagerly on the concatenated rows. On a GPU the rows reach the
 device one of three ways (counted by ``moelora_executor_launch_io_total``):
 
-* **device**: requests whose tensors are in clients' CUDA memory are gathered and scattered
-  on the device around a graph of their own (``GraphCache.get(..., device_io=True)``), or an
-  eager launch.
+* **device**: requests whose tensors are in clients' CUDA memory replay a graph of their own
+  (``GraphCache.get(..., device_io=True)``) whose first kernel gathers their rows from the
+  addresses in the staging's ``sources`` table and whose last scatters the output rows to
+  those in ``dests`` (``kernels/host_copy.py``); the launch only writes the two tables. An
+  eager launch runs the same kernels around the layer's.
 * **mapped**: requests whose tensors lie in page-locked host memory in the compute dtype (a
-  front end's pinned arena) take the same path, the gather and scatter kernels reading and
-  writing that memory across the bus (``kernels/host_copy.py``): the launch loop copies no
-  rows.
+  front end's pinned arena) take the same path, the kernels reading and writing that memory
+  across the bus: the launch loop copies no rows.
 * **staged**: otherwise the launch loop copies the rows into page-locked ``Staging`` buffers
   (casting on the way), which the GPU's threads read and write across the bus (no copy
   engine). A launch whose token count fits a CUDA-graph bucket fills the graphs' staging and
