@@ -31,6 +31,9 @@ class Segment:
 
     num_tokens: int
     adapter: str
+    #: The adapter when ``adapter`` is a direct channel's handle to one it leased ("#0"):
+    #: resolved when the lease was taken, not per request.
+    leased: ResolvedAdapter | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from executor_service.metrics import ExecutorMetrics
 from executor_service.model_loader import BaseModel
 from executor_service.runner import Launch, Runner
 from executor_service.slots import Wanted
+from executor_service.sources import ResolvedAdapter
 from kernels import MoELayerWeights, Routing
 from moelora.client.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from moelora.client.layer_set import format_layers
@@ -108,13 +109,15 @@ class ForwardEngine:
         tokens = self._check_hidden(hidden)
         segments = _checked_segments(request.segments, tokens)
         routing = self._routing(request, tokens, layer)
-        refs = {
-            s.adapter: AdapterRef.parse(s.adapter, f"segments[{i}].adapter")
-            for i, s in enumerate(segments)
-            if s.adapter
-        }
-        resolved = {}
-        for text, ref in refs.items():
+        resolved: dict[str, ResolvedAdapter] = {}
+        for i, segment in enumerate(segments):
+            text = segment.adapter
+            if not text or text in resolved:
+                continue
+            if segment.leased is not None:  # a channel's handle: resolved at its lease
+                resolved[text] = segment.leased
+                continue
+            ref = AdapterRef.parse(text, f"segments[{i}].adapter")
             adapter = self.adapters.resolve_at_once(ref) if at_once else self.adapters.resolve(ref)
             if adapter is None:
                 return None

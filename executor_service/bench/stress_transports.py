@@ -7,7 +7,8 @@
 * ``channel``: ``AsyncExecutorClient.open_channel`` with ``IN_FLIGHT`` calls at once over one
   channel and a ring (CUDA memory where this process has a GPU, shared memory otherwise); the
   channel is closed and reopened every ``CALLS_PER_CHANNEL`` calls, leasing an adapter the
-  driver names, so that tickets, leases and their release churn with the traffic.
+  driver names (its segments then name it by the channel's handle, "#0"), so that tickets,
+  leases and their release churn with the traffic.
 
 Each call's answer goes to ``check`` as float32 rows (None when it failed).
 """
@@ -43,8 +44,12 @@ def _hidden(item: PoolRequest, device: str) -> torch.Tensor:
     return bits.view(torch.bfloat16).to(device)
 
 
-def _segments(item: PoolRequest) -> list[tuple[int, str | None]]:
-    return [(n, adapter or None) for n, adapter in item.segments]
+def _segments(
+    item: PoolRequest, handles: dict[str, str] | None = None
+) -> list[tuple[int, str | None]]:
+    """The request's segments; adapters in ``handles`` named by a channel's handle ("#0")."""
+    handles = handles or {}
+    return [(n, handles.get(adapter, adapter) or None) for n, adapter in item.segments]
 
 
 def _answered(
@@ -138,7 +143,9 @@ async def _channel(
                 try:
                     await asyncio.gather(
                         *(
-                            _channel_calls(channel, ring, pool, deadline, rng, check, device)
+                            _channel_calls(
+                                channel, ring, pool, deadline, rng, check, device, leased
+                            )
                             for _ in range(IN_FLIGHT)
                         )
                     )
@@ -157,8 +164,11 @@ async def _channel_calls(
     rng: random.Random,
     check: Check,
     device: str,
+    leased: list[str],
 ) -> None:
-    """One of the channel's overlapping callers: its share of ``CALLS_PER_CHANNEL``."""
+    """One of the channel's overlapping callers: its share of ``CALLS_PER_CHANNEL``; the
+    adapters the channel leased go by their handles."""
+    handles = {adapter: f"#{i}" for i, adapter in enumerate(leased)}
     for _ in range(CALLS_PER_CHANNEL // IN_FLIGHT):
         if time.monotonic() >= deadline:
             return
@@ -167,7 +177,7 @@ async def _channel_calls(
         begin = time.perf_counter()
         output: torch.Tensor | MoeLoraError
         try:
-            output, _ = await channel.forward(item.layer, hidden, ring, _segments(item))
+            output, _ = await channel.forward(item.layer, hidden, ring, _segments(item, handles))
         except MoeLoraError as exc:
             output = exc
         _answered(check, item, begin, output)

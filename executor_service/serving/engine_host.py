@@ -463,7 +463,9 @@ class EngineHost:
         return ForwardInput(
             layer=descriptor.layer,
             hidden=tensor(descriptor.hidden, hidden_region, "shared_hidden_states"),
-            segments=[Segment(n, adapter) for n, adapter in descriptor.segments],
+            segments=[
+                _segment(link, i, n, adapter) for i, (n, adapter) in enumerate(descriptor.segments)
+            ],
             topk_ids=None if ids is None else tensor(ids, routing_regions[0], "routing.topk_ids"),
             topk_weights=(
                 None
@@ -542,6 +544,26 @@ def _decoded(payload: bytes) -> ForwardDescriptor:
             f"descriptor: malformed ({exc}); see the channel frames in docs/api.md",
             "descriptor",
         ) from None
+
+
+def _segment(link: _Link, index: int, tokens: int, adapter: str) -> Segment:
+    """A descriptor's segment; on a channel, ``#i`` names the i-th adapter it leased."""
+    if not (link.channel and adapter.startswith("#")):
+        return Segment(tokens, adapter)  # a reference, parsed with the request
+    leased = link.held.adapters if link.held is not None else ()
+    handle = adapter[1:]
+    if not (
+        0 < len(handle) <= 9 and handle.isascii() and handle.isdigit() and int(handle) < len(leased)
+    ):
+        field = f"segments[{index}].adapter"
+        raise InvalidArgument(
+            f"{field}: {adapter[:40]!r} names no adapter this channel leased "
+            f"({len(leased)} leased: #0 to #{len(leased) - 1})"
+            if leased
+            else f"{field}: {adapter[:40]!r}: this channel leased no adapters (OpenChannel)",
+            field,
+        )
+    return Segment(tokens, adapter, leased[int(handle)])
 
 
 def _check_shape(ref: TensorRef, field: str) -> None:

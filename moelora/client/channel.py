@@ -67,7 +67,8 @@ class ForwardChannel:
         self._connection = Connection(sock)
         self._connection.send_json(Kind.HELLO, {"ticket": opened.ticket, "pid": os.getpid()})
         self.max_in_flight = opened.max_in_flight
-        #: The versions leased for the channel's life ("name:VERSION", as asked).
+        #: The versions leased for the channel's life ("name:VERSION", as asked); a request
+        #: on the channel may name the i-th as "#i" (resolved once, at the lease).
         self.leased = list(opened.leased)
         self.slot_wait = slot_wait
         self.serving = True

@@ -39,7 +39,8 @@ class AsyncForwardChannel:
         slot_wait: float,
     ) -> None:
         self.max_in_flight = opened.max_in_flight
-        #: The versions leased for the channel's life ("name:VERSION", as asked).
+        #: The versions leased for the channel's life ("name:VERSION", as asked); a request
+        #: on the channel may name the i-th as "#i" (resolved once, at the lease).
         self.leased = list(opened.leased)
         self.timeout = timeout
         self.slot_wait = slot_wait

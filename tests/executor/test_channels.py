@@ -23,7 +23,13 @@ from moelora.client.engine_wire import (
     Kind,
     TensorRef,
 )
-from moelora.client.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from moelora.client.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from moelora.client.executor import ExecutorClient, RetryPolicy
 from moelora.v1 import executor_pb2 as ex
 from moelora.v1 import tensor_pb2
@@ -204,6 +210,39 @@ def test_a_lease_holds_its_adapters_in_slots_until_its_channel_ends(
     wait_for(lambda: held().get("delta:1") == 0, timeout=10)
     with pytest.raises(NotFound):
         client.open_channel(adapters=["no-such-adapter"])
+
+
+def test_a_channel_names_its_leased_adapters_by_handle(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """On a channel ``#i`` names the i-th adapter it leased (resolved at the lease, not per
+    request): the answer is the by-name one. A handle it did not lease, and a handle outside
+    a channel, are INVALID_ARGUMENT naming the segment."""
+    running = start_executor(qwen_world)
+    client = running.client
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+    with (
+        client.shared_memory(hidden.shape[1], TOKENS, slots=1, dtype="float32") as ring,
+        client.open_channel(adapters=["alpha", "beta:1"]) as channel,
+    ):
+        output, result = channel.forward(layer, hidden, ring, [(3, "#1"), (TOKENS - 3, "#0")])
+        expected = client.forward(layer, hidden, [(3, "beta:1"), (TOKENS - 3, "alpha")])
+        assert np.array_equal(output, expected.output)
+        assert list(result.resolved_adapters) == ["beta:1", "alpha:1"]
+        for bad in ("#2", "#", "#x", "#-1", "#" + "9" * 5000):
+            with pytest.raises(InvalidArgument, match=r"segments\[1\]\.adapter.*leased"):
+                channel.forward(layer, hidden, ring, [(3, "#0"), (TOKENS - 3, bad)])
+        output, _ = channel.forward(layer, hidden, ring, [(TOKENS, "#0")])  # still serving
+        assert np.array_equal(output, client.forward(layer, hidden, [(TOKENS, "alpha")]).output)
+    with (
+        client.shared_memory(hidden.shape[1], TOKENS, slots=1, dtype="float32") as ring,
+        client.open_channel() as bare,
+        pytest.raises(InvalidArgument, match="leased no adapters"),
+    ):
+        bare.forward(layer, hidden, ring, [(TOKENS, "#0")])
+    with pytest.raises(InvalidArgument, match=r"segments\[0\]\.adapter"):
+        client.forward(layer, hidden, [(TOKENS, "#0")])  # over gRPC it is no reference
 
 
 def test_an_asyncio_channel_answers_overlapping_calls_each_with_its_own(
