@@ -152,6 +152,22 @@ def row_addresses(matrices: Sequence[torch.Tensor], table: torch.Tensor) -> int:
     return at
 
 
+def gather_rows_reference(dest: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """What ``gather_rows`` computes for a table that ``row_addresses(parts, ...)`` filled."""
+    rows = sum(int(p.shape[0]) for p in parts)
+    if rows:
+        dest[:rows].copy_(torch.cat([p.to(dest.device) for p in parts]))
+
+
+def scatter_rows_reference(source: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """What ``scatter_rows`` computes for a table that ``row_addresses(outputs, ...)`` filled."""
+    at = 0
+    for output in outputs:
+        rows = int(output.shape[0])
+        output.copy_(source[at : at + rows])
+        at += rows
+
+
 def copy_bytes_reference(dest: torch.Tensor, source: torch.Tensor) -> None:
     """What ``copy_bytes`` computes, in torch (a copy engine's copy on a GPU)."""
     _bytes(dest).copy_(_bytes(source))
