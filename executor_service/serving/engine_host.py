@@ -624,6 +624,8 @@ class _Link:
         #: The arena as bytes (requests' tensors are views of it), and how many of its first
         #: bytes are page-locked for the GPU (0: none).
         self._flat: torch.Tensor | None = None
+        #: ``_flat`` viewed per dtype, made as requests ask for them.
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._pinned = 0
         self._device: torch.device | None = None
         self._in_flight = 0
@@ -693,8 +695,15 @@ class _Link:
             raise InvalidArgument(f"{field}: {ref} is not aligned to its dtype", field)
         if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        assert self._flat is not None  # with the arena
-        return self._flat[ref.offset : end].view(dtype).view(ref.shape)
+        # One torch call per tensor: each one may hand the GIL to the readers.
+        typed = self._typed.get(dtype)
+        if typed is None:
+            assert self._flat is not None  # with the arena
+            whole = self._flat.numel() // dtype.itemsize * dtype.itemsize
+            typed = self._typed[dtype] = self._flat[:whole].view(dtype)
+        return typed.as_strided(
+            ref.shape, _contiguous_strides(ref.shape), ref.offset // dtype.itemsize
+        )
 
     def send(self, kind: Kind, payload: bytes) -> None:
         if not self._open:
@@ -754,11 +763,20 @@ class _Link:
                 except CudaError:  # a lost device: the pages go with the process
                     log_event(log, "arena_unpin_failed", logging.WARNING, exc_info=True)
             self._flat = None
+            self._typed = {}
             if self._arena is not None:
                 self._arena.close()
             log_event(log, "channel_closed" if self.channel else "front_end_gone", pid=self.pid)
 
         threading.Thread(target=release, name="engine-link-release", daemon=True).start()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _timeval(seconds: float) -> bytes:
