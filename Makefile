@@ -19,7 +19,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: help setup client-wheel proto proto-check lint docs format test demo bench bench-registry bench-load bench-forward bench-decode \
+.PHONY: help setup client-wheel proto proto-check lint docs format test demo bench bench-registry bench-load bench-forward bench-decode bench-engine-loop \
 	helm-check fuzz chaos soak clean
 
 help: ## List the targets
@@ -103,6 +103,9 @@ bench-forward: setup ## Forward as a client sees it: p50/p99, transport floor, t
 
 bench-decode: setup ## Greedy decoding with remote MoE blocks vs in process: ms per token (GPU)
 	$(PY) -m executor_service.bench.decode $(ARGS)
+
+bench-engine-loop: setup ## The engine's launch loop alone: requests/s and its CPU per request (no GPU)
+	$(PY) -m executor_service.bench.engine_loop $(ARGS)
 
 fuzz: setup ## Full fuzz run: property tests, >= 1,000 mutated Forward, >= 300 uploads, the hostile-client attacks (figures printed)
 	$(PY) -m pytest tests/fuzz tests/hostile --long -s -q $(PYTEST_ARGS)
