@@ -36,6 +36,8 @@ from moelora.client.layer_set import format_layers
 from shared.refs import AdapterRef
 
 WIRE_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Parsed adapter references the engine keeps (see ``ForwardEngine._ref``).
+MAX_REMEMBERED_REFS = 4096
 ROUTING_ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -88,6 +90,8 @@ class ForwardEngine:
         self.settings = settings
         self._runner = runner
         self._metrics = metrics
+        #: References parsed before, by their text (clients repeat a handful of them).
+        self._refs: dict[str, AdapterRef] = {}
 
     def prepare(self, request: ForwardInput, slot_wait: float) -> Prepared:
         """Checks the request, resolves its adapters and brings their data to the host
@@ -117,7 +121,7 @@ class ForwardEngine:
             if segment.leased is not None:  # a channel's handle: resolved at its lease
                 resolved[text] = segment.leased
                 continue
-            ref = AdapterRef.parse(text, f"segments[{i}].adapter")
+            ref = self._ref(text, f"segments[{i}].adapter")
             adapter = self.adapters.resolve_at_once(ref) if at_once else self.adapters.resolve(ref)
             if adapter is None:
                 return None
@@ -142,6 +146,17 @@ class ForwardEngine:
             output=self._output(request, tokens),
             mapped=request.mapped,
         )
+
+    def _ref(self, text: str, field: str) -> AdapterRef:
+        """``AdapterRef.parse(text, field)``, remembered (up to ``MAX_REMEMBERED_REFS``: any
+        client may send any number of distinct ones)."""
+        ref = self._refs.get(text)
+        if ref is None:
+            ref = AdapterRef.parse(text, field)
+            if len(self._refs) >= MAX_REMEMBERED_REFS:
+                self._refs.clear()
+            self._refs[text] = ref
+        return ref
 
     def _output(self, request: ForwardInput, tokens: int) -> torch.Tensor:
         shape = (tokens, self.model.spec.hidden_size)

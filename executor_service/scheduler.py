@@ -42,6 +42,9 @@ Fits = Callable[[Iterable[str]], bool]
 #: Called once per request on the loop thread with its answer or its error; it must be quick
 #: (the next launch waits for it) and raise nothing.
 Done = Callable[[ForwardOutput | None, BaseException | None], None]
+#: Called once on the loop thread after the answers of a launch that used it (say, to send a
+#: front end its answers in one write); it must be quick and raise nothing.
+Flush = Callable[[], None]
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +59,12 @@ class SchedulerSettings:
 
 
 class _Pending:
-    __slots__ = ("done", "enqueued", "request")
+    __slots__ = ("done", "enqueued", "flush", "request")
 
-    def __init__(self, request: Prepared, done: Done) -> None:
+    def __init__(self, request: Prepared, done: Done, flush: Flush | None) -> None:
         self.request = request
         self.done = done
+        self.flush = flush
         self.enqueued = time.perf_counter()
 
 
@@ -93,9 +97,10 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="launch-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Prepared, done: Done) -> None:
-        """Queues ``request``; ``done`` gets its answer from the loop thread. Raises (and
-        never calls ``done``) if the request cannot wait: Overloaded, or the device's fault."""
+    def submit(self, request: Prepared, done: Done, flush: Flush | None = None) -> None:
+        """Queues ``request``; ``done`` gets its answer from the loop thread, and ``flush``
+        runs once after all the answers of its launch. Raises (and never calls either) if the
+        request cannot wait: Overloaded, or the device's fault."""
         self._watch.check()
         with self._cond:
             if self._closed:
@@ -108,7 +113,7 @@ class Scheduler:
                     "or on another replica",
                     retry_after_ms=self._retry_after_ms(),
                 )
-            self._queue.append(_Pending(request, done))
+            self._queue.append(_Pending(request, done, flush))
             self._metrics.queued_requests.set(len(self._queue))
             self._cond.notify()
 
@@ -250,8 +255,16 @@ class Scheduler:
 
     @staticmethod
     def _answer(answers: list[tuple[_Pending, ForwardOutput | None, BaseException | None]]) -> None:
+        flushes: dict[Flush, None] = {}  # each once, in order
         for pending, result, error in answers:
             try:
                 pending.done(result, error)
             except Exception:
                 log_event(log, "forward_callback_failed", logging.ERROR, exc_info=True)
+            if pending.flush is not None:
+                flushes[pending.flush] = None
+        for flush in flushes:
+            try:
+                flush()
+            except Exception:
+                log_event(log, "forward_flush_failed", logging.ERROR, exc_info=True)

@@ -57,6 +57,7 @@ from moelora.client.engine_wire import (
     ForwardResult,
     Kind,
     TensorRef,
+    frame,
 )
 from moelora.client.errors import (
     FailedPrecondition,
@@ -409,7 +410,7 @@ class EngineHost:
         """Queues ``prepared``; from here the regions and the link's count are the
         callback's to release (raises, releasing nothing, if it cannot wait)."""
         done = functools.partial(self._answered, runtime, link, descriptor, held, received)
-        runtime.scheduler.submit(prepared, done)
+        runtime.scheduler.submit(prepared, done, link.flush)
 
     def _request(
         self,
@@ -501,13 +502,20 @@ class EngineHost:
         else:
             assert error is not None  # the scheduler gives an answer or an error
             result = _error_result(request_id, runtime.device.translate(error))
-        self._finish(link, held, result)
+        self._finish(link, held, result, later=True)
 
-    def _finish(self, link: _Link, held: list[HeldRegion], result: ForwardResult) -> None:
+    def _finish(
+        self, link: _Link, held: list[HeldRegion], result: ForwardResult, later: bool = False
+    ) -> None:
+        """Answers a request; ``later``: with the launch's other answers to its link, when
+        the launch loop flushes them (``_Link.flush``)."""
         for region in held:
             self.regions.release(region)
         link.leave()
-        link.send(Kind.RESULT, result.encode())
+        if later:
+            link.queue(Kind.RESULT, result.encode())
+        else:
+            link.send(Kind.RESULT, result.encode())
 
     def _call(self, link: _Link, payload: bytes) -> None:
         call = json.loads(payload)
@@ -631,6 +639,8 @@ class _Link:
         self._in_flight = 0
         self._idle = threading.Condition()
         self._open = True
+        #: Answers kept for one write after the launch (``queue``, ``flush``).
+        self._outbox: list[bytes] = []
 
     @property
     def ready(self) -> bool:
@@ -710,6 +720,20 @@ class _Link:
             return  # its front end went away: nobody waits for this answer
         try:
             self.connection.send(kind, payload)
+        except OSError as exc:
+            self._give_up(exc)
+
+    def queue(self, kind: Kind, payload: bytes) -> None:
+        """Keeps a frame for ``flush`` (the launch loop's alone: one write per launch)."""
+        self._outbox.append(frame(kind, payload))
+
+    def flush(self) -> None:
+        """Sends the frames ``queue`` kept, in one write."""
+        frames, self._outbox = self._outbox, []
+        if not frames or not self._open:
+            return
+        try:
+            self.connection.send_frames(frames)
         except OSError as exc:
             self._give_up(exc)
 

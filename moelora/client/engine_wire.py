@@ -209,6 +209,11 @@ class Connection:
         with self._send_lock:
             self.sock.sendall(frame(kind, payload))
 
+    def send_frames(self, frames: list[bytes]) -> None:
+        """Whole frames (``frame``) in one write."""
+        with self._send_lock:
+            self.sock.sendall(b"".join(frames))
+
     def send_json(self, kind: Kind, value: object) -> None:
         self.send(kind, json.dumps(value).encode())
 

@@ -116,6 +116,50 @@ def test_waiting_requests_leave_merged_and_a_failure_stays_its_own(
     assert device.batches[0] == 1 and sorted(device.batches[1:]) == [1, 1, 1]
 
 
+def test_each_flush_runs_once_after_all_the_answers_of_its_launch(
+    metrics: ExecutorMetrics,
+) -> None:
+    """Requests of one launch sharing a flush (a front end's one write of their answers) get
+    it once, after every answer, and a callback that raises does not skip it."""
+    device = _Device()
+    device.gate.clear()
+    scheduler = _scheduler(device, metrics)
+    events: list[str] = []
+
+    def answered(name: str, fail: bool = False) -> Callable[..., None]:
+        def done(_answer: ForwardOutput | None, _error: BaseException | None) -> None:
+            events.append(name)
+            if fail:
+                raise RuntimeError("a broken callback")
+
+        return done
+
+    flushed: dict[str, threading.Event] = {"0": threading.Event(), "B": threading.Event()}
+
+    def flush(name: str) -> Callable[[], None]:
+        def run() -> None:
+            events.append(f"flush {name}")
+            if name in flushed:
+                flushed[name].set()
+
+        return run
+
+    scheduler.submit(_request(), answered("first"), flush("0"))
+    assert device.entered.wait(30)  # held: the next three queue and leave as one launch
+    front_end_a = flush("A")  # one front end's write, for two of the requests
+    scheduler.submit(_request(), answered("a", fail=True), front_end_a)
+    scheduler.submit(_request(), answered("b"), flush("B"))
+    scheduler.submit(_request(), answered("c"), front_end_a)
+    device.gate.set()
+    assert flushed["0"].wait(30) and flushed["B"].wait(30)
+    scheduler.close()
+    assert events[:2] == ["first", "flush 0"]
+    launch = events[2:]
+    assert launch[:3] == ["a", "b", "c"], "a flush ran before the launch's last answer"
+    assert sorted(launch[3:]) == ["flush A", "flush B"]  # A once for its two requests
+    assert device.batches == [1, 3]
+
+
 def test_posted_tasks_run_on_the_loop_thread_and_close_answers_the_waiting(
     metrics: ExecutorMetrics,
 ) -> None:
