@@ -87,6 +87,7 @@ def test_production_settings_mean_what_the_values_say(
     tokens = next(v for v in volumes if v["name"] == "auth-tokens")
     assert tokens["secret"]["secretName"] == "moelora-registry-tokens"
     assert executor.drain_seconds == 60.0
+    assert executor.frontend_arena_pinned_bytes == 128 * 1024**2
 
 
 def test_metrics_off_reaches_the_services(cpu: Release, monkeypatch: pytest.MonkeyPatch) -> None:

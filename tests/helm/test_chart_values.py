@@ -57,6 +57,10 @@ SCHEMA_REFUSES: dict[str, tuple[dict[str, Any], str]] = {
     "not a quantity": ({"executor": {"shmSize": "8 GB"}}, "/executor/shmSize"),
     "negative front ends": ({"executor": {"frontends": -1}}, "/executor/frontends"),
     "empty arena": ({"executor": {"frontendArenaGiB": 0}}, "/executor/frontendArenaGiB"),
+    "negative pinned arena": (
+        {"executor": {"frontendArenaPinnedMiB": -1}},
+        "/executor/frontendArenaPinnedMiB",
+    ),
     "bad dtype": ({"executor": {"dtype": "fp8"}}, "/executor/dtype"),
     "bad digest": (
         {"images": {"executor": {"digest": "sha256:xyz"}}},
