@@ -195,7 +195,6 @@ class ForwardEngine:
                 routing=merged_routing(requests),
                 meanwhile=meanwhile,
                 outputs=[r.output for r in requests] if on_device or mapped else None,
-                mapped=mapped,
             )
             out = self._runner.run(launch)
         encoding = time.perf_counter()

@@ -55,12 +55,11 @@ class Launch:
     #: Work for the launching thread between enqueueing the launch on a GPU and waiting for it
     #: (it must not touch the device or the staging). None, and on the CPU: nothing.
     meanwhile: Callable[[], None] | None = None
-    #: When the parts are on the GPU (clients' CUDA memory) or ``mapped``: per request, where
-    #: its rows go, written before the launch's synchronisation. None: the caller copies them
+    #: When the parts are on the GPU (clients' CUDA memory) or in page-locked host memory the
+    #: device reads and writes in place (a front end's pinned arena): per request, where its
+    #: rows go, written before the launch's synchronisation. None: the caller copies them
     #: from the returned rows.
     outputs: Sequence[torch.Tensor] | None = None
-    #: The parts and outputs are page-locked host memory the device reads and writes in place.
-    mapped: bool = False
 
 
 class Runner:
@@ -98,8 +97,9 @@ class Runner:
             return self._run_host(launch)
         with self._sync.on_device():
             outputs = launch.outputs
-            if outputs is not None and (launch.parts[0].is_cuda or self._maps(launch, outputs)):
-                self._metrics.launch_io.labels("mapped" if launch.mapped else "device").inc()
+            on_device = launch.parts[0].is_cuda
+            if outputs is not None and (on_device or self._maps(launch, outputs)):
+                self._metrics.launch_io.labels("device" if on_device else "mapped").inc()
                 graph = self._graph(launch, device_io=True)
                 if graph is not None:
                     self._replay_on_device(launch, graph, outputs)
@@ -113,10 +113,9 @@ class Runner:
             return self._run_eager(launch, self._staging)
 
     def _maps(self, launch: Launch, outputs: Sequence[torch.Tensor]) -> bool:
-        """Whether the GPU can read the parts and write the outputs in place: page-locked
-        host memory, in the compute dtype (the gather and scatter copy bytes, casting
-        nothing)."""
-        return launch.mapped and all(t.dtype == self._dtype for t in (*launch.parts, *outputs))
+        """Whether the GPU can read the host parts and write the outputs in place: they are
+        in the compute dtype (the gather and scatter copy bytes, casting nothing)."""
+        return all(t.dtype == self._dtype for t in (*launch.parts, *outputs))
 
     def _graph(self, launch: Launch, device_io: bool) -> LayerGraph | None:
         if self._graphs is None or launch.routing is not None:

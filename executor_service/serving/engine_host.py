@@ -132,8 +132,8 @@ class EngineHost:
         """Page-locks the start of a front end's arena for the runtime's GPU, if there is
         one (before its first request: at HELLO, or at ``attach`` for earlier front ends)."""
         runtime = self._runtime
-        if runtime is None or runtime.placement.device.type != "cuda" or link.channel:
-            return
+        if runtime is None or runtime.placement.device.type != "cuda":
+            return  # a channel has no arena: ``pin`` does nothing for it
         link.pin(self._pinned_bytes, runtime.placement.device)
 
     def set_state(self, serving: bool, reason: str = "") -> None:
@@ -799,7 +799,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
-        step *= max(size, 1)
+        step *= size
     return tuple(reversed(strides))
 
 
