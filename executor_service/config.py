@@ -221,7 +221,9 @@ class ExecutorSettings(ServerSettings):
         512,
         ge=1,
         description="requests for the same layer waiting together are merged into one launch "
-        "of up to this many tokens (a longer request runs alone)",
+        "of up to this many tokens (a longer request runs alone); on a GPU, CUDA graphs are "
+        "captured for powers of two below it and for it (more graphs and start-up time as it "
+        "grows)",
     )
     batch_window_us: int = Field(
         0,

@@ -18,7 +18,7 @@ from executor_service.config import ExecutorSettings
 from executor_service.device_fault import DeviceWatch
 from executor_service.disk_cache import DiskCache
 from executor_service.engine import EngineSettings, ForwardEngine
-from executor_service.graphs import GraphCache
+from executor_service.graphs import GraphCache, graph_buckets
 from executor_service.host_cache import HostCache
 from executor_service.host_pool import HostPool
 from executor_service.kernel_configs import KernelConfigReport, prepare_kernel_configs
@@ -229,7 +229,12 @@ def _runner(
         graphs = None
         if settings.cuda_graphs != "off":
             graphs = GraphCache(
-                kernel, model.layers, adapters.lora_slots, where.device, where.dtype
+                kernel,
+                model.layers,
+                adapters.lora_slots,
+                where.device,
+                where.dtype,
+                graph_buckets(settings.max_batch_tokens),
             )
             # Before SERVING, before any load or watch thread starts: see graphs.py.
             report = graphs.capture_all()

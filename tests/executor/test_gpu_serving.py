@@ -248,6 +248,25 @@ def test_a_launch_past_the_largest_graph_runs_eagerly_and_matches(
         assert relative_error(whole.output[block], pieced[block]) < GPU_BFLOAT16_RELATIVE
 
 
+def test_graphs_reach_max_batch_tokens(world: World) -> None:
+    """With --max-batch-tokens past the default, a launch of that many tokens replays its own
+    graph (bucket 768), not an eager run, and matches the same rows served in pieces."""
+    tokens = 700
+    hidden = torch.randn(tokens, world.hidden.shape[1], generator=torch.Generator().manual_seed(5))
+    with _running(world, max_batch_tokens=768) as running:
+        eager_before = running.metric("moelora_executor_forward_runs_total", mode="eager")
+        whole = running.client.forward(world.layer, hidden, [(300, "alpha"), (400, "beta")])
+        assert running.metric("moelora_executor_forward_runs_total", mode="eager") == eager_before
+        assert running.metric("moelora_executor_graph_replays_total", bucket="768") == 1
+        pieces = [
+            running.client.forward(world.layer, hidden[:300], [(300, "alpha")]),
+            running.client.forward(world.layer, hidden[300:], [(400, "beta")]),
+        ]
+    pieced = torch.cat([p.output for p in pieces])
+    for block in (slice(0, 300), slice(300, tokens)):
+        assert relative_error(whole.output[block], pieced[block]) < GPU_BFLOAT16_RELATIVE
+
+
 def test_graphs_own_their_inputs_through_allocator_churn(world: World) -> None:
     """After capture the caching allocator hands memory around and back to the driver; every
     graph still replays right, and no bystander tensor is written. A graph reads its input and
