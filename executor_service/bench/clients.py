@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if not args.iters:  # until "stop" on stdin
             threading.Thread(target=wait_for_stop, daemon=True).start()
-        start = time.time()
+        start, cpu = time.time(), time.process_time()
         started: list[float] = []
         while (len(latency) < args.iters) if args.iters else not stop.is_set():
             started.append(time.time())
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
             server.append(server_us)
             if len(latency) % CHECK_EVERY == 1:  # copied out after the call's time is taken
                 kept.append(transport.output(output))
-        end = time.time()
+        end, cpu = time.time(), time.process_time() - cpu
         if stream is not None:
             stream.close()
     errors = _row_errors(kept, args.expected)
@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
                 "started": started,
                 "start": start,
                 "end": end,
+                "cpu_s": cpu,
                 "checked": len(errors),
                 "worst_row_error": max(errors, default=0.0),
                 "mismatched": sum(1 for e in errors if not e <= args.tolerance),

@@ -10,9 +10,12 @@ draws its adapters from a pool larger than the executor's slots, so batches chur
 
 Columns: p50 and p99 round trip; the executor's ``server_time_us`` p50; the kernel alone
 (CUDA-graph replay of the same T on the GPU, the eager torch reference on the CPU); the
-transport floor (the echo server, same bytes, same clients); overhead = p50 − kernel − floor;
-tokens/s over the row; the mean number of requests per launch (from the executor's metrics).
-Then the executor's mean time per stage for each row.
+transport floor (the echo server, same bytes, same clients, as many server processes as the
+executor has front ends); overhead = p50 − kernel − floor; tokens/s over the row; the mean
+number of requests per launch (from the executor's metrics). Then the executor's mean time per
+stage for each row, and the CPU time each call cost the servers (their whole process trees)
+and the clients, with the host cores that kept busy: where a row is bound by the host's CPU
+rather than the executor.
 
 ``--shape tiny --device cpu`` runs in seconds (CI runs it through a test).
 """
@@ -41,7 +44,12 @@ import torch
 from executor_service.bench import stress, stress_client
 from executor_service.bench.answers import row_tolerance
 from executor_service.bench.clients import forward_request
-from executor_service.bench.processes import child_process, free_port, progress
+from executor_service.bench.processes import (
+    child_process,
+    free_port,
+    progress,
+    tree_cpu_seconds,
+)
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
 from executor_service.graphs import GraphCache
@@ -76,6 +84,9 @@ class Row:
     checked: int
     mismatched: int
     worst_row_error: float
+    #: The executor's and its clients' CPU, and the echo's and its clients' (None: no echo).
+    cpu: ClientsRun
+    floor_cpu: ClientsRun | None
 
 
 def _say(message: str) -> None:
@@ -126,9 +137,12 @@ def _run_clients(
     warmup: int,
     answers: Answers | None = None,
     transport: str = "grpc",
+    server: int | None = None,
 ) -> ClientsRun:
     """Runs one row's clients (client i sends the request of seed i); with ``answers`` each
-    checks a sample of its answers against its request's expected answer."""
+    checks a sample of its answers against its request's expected answer. ``server``: the
+    process whose tree's CPU time the timed calls are charged (from "go" to the last
+    answer)."""
     procs = []
     for i, adapters in enumerate(adapter_sets):
         check = [] if answers is None else answers.arguments(tokens, i, adapters)
@@ -161,6 +175,7 @@ def _run_clients(
             line = proc.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"a bench client failed to start (said {line!r})")
+        server_cpu = 0.0 if server is None else tree_cpu_seconds(server)
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
@@ -171,6 +186,8 @@ def _run_clients(
             if proc.returncode != 0:
                 raise RuntimeError(f"a bench client failed with status {proc.returncode}")
             results.append(json.loads(out.strip().splitlines()[-1]))
+        if server is not None:
+            server_cpu = tree_cpu_seconds(server) - server_cpu
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -178,8 +195,12 @@ def _run_clients(
                 proc.wait()
     latency = [x for r in results for x in r["latency_s"]]
     span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    client_cpu = sum(r["cpu_s"] for r in results)
     return ClientsRun(
         latency=latency,
+        client_cpu_ms=1e3 * client_cpu / len(latency),
+        server_cpu_ms=None if server is None else 1e3 * server_cpu / len(latency),
+        cores_busy=(client_cpu + server_cpu) / span,
         server_us=[x for r in results for x in r["server_us"]],
         tokens_per_s=len(latency) * tokens / span,
         checked=sum(r["checked"] for r in results),
@@ -193,6 +214,11 @@ class ClientsRun:
     """What one row's clients measured and checked."""
 
     latency: list[float]
+    #: CPU time per call (every thread) of the clients, and of the server's process tree.
+    client_cpu_ms: float
+    server_cpu_ms: float | None
+    #: (clients' + server's CPU seconds) / the row's seconds: host cores kept busy.
+    cores_busy: float
     server_us: list[int]
     tokens_per_s: float
     checked: int
@@ -322,6 +348,25 @@ def _print(rows: list[Row], title: str, front_ends: int) -> None:
     for r in rows:
         stages = " | ".join(f"{r.stages_ms.get(s, 0.0):.3f}" for s in STAGES)
         print(f"| {r.mode} | {r.tokens} | {r.clients} | {stages} |")
+    print(
+        "\nCPU time per call, ms (every thread of the processes), and host cores kept busy: "
+        "the executor (engine and front ends) and its clients; the echo floor and its clients\n"
+    )
+    print(
+        "| mode | T | clients | executor CPU | clients' CPU | cores busy | "
+        "echo CPU | echo clients' CPU | cores busy (echo) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        echo = "— | — | —"
+        if r.floor_cpu is not None:
+            f = r.floor_cpu
+            echo = f"{f.server_cpu_ms or 0.0:.3f} | {f.client_cpu_ms:.3f} | {f.cores_busy:.1f}"
+        c = r.cpu
+        print(
+            f"| {r.mode} | {r.tokens} | {r.clients} | {c.server_cpu_ms or 0.0:.3f} | "
+            f"{c.client_cpu_ms:.3f} | {c.cores_busy:.1f} | {echo} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -443,15 +488,17 @@ def main(argv: list[str] | None = None) -> None:
             "--log-level=info",
             *([] if args.frontends is None else [f"--frontends={args.frontends}"]),
         ]
+        front_ends = max(1, frontend_count(args.frontends))
         echo = [
             sys.executable,
             "-m",
             "executor_service.bench.echo_server",
             "--listen=127.0.0.1:0",
             "--workers=64",  # as many handler threads as the executor: one per open stream
+            f"--processes={front_ends}",  # as many GILs as the executor's front ends
         ]
         env = {**os.environ, "MOELORA_REGISTRY_ADDRESS": ""}
-        with child_process(executor, env) as _, child_process(echo) as echo_proc:
+        with child_process(executor, env) as executor_proc, child_process(echo) as echo_proc:
             assert echo_proc.stdout is not None
             echo_address = f"127.0.0.1:{echo_proc.stdout.readline().strip()}"
             with ExecutorClient(address, timeout=600) as client:
@@ -477,6 +524,7 @@ def main(argv: list[str] | None = None) -> None:
                         args.warmup,
                         answers,
                         args.transport,
+                        executor_proc.pid,
                     )
                     latency = served.latency
                     after = _metrics(metrics_url)
@@ -493,6 +541,7 @@ def main(argv: list[str] | None = None) -> None:
                             args.iters,
                             args.warmup,
                             transport=args.transport,
+                            server=echo_proc.pid,
                         )
                     stages = {
                         s: 1e3
@@ -520,6 +569,8 @@ def main(argv: list[str] | None = None) -> None:
                             checked=served.checked,
                             mismatched=served.mismatched,
                             worst_row_error=served.worst_row_error,
+                            cpu=served,
+                            floor_cpu=floor,
                         )
                     )
                     _say(f"row done: {rows[-1]}")

@@ -37,8 +37,13 @@ def test_tiny_cpu_bench_prints_every_row(
     assert f"Forward over {transport}" in out
     rows = [line for line in out.splitlines() if re.match(r"^\| (unary|stream) \| \d", line)]
     count = 4 * len(modes.split(","))
-    table, stages = rows[:count], rows[count:]
-    assert len(table) == count and len(stages) == count, out
+    table, stages, cpu = rows[:count], rows[count : 2 * count], rows[2 * count :]
+    assert len(table) == count and len(stages) == count and len(cpu) == count, out
+    for line in cpu:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        executor, clients_cpu, busy = (float(c) for c in cells[3:6])
+        assert executor > 0 and clients_cpu > 0 and busy > 0, line
+        assert (cells[6] == "—") == (transport == "channel"), line  # an echo's own CPU
     for line in table:
         cells = [c.strip() for c in line.strip("|").split("|")]
         clients, front_ends = cells[2], cells[3]
