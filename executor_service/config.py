@@ -172,7 +172,7 @@ class ExecutorSettings(ServerSettings):
         description="gRPC front-end processes on the one --listen port (each decodes, checks "
         "and encodes requests under its own GIL and hands them to the GPU's engine process "
         "through shared memory); 0 = serve gRPC in the engine's process; default: one per "
-        "four cores, 1 to 8",
+        "two cores, 1 to 8",
     )
     channel_dir: Path | None = Field(
         None,
@@ -232,9 +232,9 @@ class ExecutorSettings(ServerSettings):
         "(0 = never wait)",
     )
     prepare_during_launch: bool = Field(
-        False,
+        True,
         description="on a GPU, the launch loop prepares newly arrived requests while the "
-        "device computes a launch, instead of waiting for it first (off until measured)",
+        "device computes a launch, instead of waiting for it first; false: after it",
     )
     max_queued_requests: int = Field(
         256,

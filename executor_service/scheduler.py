@@ -55,7 +55,7 @@ class SchedulerSettings:
     batch_window_us: int = 0
     max_queued_requests: int = 256
     #: Run posted tasks (preparing new arrivals) while the device computes a launch.
-    prepare_during_launch: bool = False
+    prepare_during_launch: bool = True
 
 
 class _Pending:

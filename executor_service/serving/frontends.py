@@ -52,10 +52,10 @@ ENGINE_GONE_EXIT_CODE = 4
 
 
 def frontend_count(setting: int | None) -> int:
-    """``--frontends``: None means one per four cores this process may run on, 1 to 8."""
+    """``--frontends``: None means one per two cores this process may run on, 1 to 8."""
     if setting is not None:
         return setting
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 4))
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def max_streams(settings: ExecutorSettings) -> int:
