@@ -39,7 +39,8 @@ def test_the_dashboard_has_the_panels_operators_look_for(monitoring: Monitoring)
     wanted = {
         "Forward requests/s", "Forward latency at the server", "Merged batch size",
         "Queue wait", "Slot occupancy", "Slot loads and evictions", "Adapter cold start",
-        "Resident adapters", "Errors by code", "Uploads", "Bytes in and out", "Watch clients",
+        "Resident adapters", "Errors by code", "Requests by transport", "Uploads",
+        "Bytes in and out", "Watch clients",
         "Database and object-store errors",
     }  # fmt: skip
     assert wanted <= titles
