@@ -58,6 +58,28 @@ def _pack_str(text: str) -> bytes:
     return struct.pack("<H", len(raw)) + raw
 
 
+#: The shape of a tensor of n dimensions (the common ones, made once).
+_SHAPES = {n: struct.Struct(f"<{n}q") for n in range(9)}
+
+
+def _string_at(data: bytes | memoryview, at: int) -> tuple[str, int]:
+    """The string at ``at`` and the offset after it."""
+    (length,) = _U16.unpack_from(data, at)
+    at += 2
+    if at + length > len(data):
+        raise ValueError("a string runs past the end of the frame")
+    return str(data[at : at + length], "utf-8"), at + length
+
+
+def _ref_at(data: bytes | memoryview, at: int) -> tuple[TensorRef, int]:
+    """The tensor reference at ``at`` and the offset after it."""
+    segment, at = _string_at(data, at)
+    offset, nbytes, dtype, ndim = _REF.unpack_from(data, at)
+    at += _REF.size
+    shape = (_SHAPES.get(ndim) or struct.Struct(f"<{ndim}q")).unpack_from(data, at)
+    return TensorRef(segment, offset, nbytes, dtype, shape), at + 8 * ndim
+
+
 class _Reader:
     def __init__(self, data: bytes | memoryview) -> None:
         self._data = memoryview(data)
@@ -138,18 +160,22 @@ class ForwardDescriptor:
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ForwardDescriptor:
-        reader = _Reader(data)
-        request_id, layer, slot_wait, decode_seconds, flags = reader.take(_HEAD)
-        scope = reader.string()
-        hidden, output = reader.ref(), reader.ref()
+        # Offsets threaded through plain functions: this runs on the launch loop per request.
+        request_id, layer, slot_wait, decode_seconds, flags = _HEAD.unpack_from(data, 0)
+        scope, at = _string_at(data, _HEAD.size)
+        hidden, at = _ref_at(data, at)
+        output, at = _ref_at(data, at)
         ids = weights = None
         if flags & 1:
-            ids, weights = reader.ref(), reader.ref()
-        (count,) = reader.take(_U32)
+            ids, at = _ref_at(data, at)
+            weights, at = _ref_at(data, at)
+        (count,) = _U32.unpack_from(data, at)
+        at += 4
         segments = []
         for _ in range(count):
-            (tokens,) = reader.take(_U32)
-            segments.append((tokens, reader.string()))
+            (tokens,) = _U32.unpack_from(data, at)
+            adapter, at = _string_at(data, at + 4)
+            segments.append((tokens, adapter))
         return cls(
             request_id, layer, slot_wait, decode_seconds, scope, hidden, output, tuple(segments),
             ids, weights,

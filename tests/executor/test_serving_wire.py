@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import socket
+import struct
 import threading
 
 import pytest
@@ -80,6 +81,27 @@ def test_descriptors_and_results_survive_the_wire() -> None:
     assert ForwardDescriptor.decode(plain.encode()) == plain
     result = ForwardResult(9, 8, "busy", ("sql:3", ""), 1, 1234, 50)
     assert ForwardResult.decode(result.encode()) == result
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_damaged_descriptor_fails_to_parse_and_never_otherwise(data: st.DataObject) -> None:
+    """A channel's client writes descriptors: cut or overwritten anywhere, one parses to some
+    descriptor or fails with the errors the engine answers INVALID_ARGUMENT for."""
+    hidden = TensorRef("", 4096, 2 * 7 * 64, 3, (7, 64))
+    ids = TensorRef("ring", 0, 56, 5, (7, 2))
+    whole = ForwardDescriptor(
+        9, 3, 4.5, 0.25, "scope", hidden, hidden, ((3, "sql@prod"), (4, "")), ids, ids
+    ).encode()
+    cut = data.draw(st.integers(0, len(whole)))
+    damaged = bytearray(whole[:cut])
+    for _ in range(data.draw(st.integers(0, 3))):
+        if damaged:
+            damaged[data.draw(st.integers(0, len(damaged) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        ForwardDescriptor.decode(bytes(damaged))
+    except (struct.error, ValueError, UnicodeDecodeError):
+        assert cut < len(whole) or damaged != bytearray(whole)
 
 
 def test_frames_arrive_whole_and_a_closed_end_is_eof() -> None:
