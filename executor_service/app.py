@@ -78,7 +78,9 @@ class ExecutorApp:
         self._source = source
         #: The engine: where requests meet the runtime once it is loaded.
         self.host = EngineHost(
-            workers=settings.grpc_workers + 8, pinned_bytes=settings.frontend_arena_pinned_bytes
+            workers=settings.grpc_workers + 8,
+            pinned_bytes=settings.frontend_arena_pinned_bytes,
+            region_pinned_bytes=settings.shared_memory_pinned_bytes,
         )
         engine_end, front_end = socket.socketpair()
         self._arena = Arena.create("moelora-frontend", settings.frontend_arena_bytes)

@@ -202,6 +202,15 @@ class ExecutorSettings(ServerSettings):
         "the GPU in place, with no copy on the launch loop (the allocator fills the arena from "
         "its start); 0: every request is copied through staging",
     )
+    shared_memory_pinned_bytes: int = Field(
+        0,
+        ge=0,
+        description="on a GPU, bytes of clients' shared-memory regions (RegisterSharedMemory) "
+        "that the engine page-locks as they are registered, all regions together, the start of "
+        "each, first registered first served: requests whose tensors lie there are read and "
+        "written by the GPU in place instead of copied through staging; 0: off (not yet "
+        "measured on a GPU)",
+    )
     gil_switch_interval_us: int = Field(
         200,
         ge=1,

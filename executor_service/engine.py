@@ -53,7 +53,8 @@ class ForwardInput:
     #: (T, H) in hidden's dtype, where the answer goes; None: a new tensor.
     output: torch.Tensor | None = None
     #: ``hidden`` and ``output`` lie in page-locked host memory that the device reads and
-    #: writes in place (a front end's pinned arena): no copy through staging.
+    #: writes in place (a front end's pinned arena, a client's pinned shared-memory region):
+    #: no copy through staging.
     mapped: bool = False
 
 

@@ -10,8 +10,8 @@ device one of three ways (counted by ``moelora_executor_launch_io_total``):
   those in ``dests`` (``kernels/host_copy.py``); the launch only writes the two tables. An
   eager launch runs the same kernels around the layer's.
 * **mapped**: requests whose tensors lie in page-locked host memory in the compute dtype (a
-  front end's pinned arena) take the same path, the kernels reading and writing that memory
-  across the bus: the launch loop copies no rows.
+  front end's pinned arena, a client's pinned shared-memory region) take the same path, the
+  kernels reading and writing that memory across the bus: the launch loop copies no rows.
 * **staged**: otherwise the launch loop copies the rows into page-locked ``Staging`` buffers
   (casting on the way), which the GPU's threads read and write across the bus (no copy
   engine). A launch whose token count fits a CUDA-graph bucket fills the graphs' staging and

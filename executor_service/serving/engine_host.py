@@ -48,7 +48,7 @@ from executor_service.batch import Prepared, Segment
 from executor_service.engine import ForwardInput, ForwardOutput
 from executor_service.registry_source import registry_status
 from executor_service.runtime import ExecutorRuntime, replica_name
-from executor_service.serving.regions import HeldRegion, RegionInfo, SharedRegions
+from executor_service.serving.regions import HeldRegion, HostPinning, RegionInfo, SharedRegions
 from moelora.client.cuda_ipc import CudaError, register_host, unregister_host
 from moelora.client.engine_wire import (
     MAX_FRAME,
@@ -97,12 +97,20 @@ class EngineHost:
     then (and after ``set_state(False, ...)``) every request answers UNAVAILABLE."""
 
     def __init__(
-        self, workers: int, send_timeout: float = SEND_TIMEOUT_SECONDS, pinned_bytes: int = 0
+        self,
+        workers: int,
+        send_timeout: float = SEND_TIMEOUT_SECONDS,
+        pinned_bytes: int = 0,
+        region_pinned_bytes: int = 0,
     ) -> None:
         self._send_timeout = send_timeout
         #: How much of each front end's arena to page-lock on a GPU (its requests' rows are
         #: then read and written by the device in place).
         self._pinned_bytes = pinned_bytes
+        #: The same for clients' shared-memory regions, all of them together.
+        self._region_pinned_bytes = region_pinned_bytes
+        #: Page-locks regions as they are registered (on a GPU, once the runtime is attached).
+        self.region_pinning: HostPinning | None = None
         self._runtime: ExecutorRuntime | None = None
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="engine")
         self._lock = threading.Lock()
@@ -122,6 +130,9 @@ class EngineHost:
         return self._runtime
 
     def attach(self, runtime: ExecutorRuntime) -> None:
+        device = runtime.placement.device
+        if device.type == "cuda" and self._region_pinned_bytes:
+            self.region_pinning = HostPinning(device, self._region_pinned_bytes)
         self._runtime = runtime
         with self._lock:
             links = list(self._links)
@@ -449,10 +460,12 @@ class EngineHost:
             )
         transport = "message" if hidden_region is None else hidden_region.info.transport
         transports.labels(transport).inc()
-        mapped = (
-            hidden_region is None
-            and output_region is None
-            and link.mapped(descriptor.hidden, descriptor.output)
+        mapped = all(
+            link.mapped(ref) if found is None else found.maps(ref.offset, ref.nbytes)
+            for ref, found in (
+                (descriptor.hidden, hidden_region),
+                (descriptor.output, output_region),
+            )
         )
         ids, weights = descriptor.topk_ids, descriptor.topk_weights
         routing_regions = [region(r) for r in (ids, weights) if r is not None]
@@ -962,7 +975,9 @@ def _region_json(info: RegionInfo) -> dict[str, Any]:
 
 def _register(host: EngineHost, args: dict[str, Any]) -> dict[str, Any]:
     regions = host.regions
-    info = regions.register(args["scope"], args["region"], args["shm_name"], int(args["size"]))
+    info = regions.register(
+        args["scope"], args["region"], args["shm_name"], int(args["size"]), host.region_pinning
+    )
     return _region_json(info)
 
 

@@ -8,6 +8,11 @@ only the descriptor. Both kinds share one namespace per caller. Regions belong t
 that registered them (its token's scope): another caller cannot name them, list them or
 unregister them. Every tensor's bounds are checked against the registered size. A region
 unregistered while a request uses it stays mapped until that request is done.
+
+On a GPU the engine may page-lock the start of each shared-memory region as it is registered
+(``HostPinning``, within ``--shared-memory-pinned-bytes`` for all regions together, first
+registered first served): requests whose tensors lie there are read and written by the GPU in
+place, as those in a front end's arena are, instead of being copied through staging.
 """
 
 from __future__ import annotations
@@ -55,24 +60,75 @@ class RegionInfo:
         return "cuda_memory" if self.kind == "cuda" else "shared_memory"
 
 
+class HostPinning:
+    """Page-locks the start of shared-memory regions for a GPU (``cuda_ipc.register_host``)
+    within a budget of bytes for all of them together. A failure costs only speed: that
+    region's requests are then copied through staging."""
+
+    def __init__(self, device: torch.device, budget: int) -> None:
+        self._device = device
+        self._budget = budget
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def take(self, pointer: int, size: int) -> int:
+        """Page-locks up to ``size`` bytes from ``pointer`` (whole pages, what the budget has
+        left); returns how many (0: none)."""
+        with self._lock:
+            nbytes = min(size, self._budget - self._used) // _PAGE * _PAGE
+            if nbytes <= 0:
+                return 0
+            self._used += nbytes
+        try:
+            cuda_ipc.register_host(pointer, nbytes, self._device)
+        except cuda_ipc.CudaError as exc:
+            log_event(log, "region_pin_failed", logging.WARNING, error=str(exc))
+            with self._lock:
+                self._used -= nbytes
+            return 0
+        return nbytes
+
+    def give(self, pointer: int, nbytes: int) -> None:
+        """Ends a ``take`` (no launch may still read or write those bytes)."""
+        try:
+            cuda_ipc.unregister_host(pointer, self._device)
+        except cuda_ipc.CudaError:  # a lost device: the pages go with the process
+            log_event(log, "region_unpin_failed", logging.WARNING, exc_info=True)
+        with self._lock:
+            self._used -= nbytes
+
+
+#: The page size ``HostPinning`` rounds to.
+_PAGE = 4096
+
+
 class _Memory(Protocol):
     #: The region's bytes (uint8, on the CPU or on a GPU).
     bytes: torch.Tensor
+    #: Its first bytes that the GPU reads and writes in place (page-locked host memory).
+    pinned: int
 
     def close(self) -> None: ...
 
 
 class _SharedMemory:
-    def __init__(self, segment: Segment, size: int) -> None:
+    def __init__(self, segment: Segment, size: int, pinning: HostPinning | None) -> None:
         self._segment = segment
+        self._pinning = pinning
         self.bytes = torch.frombuffer(segment.buffer, dtype=torch.uint8, count=size)
+        self.pinned = 0 if pinning is None else pinning.take(self.bytes.data_ptr(), size)
 
     def close(self) -> None:
+        if self._pinning is not None and self.pinned:
+            self._pinning.give(self.bytes.data_ptr(), self.pinned)
+            self.pinned = 0
         del self.bytes
         self._segment.close()
 
 
 class _CudaMemory:
+    pinned = 0  # device memory: read in place by its own kind of launch
+
     def __init__(self, pointer: int, size: int, device: torch.device) -> None:
         self._pointer = pointer
         self._device = device
@@ -97,6 +153,10 @@ class HeldRegion:
     def on_device(self) -> bool:
         return self.info.kind == "cuda"
 
+    def maps(self, offset: int, nbytes: int) -> bool:
+        """Whether those bytes lie in the region's page-locked start."""
+        return offset >= 0 and offset + nbytes <= self.memory.pinned
+
 
 class SharedRegions:
     """The engine's registered client regions, per scope (see the module doc)."""
@@ -105,8 +165,15 @@ class SharedRegions:
         self._lock = threading.Lock()
         self._scopes: dict[str, dict[str, HeldRegion]] = {}
 
-    def register(self, scope: str, region: str, shm_name: str, size: int) -> RegionInfo:
-        """A POSIX shared-memory object on this host."""
+    def register(
+        self,
+        scope: str,
+        region: str,
+        shm_name: str,
+        size: int,
+        pinning: HostPinning | None = None,
+    ) -> RegionInfo:
+        """A POSIX shared-memory object on this host; ``pinning`` page-locks its start."""
         if not valid_name(shm_name):
             raise InvalidArgument(
                 f"shm_name: {shm_name!r} is not a POSIX shared-memory name (letters, digits, "
@@ -114,7 +181,7 @@ class SharedRegions:
                 "shm_name",
             )
         info = RegionInfo(_checked_name(region), "shm", size, shm_name=shm_name)
-        return self._add(scope, info, lambda: _SharedMemory(_open(shm_name, size), size))
+        return self._add(scope, info, lambda: _SharedMemory(_open(shm_name, size), size, pinning))
 
     def register_cuda(
         self,
@@ -148,24 +215,41 @@ class SharedRegions:
 
     def _add(self, scope: str, info: RegionInfo, open_memory: Callable[[], _Memory]) -> RegionInfo:
         with self._lock:
-            held = self._scopes.setdefault(scope, {})
-            known = held.get(info.region)
-            if known is not None:
-                if known.info == info:
+            if self._admit(scope, info):
+                return info
+        # Opened (and page-locked) without the lock: the launch loop takes it per request.
+        memory = open_memory()
+        with self._lock:
+            try:
+                if self._admit(scope, info):  # the same registration, raced
+                    memory.close()
                     return info
-                raise AlreadyExists(
-                    f"region: {info.region!r} is registered already ({_describe(known.info)}); "
-                    "unregister it first",
-                    "region",
-                )
-            if len(held) >= MAX_REGIONS_PER_SCOPE:
-                raise ResourceExhausted(
-                    f"{MAX_REGIONS_PER_SCOPE} regions are registered by this caller, the most "
-                    "one may hold; unregister one first",
-                    "region",
-                )
-            held[info.region] = HeldRegion(info, open_memory())
+            except BaseException:
+                memory.close()
+                raise
+            self._scopes.setdefault(scope, {})[info.region] = HeldRegion(info, memory)
         return info
+
+    def _admit(self, scope: str, info: RegionInfo) -> bool:
+        """True if ``info`` is registered already; raises if the name is taken otherwise or
+        the caller holds the most regions it may (called with the lock held)."""
+        held = self._scopes.get(scope, {})
+        known = held.get(info.region)
+        if known is not None:
+            if known.info == info:
+                return True
+            raise AlreadyExists(
+                f"region: {info.region!r} is registered already ({_describe(known.info)}); "
+                "unregister it first",
+                "region",
+            )
+        if len(held) >= MAX_REGIONS_PER_SCOPE:
+            raise ResourceExhausted(
+                f"{MAX_REGIONS_PER_SCOPE} regions are registered by this caller, the most "
+                "one may hold; unregister one first",
+                "region",
+            )
+        return False
 
     def unregister(self, scope: str, region: str, kind: str) -> None:
         with self._lock:

@@ -226,6 +226,47 @@ def test_requests_in_the_pinned_arena_are_read_and_written_in_place(world: World
         assert torch.equal(got, want), segments
 
 
+def test_requests_in_pinned_shared_memory_are_read_and_written_in_place(world: World) -> None:
+    """With --shared-memory-pinned-bytes, a client's registered region is page-locked as it
+    is registered and its requests launch "mapped", the launch loop copying none of their
+    rows; a region registered once the budget is spent is staged. Every answer equals, bit
+    for bit, the same request through an unpinned region."""
+    small = world.hidden.to(torch.bfloat16)
+    calls: list[tuple[torch.Tensor, list[tuple[int, str | None]]]] = [
+        (small, [(TOKENS, "alpha")]),
+        (small[:5], [(2, "beta"), (3, None)]),
+        (small[:1], [(1, "alpha")]),
+    ]
+    io = "moelora_executor_launch_io_total"
+    h = small.shape[1]
+
+    def through_ring(running: Running) -> list[torch.Tensor]:
+        with running.client.shared_memory(h, 64, slots=2) as ring:  # 2 × 2 × 8 KiB
+            return [
+                running.client.forward(world.layer, x, seg, ring=ring).output for x, seg in calls
+            ]
+
+    with _running(world, frontend_arena_pinned_bytes=0) as plain:
+        expected = through_ring(plain)
+        assert plain.metric(io, io="mapped") == 0
+    with _running(
+        world, frontend_arena_pinned_bytes=0, shared_memory_pinned_bytes=32 * 1024
+    ) as pinned:
+        answers = through_ring(pinned)  # its region takes the whole budget
+        assert pinned.metric(io, io="mapped") == len(calls)
+        assert pinned.metric(io, io="staged") == 0
+        # The budget comes back when the region goes: a new one is pinned again.
+        again = through_ring(pinned)
+        assert pinned.metric(io, io="mapped") == 2 * len(calls)
+        with pinned.client.shared_memory(h, 64, slots=2):  # holds the budget meanwhile
+            staged = through_ring(pinned)
+        assert pinned.metric(io, io="staged") == len(calls)
+    for (x, segments), want, *got in zip(calls, expected, answers, again, staged, strict=True):
+        for answer in got:
+            assert answer.dtype == torch.bfloat16 and answer.shape == x.shape
+            assert torch.equal(answer, want), segments
+
+
 def test_a_launch_past_the_largest_graph_runs_eagerly_and_matches(
     world: World, running: Running
 ) -> None:
