@@ -259,8 +259,9 @@ class SharedRegions:
                 raise NotFound(f"region: {region!r} is not registered by this caller", "region")
             del regions[region]
             found.registered = False
-            if found.users == 0:
-                found.memory.close()
+            unused = found.users == 0
+        if unused:  # unmapped (and unpinned) without the lock, which each request takes
+            found.memory.close()
 
     def list(self, scope: str, kind: str) -> list[RegionInfo]:
         with self._lock:
@@ -282,8 +283,9 @@ class SharedRegions:
     def release(self, held: HeldRegion) -> None:
         with self._lock:
             held.users -= 1
-            if held.users == 0 and not held.registered:
-                held.memory.close()
+            unused = held.users == 0 and not held.registered
+        if unused:
+            held.memory.close()
 
     @staticmethod
     def view(
