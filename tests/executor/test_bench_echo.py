@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -32,10 +33,10 @@ def _copies(parent: int) -> list[int]:
     return found
 
 
-def _wait_for(condition: object, seconds: float) -> bool:
+def _wait_for(condition: Callable[[], bool], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
+        if condition():
             return True
         time.sleep(0.1)
     return False
