@@ -63,6 +63,8 @@ from moelora.client.executor import ExecutorClient
 
 #: Adapters per request; the pinned pool every row but the churn row draws from.
 PER_REQUEST = 4
+#: The stage table's last column (``moelora_executor_forward_seconds``).
+LAUNCH = "launch"
 
 
 @dataclass(frozen=True)
@@ -342,11 +344,16 @@ def _print(rows: list[Row], title: str, front_ends: int) -> None:
             f"{r.p99_ms:.3f} | {r.server_ms:.3f} | {kernel} | {floor} | {overhead} | "
             f"{r.tokens_per_s:,.0f} | {r.batch:.2f} | {r.checked} ({r.worst_row_error:.1e}) |"
         )
-    print("\nExecutor time per stage, mean ms per request (queue) or per launch (the others)\n")
-    print("| mode | T | clients | " + " | ".join(STAGES) + " |")
-    print("|---|---:|---:|" + "---:|" * len(STAGES))
+    print(
+        "\nExecutor time per stage, mean ms per request (decode, dispatch, prepare, queue) or "
+        f"per launch (the others; {LAUNCH}: the whole launch on the loop, from leasing slots "
+        "to the outputs written)\n"
+    )
+    columns = (*STAGES, LAUNCH)
+    print("| mode | T | clients | " + " | ".join(columns) + " |")
+    print("|---|---:|---:|" + "---:|" * len(columns))
     for r in rows:
-        stages = " | ".join(f"{r.stages_ms.get(s, 0.0):.3f}" for s in STAGES)
+        stages = " | ".join(f"{r.stages_ms.get(s, 0.0):.3f}" for s in columns)
         print(f"| {r.mode} | {r.tokens} | {r.clients} | {stages} |")
     print(
         "\nCPU time per call, ms (every thread of the processes), and host cores kept busy: "
@@ -550,6 +557,9 @@ def main(argv: list[str] | None = None) -> None:
                         )
                         for s in STAGES
                     }
+                    stages[LAUNCH] = 1e3 * _delta_mean(
+                        after, before, "moelora_executor_forward_seconds"
+                    )
                     rows.append(
                         Row(
                             mode=mode,

@@ -39,6 +39,9 @@ def test_tiny_cpu_bench_prints_every_row(
     count = 4 * len(modes.split(","))
     table, stages, cpu = rows[:count], rows[count : 2 * count], rows[2 * count :]
     assert len(table) == count and len(stages) == count and len(cpu) == count, out
+    for line in stages:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[-1]) > 0, line  # the whole launch on the loop
     for line in cpu:
         cells = [c.strip() for c in line.strip("|").split("|")]
         executor, clients_cpu, busy = (float(c) for c in cells[3:6])
