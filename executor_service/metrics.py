@@ -68,7 +68,8 @@ class ExecutorMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.forward_seconds = Histogram(
             "moelora_executor_forward_seconds",
-            "Forward compute time per request: adapters resolved and resident, kernel, output",
+            "Forward compute time per launch (requests merged into one): slots leased, rows "
+            "in, kernel, outputs written",
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )

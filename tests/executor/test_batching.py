@@ -95,6 +95,12 @@ def test_merged_requests_equal_each_alone_bit_for_bit(
 
     assert not _concurrently(6, work)
     assert _merged(running) > 1.0, "no requests were merged"
+    # The dashboard's Forward requests/s counts requests, not the fewer launches.
+    requests = running.metric(
+        "moelora_executor_forward_requests_by_transport_total", transport="message"
+    )
+    launches = running.metric("moelora_executor_forward_seconds_count")
+    assert requests == 12 and launches < 12, (requests, launches)
     for index, result in results.items():
         placement.same(result.output, alone[index].output)
         assert result.resolved_adapters == alone[index].resolved_adapters
