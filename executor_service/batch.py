@@ -60,6 +60,8 @@ class Prepared:
     #: ``hidden`` and ``output`` are in page-locked host memory the device reads and writes
     #: in place (``ForwardInput.mapped``).
     mapped: bool = False
+    #: Only the device may touch its tensors (``ForwardInput.gpu_only``).
+    gpu_only: bool = False
 
     @property
     def tokens(self) -> int:
@@ -75,10 +77,12 @@ class Prepared:
         return [a.label if a is not None else "" for a in self.adapters]
 
 
-def batch_key(request: Prepared) -> tuple[int, bool, bool]:
+def batch_key(request: Prepared) -> tuple[int, bool, bool, bool]:
     """Requests merge only with others of the same key: one layer, routing given by the
-    caller for all of them or for none, and tensors all in host memory or all on the GPU."""
-    return request.layer, request.routing is not None, request.hidden.is_cuda
+    caller for all of them or for none, tensors all in host memory or all on the GPU, and
+    tensors only the device may touch for all of them or for none (a mixed launch is
+    staged: its rows copied by the CPU)."""
+    return request.layer, request.routing is not None, request.hidden.is_cuda, request.gpu_only
 
 
 def merged_wanted(requests: Sequence[Prepared]) -> list[Wanted]:

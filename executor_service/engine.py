@@ -56,6 +56,10 @@ class ForwardInput:
     #: writes in place (a front end's pinned arena, a client's pinned shared-memory region):
     #: no copy through staging.
     mapped: bool = False
+    #: Only the device may touch ``hidden`` and ``output``: a client's shared memory, which
+    #: its owner may shrink under a CPU read (SIGBUS). Such requests merge only with their
+    #: like (``batch.batch_key``), so their launch is never staged.
+    gpu_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,7 @@ class ForwardEngine:
             slot_deadline=time.monotonic() + slot_wait,
             output=self._output(request, tokens),
             mapped=request.mapped,
+            gpu_only=request.gpu_only,
         )
 
     def _ref(self, text: str, field: str) -> AdapterRef:

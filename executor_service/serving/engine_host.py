@@ -41,7 +41,6 @@ from typing import Any
 
 import grpc
 import torch
-from prometheus_client import Counter
 
 from executor_service.adapters import AdapterStatus, HeldAdapters
 from executor_service.batch import Prepared, Segment
@@ -269,7 +268,7 @@ class EngineHost:
                 if kind is Kind.FORWARD and link.ready:
                     received = time.perf_counter()
                     if not link.enter():
-                        self._finish(link, [], self._overloaded(link, payload))
+                        self._finish(link, _Borrowed(), self._overloaded(link, payload))
                         continue
                     self._dispatch(link, payload, received)
                 elif kind is Kind.CALL and not link.channel:
@@ -353,20 +352,20 @@ class EngineHost:
                 return
             runtime.scheduler.post(functools.partial(self._forward, link, payload, received))
         except MoeLoraError as exc:
-            self._finish(link, [], _failure(ForwardDescriptor.peek_id(payload), exc))
+            self._finish(link, _Borrowed(), _failure(ForwardDescriptor.peek_id(payload), exc))
 
     def _forward(self, link: _Link, payload: bytes, received: float) -> None:
         """On the launch loop's thread: checks and prepares one request and queues it for a
         launch when that needs no waiting; else a worker thread prepares it (``_wait_ready``).
         Its answer goes back from the launch loop (``_answered``)."""
         request_id = ForwardDescriptor.peek_id(payload)
-        held: list[HeldRegion] = []
+        held = _Borrowed()
         try:
             descriptor = _decoded(payload)
             request_id = descriptor.request_id
             runtime = self._ready()
             with runtime.device.guard():
-                request = self._request(link, descriptor, held, runtime.metrics.forward_transports)
+                request = self._request(link, descriptor, held, runtime)
                 preparing = time.perf_counter()
                 stage = runtime.metrics.stage
                 stage["decode"].observe(descriptor.decode_seconds)
@@ -393,7 +392,7 @@ class EngineHost:
         link: _Link,
         descriptor: ForwardDescriptor,
         request: ForwardInput,
-        held: list[HeldRegion],
+        held: _Borrowed,
         received: float,
     ) -> None:
         """On a worker thread: prepares a request whose adapters must be asked for, fetched
@@ -415,7 +414,7 @@ class EngineHost:
         link: _Link,
         descriptor: ForwardDescriptor,
         prepared: Prepared,
-        held: list[HeldRegion],
+        held: _Borrowed,
         received: float,
     ) -> None:
         """Queues ``prepared``; from here the regions and the link's count are the
@@ -427,11 +426,14 @@ class EngineHost:
         self,
         link: _Link,
         descriptor: ForwardDescriptor,
-        held: list[HeldRegion],
-        transports: Counter,
+        held: _Borrowed,
+        runtime: ExecutorRuntime,
     ) -> ForwardInput:
-        """The request's tensors viewed where they lie (regions it names join ``held``),
-        counted by where the input lies (``transports``)."""
+        """The request's tensors, counted by where the input lies: viewed where they lie in
+        the front end's arena, in CUDA memory or in page-locked shared memory that only the
+        GPU touches; otherwise copied out of a client's shared memory, the output written
+        back once computed (``held.writes``; see ``regions``). Regions it names join
+        ``held``."""
 
         scope = link.scope if link.channel else descriptor.scope
 
@@ -439,16 +441,8 @@ class EngineHost:
             if not ref.segment:
                 return None
             found = self.regions.acquire(scope, ref.segment)
-            held.append(found)
+            held.regions.append(found)
             return found
-
-        def tensor(ref: TensorRef, found: HeldRegion | None, field: str) -> torch.Tensor:
-            _check_shape(ref, field)
-            if found is None:
-                return link.tensor(ref, field)
-            dtype = _torch_dtype(ref, field)
-            flat = self.regions.view(found, ref.offset, math.prod(ref.shape), dtype, field)
-            return flat.view(ref.shape)
 
         hidden_region, output_region = region(descriptor.hidden), region(descriptor.output)
         on_device = [r is not None and r.on_device for r in (hidden_region, output_region)]
@@ -459,14 +453,50 @@ class EngineHost:
                 "shared_output",
             )
         transport = "message" if hidden_region is None else hidden_region.info.transport
-        transports.labels(transport).inc()
+        runtime.metrics.forward_transports.labels(transport).inc()
+        pairs = ((descriptor.hidden, hidden_region), (descriptor.output, output_region))
+        for ref, field in (
+            (descriptor.hidden, "shared_hidden_states"),
+            (descriptor.output, "shared_output"),
+        ):
+            _check_shape(ref, field)  # before ``maps`` trusts nbytes
+        # A client's shared memory is viewed only where the request launches mapped, so that
+        # no CPU code reads it (the compute dtype: else the rows would be staged).
+        in_place = (
+            hidden_region is not None
+            and output_region is not None
+            and not hidden_region.on_device
+            and all(
+                found is not None
+                and found.maps(ref.offset, ref.nbytes)
+                and ref.dtype == descriptor.hidden.dtype
+                for ref, found in pairs
+            )
+            and _torch_dtype(descriptor.hidden, "shared_hidden_states") == runtime.placement.dtype
+        )
         mapped = all(
             link.mapped(ref) if found is None else found.maps(ref.offset, ref.nbytes)
-            for ref, found in (
-                (descriptor.hidden, hidden_region),
-                (descriptor.output, output_region),
-            )
-        )
+            for ref, found in pairs
+        ) and (in_place or (hidden_region is None and output_region is None))
+
+        def tensor(
+            ref: TensorRef, found: HeldRegion | None, field: str, role: str = "input"
+        ) -> torch.Tensor:
+            if role == "routing":  # the input's and the output's were checked above
+                _check_shape(ref, field)
+            if found is None:
+                return link.tensor(ref, field)
+            dtype = _torch_dtype(ref, field)
+            count = math.prod(ref.shape)
+            if found.on_device or (in_place and role != "routing"):  # the CPU checks routing
+                return self.regions.view(found, ref.offset, count, dtype, field).view(ref.shape)
+            if role != "output":
+                return self.regions.read(found, ref.offset, ref.shape, dtype, field)
+            self.regions.check(found, ref.offset, count, dtype, field)
+            answer = torch.empty(ref.shape, dtype=dtype)
+            held.writes.append((found, ref.offset, answer, field))
+            return answer
+
         ids, weights = descriptor.topk_ids, descriptor.topk_weights
         routing_regions = [region(r) for r in (ids, weights) if r is not None]
         if any(r is not None and r.on_device for r in routing_regions):
@@ -480,14 +510,19 @@ class EngineHost:
             segments=[
                 _segment(link, i, n, adapter) for i, (n, adapter) in enumerate(descriptor.segments)
             ],
-            topk_ids=None if ids is None else tensor(ids, routing_regions[0], "routing.topk_ids"),
+            topk_ids=(
+                None
+                if ids is None
+                else tensor(ids, routing_regions[0], "routing.topk_ids", "routing")
+            ),
             topk_weights=(
                 None
                 if weights is None
-                else tensor(weights, routing_regions[1], "routing.topk_weights")
+                else tensor(weights, routing_regions[1], "routing.topk_weights", "routing")
             ),
-            output=tensor(descriptor.output, output_region, "shared_output"),
+            output=tensor(descriptor.output, output_region, "shared_output", "output"),
             mapped=mapped,
+            gpu_only=in_place,
         )
 
     def _answered(
@@ -495,13 +530,20 @@ class EngineHost:
         runtime: ExecutorRuntime,
         link: _Link,
         descriptor: ForwardDescriptor,
-        held: list[HeldRegion],
+        held: _Borrowed,
         received: float,
         answer: ForwardOutput | None,
         error: BaseException | None,
     ) -> None:
-        """The launch loop's callback: the request's answer is in its output region."""
+        """The launch loop's callback: the request's answer is in its output region (or,
+        copied out of a client's shared memory, is written there now)."""
         request_id = descriptor.request_id
+        if answer is not None:
+            try:
+                for region, offset, output, field in held.writes:
+                    self.regions.write(region, offset, output, field)
+            except (MoeLoraError, OSError) as exc:
+                answer, error = None, exc
         if answer is not None:
             result = ForwardResult(
                 request_id,
@@ -518,11 +560,11 @@ class EngineHost:
         self._finish(link, held, result, later=True)
 
     def _finish(
-        self, link: _Link, held: list[HeldRegion], result: ForwardResult, later: bool = False
+        self, link: _Link, held: _Borrowed, result: ForwardResult, later: bool = False
     ) -> None:
         """Answers a request; ``later``: with the launch's other answers to its link, when
         the launch loop flushes them (``_Link.flush``)."""
-        for region in held:
+        for region in held.regions:
             self.regions.release(region)
         link.leave()
         if later:
@@ -554,6 +596,17 @@ class EngineHost:
                 message=internal_error_message("engine_call_failed", method=call["method"]),
             )
         link.send(Kind.REPLY, json.dumps(reply).encode())
+
+
+class _Borrowed:
+    """What a request holds of clients' regions until it is answered: the regions, and the
+    answers to write into shared memory (region, offset, tensor, field) once computed."""
+
+    __slots__ = ("regions", "writes")
+
+    def __init__(self) -> None:
+        self.regions: list[HeldRegion] = []
+        self.writes: list[tuple[HeldRegion, int, torch.Tensor, str]] = []
 
 
 def _decoded(payload: bytes) -> ForwardDescriptor:

@@ -9,6 +9,12 @@ that registered them (its token's scope): another caller cannot name them, list 
 unregister them. Every tensor's bounds are checked against the registered size. A region
 unregistered while a request uses it stays mapped until that request is done.
 
+A client owns its shared-memory object and may shrink it at any time. A read through a mapping
+past the object's new end kills the reading process with SIGBUS — the whole engine, for every
+client. So the engine reads and writes shared memory through the object's file descriptor
+(``SharedRegions.read`` and ``write``: a shrunk object makes a read come up short, an error
+for that request alone) and maps only the bytes it page-locks, which no CPU code touches.
+
 On a GPU the engine may page-lock the start of each shared-memory region as it is registered
 (``HostPinning``, within ``--shared-memory-pinned-bytes`` for all regions together, first
 registered first served): requests whose tensors lie there are read and written by the GPU in
@@ -17,10 +23,15 @@ place, as those in a front end's arena are, instead of being copied through stag
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import mmap
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from stat import S_ISREG
 from typing import Literal, Protocol
 
 import torch
@@ -34,7 +45,7 @@ from moelora.client.errors import (
     ResourceExhausted,
 )
 from moelora.client.logs import log_event
-from moelora.client.shared_memory import SHM_ROOT, Segment, valid_name
+from moelora.client.shared_memory import SHM_ROOT, valid_name
 
 log = logging.getLogger(__name__)
 
@@ -112,18 +123,29 @@ class _Memory(Protocol):
 
 
 class _SharedMemory:
-    def __init__(self, segment: Segment, size: int, pinning: HostPinning | None) -> None:
-        self._segment = segment
+    """A client's shared-memory object, read and written through ``fd`` (see the module
+    doc); with ``pinning``, its page-locked start mapped as ``bytes`` for the GPU alone."""
+
+    def __init__(self, fd: int, size: int, pinning: HostPinning | None) -> None:
+        self.fd = fd
         self._pinning = pinning
-        self.bytes = torch.frombuffer(segment.buffer, dtype=torch.uint8, count=size)
-        self.pinned = 0 if pinning is None else pinning.take(self.bytes.data_ptr(), size)
+        self._map: mmap.mmap | None = None
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+        self.pinned = 0
+        if pinning is not None:
+            self._map = mmap.mmap(fd, size)
+            self.bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=size)
+            self.pinned = pinning.take(self.bytes.data_ptr(), size)
 
     def close(self) -> None:
         if self._pinning is not None and self.pinned:
             self._pinning.give(self.bytes.data_ptr(), self.pinned)
             self.pinned = 0
-        del self.bytes
-        self._segment.close()
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view in flight keeps it until it goes
+                self._map.close()
+        os.close(self.fd)
 
 
 class _CudaMemory:
@@ -181,7 +203,9 @@ class SharedRegions:
                 "shm_name",
             )
         info = RegionInfo(_checked_name(region), "shm", size, shm_name=shm_name)
-        return self._add(scope, info, lambda: _SharedMemory(_open(shm_name, size), size, pinning))
+        return self._add(
+            scope, info, lambda: _SharedMemory(_open_shm(shm_name, size), size, pinning)
+        )
 
     def register_cuda(
         self,
@@ -291,19 +315,73 @@ class SharedRegions:
     def view(
         held: HeldRegion, offset: int, count: int, dtype: torch.dtype, field: str
     ) -> torch.Tensor:
-        """``count`` elements of ``dtype`` at ``offset`` of ``held``, bounds checked."""
-        nbytes = count * dtype.itemsize
-        if offset < 0 or offset + nbytes > held.info.size:
-            raise InvalidArgument(
-                f"{field}: bytes [{offset}, {offset + nbytes}) lie outside region "
-                f"{held.info.region!r} of {held.info.size} bytes",
+        """``count`` elements of ``dtype`` at ``offset`` of ``held``, bounds checked: CUDA
+        memory, or the page-locked start of shared memory (for the GPU alone to touch)."""
+        nbytes = _checked_bytes(held, offset, count, dtype, field)
+        if not held.on_device and not held.maps(offset, nbytes):
+            raise ValueError("only CUDA memory and page-locked bytes are viewed")
+        return held.memory.bytes[offset : offset + nbytes].view(dtype)
+
+    @staticmethod
+    def check(held: HeldRegion, offset: int, count: int, dtype: torch.dtype, field: str) -> None:
+        """Raises InvalidArgument unless ``count`` elements of ``dtype`` at ``offset`` lie in
+        ``held``, aligned."""
+        _checked_bytes(held, offset, count, dtype, field)
+
+    @staticmethod
+    def read(
+        held: HeldRegion, offset: int, shape: tuple[int, ...], dtype: torch.dtype, field: str
+    ) -> torch.Tensor:
+        """A copy of the tensor at ``offset`` of shared memory ``held``, bounds checked;
+        FailedPrecondition if its owner shrank the object under it."""
+        count = math.prod(shape)
+        nbytes = _checked_bytes(held, offset, count, dtype, field)
+        out = torch.empty(count, dtype=dtype)
+        if nbytes:
+            got = os.preadv(_shm(held).fd, [out.view(torch.uint8).numpy().data], offset)
+            if got != nbytes:
+                raise FailedPrecondition(
+                    f"{field}: region {held.info.region!r} ends before byte "
+                    f"{offset + nbytes}: its owner shrank the shared-memory object after "
+                    "registering it",
+                    field,
+                )
+        return out.view(shape)
+
+    @staticmethod
+    def write(held: HeldRegion, offset: int, tensor: torch.Tensor, field: str) -> None:
+        """Writes ``tensor`` (on the CPU, checked against the region before) at ``offset`` of
+        shared memory ``held``."""
+        data = tensor.contiguous().view(-1).view(torch.uint8).numpy().data
+        if data.nbytes and os.pwritev(_shm(held).fd, [data], offset) != data.nbytes:
+            raise FailedPrecondition(
+                f"{field}: the answer could not be written whole into region {held.info.region!r}",
                 field,
             )
-        if offset % dtype.itemsize:
-            raise InvalidArgument(
-                f"{field}: offset {offset} is not a multiple of the element size", field
-            )
-        return held.memory.bytes[offset : offset + nbytes].view(dtype)
+
+
+def _shm(held: HeldRegion) -> _SharedMemory:
+    memory = held.memory
+    if not isinstance(memory, _SharedMemory):
+        raise ValueError("CUDA memory is viewed, not read")
+    return memory
+
+
+def _checked_bytes(
+    held: HeldRegion, offset: int, count: int, dtype: torch.dtype, field: str
+) -> int:
+    nbytes = count * dtype.itemsize
+    if offset < 0 or offset + nbytes > held.info.size:
+        raise InvalidArgument(
+            f"{field}: bytes [{offset}, {offset + nbytes}) lie outside region "
+            f"{held.info.region!r} of {held.info.size} bytes",
+            field,
+        )
+    if offset % dtype.itemsize:
+        raise InvalidArgument(
+            f"{field}: offset {offset} is not a multiple of the element size", field
+        )
+    return nbytes
 
 
 def _checked_name(region: str) -> str:
@@ -318,27 +396,42 @@ def _describe(info: RegionInfo) -> str:
     return f"to CUDA memory of {info.size} bytes"
 
 
-def _open(shm_name: str, size: int) -> Segment:
+def _open_shm(shm_name: str, size: int) -> int:
+    """A descriptor of the shared-memory object itself: not a link to a file elsewhere that
+    the engine may write (O_NOFOLLOW, a regular file on the shared-memory filesystem)."""
     path = SHM_ROOT / shm_name
     try:
-        actual = path.stat().st_size
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise NotFound(
             f"shm_name: no shared-memory object {shm_name!r} on the executor's host (a client "
             "on another host cannot register its memory)",
             "shm_name",
         ) from None
-    if size <= 0 or size > actual:
-        raise FailedPrecondition(
-            f"size: {size} bytes, but {shm_name!r} holds {actual}; register at most its size",
-            "size",
-        )
-    try:
-        return Segment(shm_name)
     except PermissionError:
         raise FailedPrecondition(
             f"shm_name: the executor may not open {shm_name!r} (its permissions)", "shm_name"
         ) from None
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise FailedPrecondition(
+            f"shm_name: {shm_name!r} is not a shared-memory object ({exc.strerror})", "shm_name"
+        ) from None
+    try:
+        stat = os.fstat(fd)
+        if not S_ISREG(stat.st_mode) or stat.st_dev != SHM_ROOT.stat().st_dev:
+            raise FailedPrecondition(
+                f"shm_name: {shm_name!r} is not a shared-memory object", "shm_name"
+            )
+        if size <= 0 or size > stat.st_size:
+            raise FailedPrecondition(
+                f"size: {size} bytes, but {shm_name!r} holds {stat.st_size}; register at most "
+                "its size",
+                "size",
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _open_cuda(handle: bytes, size: int, device_uuid: str, device: torch.device) -> _CudaMemory:

@@ -6,9 +6,11 @@ uses it stays whole until that request is answered."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -138,6 +140,27 @@ def test_every_bound_and_name_is_checked(qwen_world: World, start_executor: Star
             assert ok.resolved_adapters == ["alpha:1"]
     finally:
         ring.close()
+
+
+def test_a_link_in_shared_memory_to_another_file_is_refused(
+    qwen_world: World, start_executor: StartExecutor, tmp_path: Path
+) -> None:
+    """A name in /dev/shm that links to a file elsewhere would let a client have the engine
+    write its answers there: refused, the file untouched."""
+    running = start_executor(qwen_world)
+    target = tmp_path / "precious"
+    target.write_bytes(b"x" * 65536)
+    link = SHM_ROOT / f"moelora-link-{os.getpid()}"
+    link.symlink_to(target)
+    try:
+        with _stub(running) as stub:
+            register = ex.RegisterSharedMemoryRequest(region="r", shm_name=link.name, size=4096)
+            code = _code(lambda: stub.RegisterSharedMemory(register))
+            assert code is grpc.StatusCode.FAILED_PRECONDITION
+            assert not stub.ListSharedMemory(ex.ListSharedMemoryRequest()).regions
+        assert target.read_bytes() == b"x" * 65536
+    finally:
+        link.unlink()
 
 
 def test_regions_belong_to_the_token_that_registered_them(
