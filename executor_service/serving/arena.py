@@ -5,11 +5,17 @@ A front end owns its arena: its handler threads take a region for a request's in
 for its output, write the input there straight from the message's bytes, and hand the engine
 only (offset, size) pairs; the engine maps the same segment and reads and writes in place. The
 engine never allocates in it, so the lock is the front end's alone.
+
+The segment's pages are taken as the arena grows, ``RESERVE_STEP`` at a time, populated before
+the first region there is handed out: a /dev/shm that filled up meanwhile (other processes
+share it) is then an error for the request that grows the arena, not a SIGBUS when the front
+end or the engine first touches a page that cannot be had.
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +24,8 @@ from moelora.client.shared_memory import Segment
 
 #: Regions start on this boundary (a cache line is 64 bytes; 256 suits vector copies too).
 ALIGN = 256
+#: The arena's pages are populated this many bytes at a time as it grows.
+RESERVE_STEP = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,9 @@ class Arena:
         self._starts: list[int] = [0]
         self._ends: dict[int, int] = {0: self.size}
         self.used = 0
+        #: Bytes from the start whose pages are populated (see the module doc).
+        self.reserved = 0
+        self._populate = True
 
     @classmethod
     def create(cls, prefix: str, size: int) -> Arena:
@@ -63,6 +74,7 @@ class Arena:
                 for start in self._starts:
                     end = self._ends[start]
                     if end - start >= want:
+                        self._reserve(start + want)
                         self._take(start, end, want)
                         self.used += want
                         return Region(start, want)
@@ -72,6 +84,24 @@ class Arena:
                         f"{want} bytes do not fit the {self.size}-byte arena ({self.used} used)"
                     )
                 self._freed.wait(remaining)
+
+    def _reserve(self, end: int) -> None:
+        """Populates the pages up to ``end`` (in ``RESERVE_STEP``s); ArenaFull if they cannot
+        be had."""
+        if end <= self.reserved or not self._populate:
+            return
+        grown = min(self.size, -(-end // RESERVE_STEP) * RESERVE_STEP)
+        try:
+            self.segment.populate(self.reserved, grown - self.reserved)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.ENOSYS):  # a kernel before 5.14: as before
+                self._populate = False
+                return
+            raise ArenaFull(
+                f"shared memory (/dev/shm) has no room for the arena's next "
+                f"{grown - self.reserved} bytes ({exc.strerror})"
+            ) from None
+        self.reserved = grown
 
     def _take(self, start: int, end: int, want: int) -> None:
         index = bisect.bisect_left(self._starts, start)

@@ -41,6 +41,8 @@ Array = TypeVar("Array", bound="np.ndarray[Any, Any] | torch.Tensor")
 
 #: Where POSIX shared-memory objects live on Linux.
 SHM_ROOT = Path("/dev/shm")
+#: madvise(2) advice that faults pages in for writing (Linux 5.14; not in Python's mmap yet).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: What a segment name may be: one path component, as ``shm_open`` takes it (without "/").
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
@@ -79,6 +81,12 @@ class Segment:
     @classmethod
     def create_unique(cls, prefix: str, size: int) -> Segment:
         return cls(f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}", size, create=True)
+
+    def populate(self, offset: int, length: int) -> None:
+        """Takes the pages of ``length`` bytes at ``offset`` (page-aligned) now: OSError if
+        they cannot be had (a full /dev/shm) where a first write would raise SIGBUS. Linux
+        5.14's MADV_POPULATE_WRITE; EINVAL on older kernels."""
+        self._map.madvise(_MADV_POPULATE_WRITE, offset, length)
 
     def unlink(self) -> None:
         """Removes the name (the mappings stay until closed)."""

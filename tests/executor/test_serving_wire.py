@@ -3,6 +3,7 @@ allocator, and the frames they exchange."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import struct
@@ -81,6 +82,27 @@ def test_descriptors_and_results_survive_the_wire() -> None:
     assert ForwardDescriptor.decode(plain.encode()) == plain
     result = ForwardResult(9, 8, "busy", ("sql:3", ""), 1, 1234, 50)
     assert ForwardResult.decode(result.encode()) == result
+
+
+def test_an_arena_takes_its_pages_before_handing_them_out() -> None:
+    """Its pages are populated as it grows: a /dev/shm that cannot give them (here: the
+    object cut short under the arena, as a full tmpfs would refuse them) is ArenaFull for the
+    request that grows it, where a first write would have raised SIGBUS."""
+    arena = Arena.create("moelora-test", 1 << 20)
+    try:
+        region = arena.allocate(1000)
+        assert arena.reserved == arena.size  # one step covers this small arena
+        arena.view(region)[:4] = b"ok!!"
+    finally:
+        arena.close()
+    short = Arena.create("moelora-test", 1 << 20)
+    try:
+        os.truncate(SHM_ROOT / short.name, 4096)
+        with pytest.raises(ArenaFull, match="no room"):
+            short.allocate(1000)
+        assert short.used == 0 and short.reserved == 0
+    finally:
+        short.close()
 
 
 @settings(max_examples=200, deadline=None)
