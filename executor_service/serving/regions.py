@@ -136,6 +136,10 @@ class _SharedMemory:
             self._map = mmap.mmap(fd, size)
             self.bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=size)
             self.pinned = pinning.take(self.bytes.data_ptr(), size)
+            if not self.pinned:  # no budget left: read and written through fd alone
+                self.bytes = torch.empty(0, dtype=torch.uint8)
+                self._map.close()
+                self._map = None
 
     def close(self) -> None:
         if self._pinning is not None and self.pinned:
