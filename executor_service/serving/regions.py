@@ -138,7 +138,8 @@ class _SharedMemory:
             self.pinned = pinning.take(self.bytes.data_ptr(), size)
             if not self.pinned:  # no budget left: read and written through fd alone
                 self.bytes = torch.empty(0, dtype=torch.uint8)
-                self._map.close()
+                with contextlib.suppress(BufferError):
+                    self._map.close()
                 self._map = None
 
     def close(self) -> None:
