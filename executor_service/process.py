@@ -4,7 +4,9 @@ torch's allocators take from the process, not from one executor object."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import sys
 from collections.abc import MutableMapping
 
@@ -25,6 +27,19 @@ def configure_process(
     # The launch loop gives up the GIL in device waits and must win it back from the other
     # threads (front-end readers, loads): a short switch interval bounds that wait.
     sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
+    raise_open_files_limit()
     current = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "pinned_" not in current:  # an operator's own page-locked settings win
         environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [current, PINNED_ALLOCATOR]))
+
+
+def raise_open_files_limit() -> None:
+    """Lifts the soft limit on open files to the hard one: each client's registered
+    shared-memory region holds a descriptor (up to 64 per token, ``serving/regions.py``), and
+    a default soft limit of 1,024 would let a handful of tokens leave the engine none for
+    its sockets."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):  # a sandbox may refuse: keep the soft
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))

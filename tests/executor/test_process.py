@@ -3,6 +3,7 @@ through cudaHostRegister unless the operator configured page-locked memory alrea
 
 from __future__ import annotations
 
+import resource
 import sys
 from collections.abc import Iterator
 
@@ -35,3 +36,15 @@ def test_page_locked_memory_defaults_to_host_register(
     configure_process(ExecutorSettings.model_validate({"gil_switch_interval_us": 300}), environ)
     assert environ == {"PYTORCH_CUDA_ALLOC_CONF": expected}
     assert sys.getswitchinterval() == pytest.approx(300e-6)
+
+
+def test_the_open_files_limit_is_lifted_to_the_hard_one(interval: None) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowered = min(soft, 256)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
+    try:
+        configure_process(ExecutorSettings.model_validate({}), {})
+        raised, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        assert raised == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
