@@ -24,8 +24,9 @@ from moelora.client.shared_memory import Segment
 
 #: Regions start on this boundary (a cache line is 64 bytes; 256 suits vector copies too).
 ALIGN = 256
-#: The arena's pages are populated this many bytes at a time as it grows.
-RESERVE_STEP = 64 * 1024 * 1024
+#: The arena's pages are populated this many bytes at a time as it grows (a huge page's
+#: worth: a few each for the largest requests, and resident memory that follows use).
+RESERVE_STEP = 2 * 1024 * 1024
 
 
 @dataclass(frozen=True)
