@@ -76,6 +76,9 @@ class ExecutorApp:
         self._metrics = metrics
         self._kernel = kernel
         self._source = source
+        # Refuses bad auth settings before anything is made that would need undoing (the
+        # arena below is a named shared-memory object).
+        authorizer = open_authorizer(settings)
         #: The engine: where requests meet the runtime once it is loaded.
         self.host = EngineHost(
             workers=settings.grpc_workers + 8,
@@ -94,7 +97,7 @@ class ExecutorApp:
             settings.server_options(settings.grpc_workers),
             [SERVICE_NAME],
             lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(self.servicer, server),
-            authorizer=open_authorizer(settings),
+            authorizer=authorizer,
         )
         #: The loaded runtime, once ``loaded`` is set without ``load_error``.
         self.runtime: ExecutorRuntime | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from executor_service.metrics import ExecutorMetrics
 from moelora.client.errors import MoeLoraError
 from moelora.client.executor import ExecutorClient, ForwardCall, RetryPolicy
 from moelora.client.health import health_check
+from moelora.client.shared_memory import SHM_ROOT
 from moelora.v1 import executor_pb2
 from shared.tokens import Role
 from tests.conftest import wait_for
@@ -141,8 +143,11 @@ def test_auth_auto_off_loopback_needs_a_tokens_file(qwen_world: World) -> None:
         "metrics_listen": "",
     }
     settings = ExecutorSettings(**values)
+    arenas = f"moelora-frontend-{os.getpid()}-*"
+    before = set(SHM_ROOT.glob(arenas))
     with pytest.raises(ValueError, match="auth=auto off loopback needs --auth-tokens-file"):
         ExecutorApp(settings, ExecutorMetrics())
+    assert set(SHM_ROOT.glob(arenas)) == before, "a refused executor left its arena behind"
 
 
 def test_tls_with_a_token(
