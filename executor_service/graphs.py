@@ -47,16 +47,16 @@ from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 
-#: Token buckets at the default --max-batch-tokens; a launch of T tokens replays the smallest
-#: bucket ≥ T.
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
 def graph_buckets(max_batch_tokens: int) -> tuple[int, ...]:
     """The buckets that hold every merged launch: powers of two below ``max_batch_tokens``,
-    then ``max_batch_tokens`` itself (a longer request runs alone, eagerly)."""
+    then ``max_batch_tokens`` itself (a longer request runs alone, eagerly). A launch of T
+    tokens replays the smallest bucket ≥ T."""
     buckets = [1 << i for i in range(max_batch_tokens.bit_length()) if 1 << i < max_batch_tokens]
     return (*buckets, max_batch_tokens)
+
+
+#: The buckets at the default --max-batch-tokens.
+BUCKETS = graph_buckets(512)
 
 
 @dataclass

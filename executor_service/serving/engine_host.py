@@ -454,30 +454,23 @@ class EngineHost:
             )
         transport = "message" if hidden_region is None else hidden_region.info.transport
         runtime.metrics.forward_transports.labels(transport).inc()
-        pairs = ((descriptor.hidden, hidden_region), (descriptor.output, output_region))
-        for ref, field in (
-            (descriptor.hidden, "shared_hidden_states"),
-            (descriptor.output, "shared_output"),
-        ):
-            _check_shape(ref, field)  # before ``maps`` trusts nbytes
+        hidden, output = descriptor.hidden, descriptor.output
+        _check_shape(hidden, "shared_hidden_states")  # before ``maps`` trusts nbytes
+        _check_shape(output, "shared_output")
         # A client's shared memory is viewed only where the request launches mapped, so that
         # no CPU code reads it (the compute dtype: else the rows would be staged).
         in_place = (
             hidden_region is not None
             and output_region is not None
             and not hidden_region.on_device
-            and all(
-                found is not None
-                and found.maps(ref.offset, ref.nbytes)
-                and ref.dtype == descriptor.hidden.dtype
-                for ref, found in pairs
-            )
-            and _torch_dtype(descriptor.hidden, "shared_hidden_states") == runtime.placement.dtype
+            and hidden_region.maps(hidden.offset, hidden.nbytes)
+            and output_region.maps(output.offset, output.nbytes)
+            and output.dtype == hidden.dtype
+            and _torch_dtype(hidden, "shared_hidden_states") == runtime.placement.dtype
         )
-        mapped = all(
-            link.mapped(ref) if found is None else found.maps(ref.offset, ref.nbytes)
-            for ref, found in pairs
-        ) and (in_place or (hidden_region is None and output_region is None))
+        mapped = in_place or (
+            hidden_region is None and output_region is None and link.mapped(hidden, output)
+        )
 
         def tensor(
             ref: TensorRef, found: HeldRegion | None, field: str, role: str = "input"

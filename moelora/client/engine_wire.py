@@ -16,7 +16,6 @@ import struct
 import threading
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
 
 import grpc
 
@@ -78,30 +77,6 @@ def _ref_at(data: bytes | memoryview, at: int) -> tuple[TensorRef, int]:
     at += _REF.size
     shape = (_SHAPES.get(ndim) or struct.Struct(f"<{ndim}q")).unpack_from(data, at)
     return TensorRef(segment, offset, nbytes, dtype, shape), at + 8 * ndim
-
-
-class _Reader:
-    def __init__(self, data: bytes | memoryview) -> None:
-        self._data = memoryview(data)
-        self._at = 0
-
-    def take(self, layout: struct.Struct) -> tuple[Any, ...]:
-        values = layout.unpack_from(self._data, self._at)
-        self._at += layout.size
-        return values
-
-    def string(self) -> str:
-        (length,) = self.take(_U16)
-        raw = bytes(self._data[self._at : self._at + length])
-        self._at += length
-        return raw.decode()
-
-    def ref(self) -> TensorRef:
-        segment = self.string()
-        offset, nbytes, dtype, ndim = self.take(_REF)
-        shape = struct.unpack_from(f"<{ndim}q", self._data, self._at)
-        self._at += 8 * ndim
-        return TensorRef(segment, offset, nbytes, dtype, tuple(shape))
 
 
 _U16 = struct.Struct("<H")
@@ -214,10 +189,14 @@ class ForwardResult:
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ForwardResult:
-        reader = _Reader(data)
-        request_id, code, retry, server_us, loaded, count = reader.take(_RESULT)
-        names = tuple(reader.string() for _ in range(count))
-        return cls(request_id, code, reader.string(), names, loaded, server_us, retry)
+        request_id, code, retry, server_us, loaded, count = _RESULT.unpack_from(data, 0)
+        at = _RESULT.size
+        names = []
+        for _ in range(count):
+            name, at = _string_at(data, at)
+            names.append(name)
+        message, _ = _string_at(data, at)
+        return cls(request_id, code, message, tuple(names), loaded, server_us, retry)
 
 
 def frame(kind: Kind, payload: bytes) -> bytes:

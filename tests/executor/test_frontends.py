@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import torch
 
@@ -24,11 +23,11 @@ from moelora.client.errors import MoeLoraError, Unavailable
 from moelora.client.executor import ExecutorClient, RetryPolicy
 from moelora.client.health import health_check
 from moelora.client.shared_memory import SHM_ROOT, Segment
-from moelora.client.tensors import from_numpy
 from moelora.v1 import executor_pb2 as ex
-from moelora.v1 import executor_pb2_grpc, tensor_pb2
+from moelora.v1 import executor_pb2_grpc
 from tests.conftest import free_port, wait_for
 from tests.executor.conftest import assert_close
+from tests.executor.test_shared_memory import _request as _shared_request
 from tests.executor.worlds import TOKENS, World
 
 
@@ -181,53 +180,26 @@ def test_a_client_that_shrinks_its_shared_memory_gets_an_error_not_the_engine_ki
     through a mapping past its end would kill the engine (SIGBUS) for every client; the
     engine reads and writes such memory through the object's descriptor, so the request
     fails FAILED_PRECONDITION and the executor serves on."""
-    layer = qwen_world.moe_layers[0]
-    hidden = qwen_world.inputs[layer].numpy()
-    nbytes = hidden.nbytes
+    nbytes = qwen_world.inputs[qwen_world.moe_layers[0]].numpy().nbytes
     ring = Segment.create_unique("moelora-client", 2 * nbytes)
-    f32 = tensor_pb2.DATA_TYPE_FLOAT32
-
-    def request() -> ex.ForwardRequest:
-        return ex.ForwardRequest(
-            layer=layer,
-            segments=[ex.Segment(num_tokens=TOKENS, adapter="alpha")],
-            shared_hidden_states=ex.SharedTensor(
-                region="ring", offset=0, dtype=f32, shape=list(hidden.shape)
-            ),
-            shared_output=ex.SharedTensor(
-                region="ring", offset=nbytes, dtype=f32, shape=list(hidden.shape)
-            ),
-        )
-
+    request = _shared_request(qwen_world, "ring", 0, nbytes)
     try:
+        expected = _call(qwen_world, executor)  # the same request, its tensors as bytes
         with grpc.insecure_channel(executor.address) as channel:
             stub = executor_pb2_grpc.ExecutorStub(channel)
             stub.RegisterSharedMemory(
                 ex.RegisterSharedMemoryRequest(region="ring", shm_name=ring.name, size=ring.size)
             )
-            ring.buffer[:nbytes] = hidden.tobytes()
-            stub.Forward(request(), timeout=30)
-            by_bytes = stub.Forward(
-                ex.ForwardRequest(
-                    layer=layer,
-                    hidden_states=from_numpy(hidden),
-                    segments=[ex.Segment(num_tokens=TOKENS, adapter="alpha")],
-                ),
-                timeout=30,
-            )
-            assert bytes(ring.buffer[nbytes:]) == by_bytes.output.data  # written back
+            ring.buffer[:nbytes] = qwen_world.inputs[qwen_world.moe_layers[0]].numpy().tobytes()
+            stub.Forward(request, timeout=30)
+            assert bytes(ring.buffer[nbytes:]) == expected.numpy().tobytes()  # written back
             os.truncate(SHM_ROOT / ring.name, nbytes // 2)
             with pytest.raises(grpc.RpcError) as info:
-                stub.Forward(request(), timeout=30)
+                stub.Forward(request, timeout=30)
             assert isinstance(info.value, grpc.Call)
             assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
             assert "shrank" in (info.value.details() or "")
         assert executor.proc.poll() is None, "the engine died"
-        assert torch.equal(
-            _call(qwen_world, executor),
-            torch.from_numpy(
-                np.frombuffer(by_bytes.output.data, dtype="<f4").reshape(hidden.shape).copy()
-            ),
-        )
+        assert torch.equal(_call(qwen_world, executor), expected)
     finally:
         ring.close()
