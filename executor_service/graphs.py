@@ -47,6 +47,7 @@ from moelora.client.logs import log_event
 
 log = logging.getLogger(__name__)
 
+
 def graph_buckets(max_batch_tokens: int) -> tuple[int, ...]:
     """The buckets that hold every merged launch: powers of two below ``max_batch_tokens``,
     then ``max_batch_tokens`` itself (a longer request runs alone, eagerly). A launch of T
