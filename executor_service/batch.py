@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from executor_service.slots import Wanted
@@ -62,6 +63,8 @@ class Prepared:
     mapped: bool = False
     #: Only the device may touch its tensors (``ForwardInput.gpu_only``).
     gpu_only: bool = False
+    #: Client requests whose rows these are (``ForwardInput.requests``).
+    requests: int = 1
 
     @property
     def tokens(self) -> int:
@@ -98,13 +101,15 @@ def merged_wanted(requests: Sequence[Prepared]) -> list[Wanted]:
 
 def token_slots(requests: Sequence[Prepared], slots: Mapping[str, int]) -> torch.Tensor:
     """(ΣT,) int32 on the CPU: each token's slot, -1 for base tokens."""
-    # A Python list: torch.repeat_interleave on small CPU tensors costs ~1 ms per call.
-    per_token: list[int] = []
+    # numpy.repeat over per-segment lists: a few µs, where a per-token Python list costs
+    # ~10 µs per 64 tokens and torch.repeat_interleave ~30 µs on small CPU tensors.
+    per_segment: list[int] = []
+    counts: list[int] = []
     for request in requests:
         for segment, adapter in zip(request.segments, request.adapters, strict=True):
-            slot = -1 if adapter is None else slots[adapter.digest]
-            per_token.extend([slot] * segment.num_tokens)
-    return torch.tensor(per_token, dtype=torch.int32)
+            per_segment.append(-1 if adapter is None else slots[adapter.digest])
+            counts.append(segment.num_tokens)
+    return torch.from_numpy(np.repeat(np.array(per_segment, dtype=np.int32), counts))
 
 
 def merged_routing(requests: Sequence[Prepared]) -> Routing | None:

@@ -187,6 +187,14 @@ class ExecutorSettings(ServerSettings):
         description="Forward requests one direct channel may have in flight; more are answered "
         "RESOURCE_EXHAUSTED with a retry hint",
     )
+    frontend_combine_after: int = Field(
+        2,
+        ge=0,
+        description="Forward requests of one gRPC front end in the engine at once before "
+        "more wait and go combined: the requests that wait share one descriptor (their rows "
+        "one after the other, up to --max-batch-tokens), so the engine's launch loop does its "
+        "per-request work once for all of them; 0: every request goes alone",
+    )
     frontend_arena_bytes: int = Field(
         1024**3,
         ge=16 * 1024**2,

@@ -60,6 +60,8 @@ class ForwardInput:
     #: its owner may shrink under a CPU read (SIGBUS). Such requests merge only with their
     #: like (``batch.batch_key``), so their launch is never staged.
     gpu_only: bool = False
+    #: Client requests whose rows these are (a front end's combined descriptor).
+    requests: int = 1
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class ForwardOutput:
     resolved_adapters: list[str]
     #: Adapters of this request that its batch loaded into GPU slots (0: all were resident).
     adapters_loaded: int = 0
+    #: Their ``name:VERSION`` labels.
+    loaded_adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ class ForwardEngine:
             output=self._output(request, tokens),
             mapped=request.mapped,
             gpu_only=request.gpu_only,
+            requests=request.requests,
         )
 
     def _ref(self, text: str, field: str) -> AdapterRef:
@@ -209,13 +214,7 @@ class ForwardEngine:
             rows = torch.split(out, [r.tokens for r in requests])
             torch._foreach_copy_([r.output for r in requests], list(rows))
         loaded = {adapter.digest for adapter in lease.loaded}
-        outputs = [
-            ForwardOutput(
-                resolved_adapters=r.labels,
-                adapters_loaded=len({x.digest for x in r.adapters if x is not None} & loaded),
-            )
-            for r in requests
-        ]
+        outputs = [_output(r, loaded) for r in requests]
         end = time.perf_counter()
         metrics = self._metrics
         metrics.stage["encode"].observe(end - encoding)
@@ -229,7 +228,7 @@ class ForwardEngine:
         metrics.lora_tokens.inc(lora_tokens)
         metrics.base_tokens.inc(tokens - lora_tokens)
         metrics.forward_seconds.observe(end - start)
-        metrics.batch_requests.observe(len(requests))
+        metrics.batch_requests.observe(sum(r.requests for r in requests))
         metrics.batch_tokens.observe(tokens)
         return outputs
 
@@ -319,6 +318,18 @@ class ForwardEngine:
             topk_ids=ids.to(dtype=torch.int32).contiguous(),
             topk_weights=weights.contiguous(),
         )
+
+
+def _output(request: Prepared, loaded: set[str]) -> ForwardOutput:
+    """What ``request`` learns of its launch, ``loaded`` the digests the launch loaded."""
+    if not loaded:  # the common case: every adapter was resident
+        return ForwardOutput(resolved_adapters=request.labels)
+    mine = {a.digest: a.label for a in request.adapters if a is not None and a.digest in loaded}
+    return ForwardOutput(
+        resolved_adapters=request.labels,
+        adapters_loaded=len(mine),
+        loaded_adapters=tuple(sorted(mine.values())),
+    )
 
 
 def _checked_segments(segments: Sequence[Segment], tokens: int) -> list[Segment]:

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from executor_service.config import ExecutorSettings
 from executor_service.serving.arena import Arena, ArenaFull, Region
+from executor_service.serving.combiner import Combiner, combine_limits
 from executor_service.serving.engine_link import EngineLink
 from moelora.client import tensors as codec
 from moelora.client.engine_wire import ForwardDescriptor, TensorRef, raise_for
@@ -92,6 +93,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     def __init__(self, link: EngineLink, settings: ExecutorSettings, max_streams: int) -> None:
         self._link = link
+        self._combiner = Combiner(link, combine_limits(settings))
         self._arena: Arena = link.arena
         self._settings = settings
         # Each open ForwardStream holds a handler thread: past this many, refuse new ones
@@ -143,7 +145,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 topk_ids=ids,
                 topk_weights=weights,
             )
-            result = self._link.forward(descriptor)
+            result = self._combiner.forward(descriptor)
             raise_for(result.code, result.message, result.retry_after_ms)
             if not shared_output:
                 data = bytes(self._arena.view(output_region)[: output.nbytes])

@@ -32,6 +32,7 @@ from executor_service.app import ExecutorApp
 from executor_service.config import ExecutorSettings
 from executor_service.metrics import ExecutorMetrics
 from executor_service.serving.arena import Arena
+from executor_service.serving.combiner import CombineLimits, Combiner
 from executor_service.serving.engine_link import EngineLink
 from executor_service.synthetic import (
     SyntheticAdapter,
@@ -54,6 +55,8 @@ class LoopSettings:
     threads: int = 8
     tokens: int = 8
     seconds: float = 8.0
+    #: ``--frontend-combine-after`` of the fake front ends (0: every request alone).
+    combine_after: int = 2
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class LoopReport:
     errors: int
     mismatches: int
     busy_seconds: float
+    #: CPU time of the engine's process (every thread) over the timed stretch.
+    cpu_seconds: float
     batches: float
 
     @property
@@ -74,17 +79,26 @@ class LoopReport:
         return 1e6 * self.busy_seconds / max(self.requests, 1)
 
     @property
+    def cpu_us_per_request(self) -> float:
+        return 1e6 * self.cpu_seconds / max(self.requests, 1)
+
+    @property
     def mean_batch(self) -> float:
         return self.requests / max(self.batches, 1)
 
-    def table(self) -> str:
+    HEADER = (
+        "| front ends | threads each | T | combine after | requests/s | loop busy µs/request "
+        "| engine CPU µs/request | mean batch | errors | mismatches |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+
+    def row(self) -> str:
         s = self.settings
         return (
-            "| front ends | threads each | T | requests/s | loop busy µs/request | mean batch "
-            "| errors | mismatches |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-            f"| {s.front_ends} | {s.threads} | {s.tokens} | {self.per_second:,.0f} | "
-            f"{self.busy_us_per_request:.1f} | {self.mean_batch:.2f} | {self.errors} | "
-            f"{self.mismatches} |"
+            f"| {s.front_ends} | {s.threads} | {s.tokens} | {s.combine_after} | "
+            f"{self.per_second:,.0f} | {self.busy_us_per_request:.1f} | "
+            f"{self.cpu_us_per_request:.1f} | {self.mean_batch:.2f} | "
+            f"{self.errors} | {self.mismatches} |"
         )
 
 
@@ -148,15 +162,18 @@ def _drive(
         parent.recv()
     busy = sample("moelora_executor_launch_loop_busy_seconds_total")
     batches = sample("moelora_executor_batch_requests_count")
+    cpu = time.process_time()
     for parent in pipes:
         parent.send("go")
     counts = [parent.recv() for parent in pipes]
+    cpu = time.process_time() - cpu
     report = LoopReport(
         settings=settings,
         requests=sum(c[0] for c in counts),
         errors=sum(c[1] for c in counts),
         mismatches=sum(c[2] for c in counts),
         busy_seconds=sample("moelora_executor_launch_loop_busy_seconds_total") - busy,
+        cpu_seconds=cpu,
         batches=sample("moelora_executor_batch_requests_count") - batches,
     )
     for process in processes:
@@ -176,6 +193,8 @@ def _front_end(
     arena = Arena.create("bench-loop", max(16 * 1024**2, 4 * nbytes * settings.threads))
     link = EngineLink(sock, arena, on_state=lambda _serving, _reason: None)
     link.start()
+    limits = CombineLimits(settings.combine_after, max_tokens=512, max_adapters=len(ADAPTERS))
+    combiner = Combiner(link, limits)
     per = [tokens // len(ADAPTERS)] * len(ADAPTERS)
     per[-1] += tokens - sum(per)
     segments = tuple((n, a) for n, a in zip(per, ADAPTERS, strict=True) if n)
@@ -198,7 +217,7 @@ def _front_end(
             descriptor = ForwardDescriptor(
                 link.next_id(), layer, 10.0, 0.0, "", ref_in, ref_out, segments
             )
-            result = link.forward(descriptor)
+            result = combiner.forward(descriptor)
             counts[thread][0] += 1
             if result.code != 0:
                 counts[thread][1] += 1
@@ -227,10 +246,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=LoopSettings.threads)
     parser.add_argument("--tokens", type=int, default=LoopSettings.tokens)
     parser.add_argument("--seconds", type=float, default=LoopSettings.seconds)
+    parser.add_argument(
+        "--combine-after",
+        default="0,2",
+        help="the front ends' --frontend-combine-after, a row each (comma list)",
+    )
     args = parser.parse_args(argv)
-    report = run(LoopSettings(args.front_ends, args.threads, args.tokens, args.seconds))
-    print(report.table())
-    if report.errors or report.mismatches or not report.requests:
+    print(LoopReport.HEADER)
+    failed = False
+    for combine_after in (int(c) for c in args.combine_after.split(",") if c):
+        report = run(
+            LoopSettings(args.front_ends, args.threads, args.tokens, args.seconds, combine_after)
+        )
+        print(report.row(), flush=True)
+        failed |= bool(report.errors or report.mismatches or not report.requests)
+    if failed:
         raise SystemExit(1)
 
 

@@ -452,11 +452,17 @@ class EngineHost:
                 "in host memory",
                 "shared_output",
             )
-        transport = "message" if hidden_region is None else hidden_region.info.transport
-        runtime.metrics.forward_transports.labels(transport).inc()
         hidden, output = descriptor.hidden, descriptor.output
         _check_shape(hidden, "shared_hidden_states")  # before ``maps`` trusts nbytes
         _check_shape(output, "shared_output")
+        rows = hidden.shape[0] if hidden.shape else 1
+        if not 1 <= descriptor.requests <= max(1, rows):
+            raise InvalidArgument(
+                f"requests: {descriptor.requests} client requests cannot share {rows} rows",
+                "requests",
+            )
+        transport = "message" if hidden_region is None else hidden_region.info.transport
+        runtime.metrics.forward_transports.labels(transport).inc(descriptor.requests)
         # A client's shared memory is viewed only where the request launches mapped, so that
         # no CPU code reads it (the compute dtype: else the rows would be staged).
         in_place = (
@@ -516,6 +522,7 @@ class EngineHost:
             output=tensor(descriptor.output, output_region, "shared_output", "output"),
             mapped=mapped,
             gpu_only=in_place,
+            requests=descriptor.requests,
         )
 
     def _answered(
@@ -543,6 +550,7 @@ class EngineHost:
                 _OK,
                 resolved_adapters=tuple(answer.resolved_adapters),
                 adapters_loaded=answer.adapters_loaded,
+                loaded_adapters=answer.loaded_adapters,
                 server_time_us=int(
                     (time.perf_counter() - received + descriptor.decode_seconds) * 1e6
                 ),

@@ -108,11 +108,19 @@ class ForwardDescriptor:
     segments: tuple[tuple[int, str], ...]
     topk_ids: TensorRef | None = None
     topk_weights: TensorRef | None = None
+    #: Client requests whose rows these are, one after the other (a front end combines
+    #: requests that wait: ``executor_service.serving.combiner``); counted by the engine.
+    requests: int = 1
 
     def encode(self) -> bytes:
         parts = [
             _HEAD.pack(
-                self.request_id, self.layer, self.slot_wait, self.decode_seconds, self._flags()
+                self.request_id,
+                self.layer,
+                self.slot_wait,
+                self.decode_seconds,
+                self._flags(),
+                self.requests,
             ),
             _pack_str(self.scope),
             _pack_ref(self.hidden),
@@ -136,7 +144,7 @@ class ForwardDescriptor:
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ForwardDescriptor:
         # Offsets threaded through plain functions: this runs on the launch loop per request.
-        request_id, layer, slot_wait, decode_seconds, flags = _HEAD.unpack_from(data, 0)
+        request_id, layer, slot_wait, decode_seconds, flags, requests = _HEAD.unpack_from(data, 0)
         scope, at = _string_at(data, _HEAD.size)
         hidden, at = _ref_at(data, at)
         output, at = _ref_at(data, at)
@@ -153,11 +161,11 @@ class ForwardDescriptor:
             segments.append((tokens, adapter))
         return cls(
             request_id, layer, slot_wait, decode_seconds, scope, hidden, output, tuple(segments),
-            ids, weights,
+            ids, weights, requests,
         )  # fmt: skip
 
 
-_HEAD = struct.Struct("<QIddB")
+_HEAD = struct.Struct("<QIddBH")
 _U32 = struct.Struct("<I")
 _RESULT = struct.Struct("<QBIIHI")  # id, code, retry_after_ms, server_time_us, loaded, n
 
@@ -174,6 +182,8 @@ class ForwardResult:
     adapters_loaded: int = 0
     server_time_us: int = 0
     retry_after_ms: int = 0
+    #: Which of ``resolved_adapters`` the request's launch loaded into GPU slots.
+    loaded_adapters: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         head = _RESULT.pack(
@@ -185,7 +195,9 @@ class ForwardResult:
             len(self.resolved_adapters),
         )
         names = b"".join(_pack_str(a) for a in self.resolved_adapters)
-        return head + names + _pack_str(self.message[:4096])
+        loaded = b"".join(_pack_str(a) for a in self.loaded_adapters)
+        count = _U16.pack(len(self.loaded_adapters))
+        return head + names + _pack_str(self.message[:4096]) + count + loaded
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> ForwardResult:
@@ -195,8 +207,16 @@ class ForwardResult:
         for _ in range(count):
             name, at = _string_at(data, at)
             names.append(name)
-        message, _ = _string_at(data, at)
-        return cls(request_id, code, message, tuple(names), loaded, server_us, retry)
+        message, at = _string_at(data, at)
+        (count,) = _U16.unpack_from(data, at)
+        at += 2
+        loaded_names = []
+        for _ in range(count):
+            name, at = _string_at(data, at)
+            loaded_names.append(name)
+        return cls(
+            request_id, code, message, tuple(names), loaded, server_us, retry, tuple(loaded_names)
+        )
 
 
 def frame(kind: Kind, payload: bytes) -> bytes:

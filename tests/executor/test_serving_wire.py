@@ -80,8 +80,13 @@ def test_descriptors_and_results_survive_the_wire() -> None:
     assert ForwardDescriptor.decode(descriptor.encode()) == descriptor
     plain = ForwardDescriptor(10, 0, 1.0, 0.0, "", hidden, output, ((7, "é-adapter:2"),))
     assert ForwardDescriptor.decode(plain.encode()) == plain
+    combined = ForwardDescriptor(11, 0, 1.0, 0.0, "", hidden, output, ((3, ""), (4, "")), None,
+                                 None, requests=2)  # fmt: skip
+    assert ForwardDescriptor.decode(combined.encode()) == combined
     result = ForwardResult(9, 8, "busy", ("sql:3", ""), 1, 1234, 50)
     assert ForwardResult.decode(result.encode()) == result
+    loaded = ForwardResult(9, 0, "", ("sql:3", "", "chat:1"), 2, 77, 0, ("chat:1", "sql:3"))
+    assert ForwardResult.decode(loaded.encode()) == loaded
 
 
 def test_an_arena_takes_its_pages_before_handing_them_out() -> None:
