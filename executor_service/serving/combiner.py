@@ -2,12 +2,13 @@
 
 The engine's launch loop spends its Python per descriptor (decode, checks, adapter lookups,
 slot lease, answer), and under many clients that, not the GPU, bounds an executor. So a front
-end sends a request on at once while it has fewer than ``combine_after`` descriptors in the
-engine; past that, requests wait, and the next free turn sends every waiting request that can
-share a launch as *one* descriptor: their rows copied one after the other into the front end's
-arena, their segments concatenated (requests are independent row by row, so each one's rows of
-the answer are exactly its answer). No timer: an idle front end adds no wait; a busy one sends
-fewer, larger descriptors.
+end sends a request on at once while it has fewer than ``combine_after`` descriptors queued in
+the engine (sent and not answered, less those the engine said wait for adapter loads, which
+take milliseconds); past that, requests wait, and the next free turn sends every waiting
+request that can share a launch as *one* descriptor: their rows copied one after the other
+into the front end's arena, their segments concatenated (requests are independent row by row,
+so each one's rows of the answer are exactly its answer). No timer: an idle front end adds no
+wait; a busy one sends fewer, larger descriptors.
 
 A combined descriptor fails as a whole. The engine's own state (not serving, overloaded) is
 every member's answer; any other error sends each member again alone, so a request's error is
@@ -78,7 +79,18 @@ class Combiner:
         self._limits = limits
         self._cond = threading.Condition()
         self._waiting: list[_Member] = []
-        self._in_flight = 0
+        #: Request ids of this front end's descriptors queued in the engine: sent, not yet
+        #: answered, not waiting for adapter loads (``EngineLink.listen_waiting``).
+        self._queued: set[int] = set()
+        link.listen_waiting(self._loading)
+
+    def _loading(self, request_id: int) -> None:
+        """A descriptor waits for its adapters, not for the launch loop: requests behind it
+        need not wait for it (a load takes milliseconds)."""
+        with self._cond:
+            if request_id in self._queued:
+                self._queued.discard(request_id)
+                self._cond.notify_all()
 
     def forward(self, descriptor: ForwardDescriptor) -> ForwardResult:
         """``EngineLink.forward``'s answer for ``descriptor``, which may travel combined."""
@@ -88,19 +100,22 @@ class Combiner:
         with self._cond:
             self._waiting.append(member)
             while not member.answered:
-                if self._in_flight >= self._limits.combine_after or not self._waiting:
+                if len(self._queued) >= self._limits.combine_after or not self._waiting:
                     self._cond.wait()
                     continue
                 group = self._take()
-                self._in_flight += 1
+                request_id = group[0].descriptor.request_id
+                if len(group) > 1:
+                    request_id = self._link.next_id()
+                self._queued.add(request_id)
                 self._cond.release()
                 try:
-                    answers = self._send(group)
+                    answers = self._send(group, request_id)
                 except BaseException as exc:  # the link's Unavailable: everyone's answer
                     answers = [(None, exc, False)] * len(group)
                 finally:
                     self._cond.acquire()
-                    self._in_flight -= 1
+                    self._queued.discard(request_id)
                 for waiting, (result, error, alone) in zip(group, answers, strict=True):
                     waiting.result, waiting.error, waiting.alone = result, error, alone
                     waiting.answered = True
@@ -134,16 +149,17 @@ class Combiner:
         return group
 
     def _send(
-        self, group: list[_Member]
+        self, group: list[_Member], request_id: int
     ) -> list[tuple[ForwardResult | None, BaseException | None, bool]]:
-        """Each member's (result, error, go alone), the group sent as one descriptor."""
+        """Each member's (result, error, go alone), the group sent as one descriptor
+        (``request_id``: a combined one's)."""
         if len(group) == 1:
             return [(self._link.forward(group[0].descriptor), None, False)]
         descriptors = [m.descriptor for m in group]
         regions: list[Region] = []
         try:
             try:
-                combined = self._combined(descriptors, regions)
+                combined = self._combined(descriptors, request_id, regions)
             except ArenaFull:  # no room to combine now: each as it came
                 return [(None, None, True)] * len(group)
             result = self._link.forward(combined)
@@ -159,7 +175,7 @@ class Combiner:
                 self._arena.free(region)
 
     def _combined(
-        self, descriptors: Sequence[ForwardDescriptor], regions: list[Region]
+        self, descriptors: Sequence[ForwardDescriptor], request_id: int, regions: list[Region]
     ) -> ForwardDescriptor:
         """One descriptor for all of ``descriptors``: their tensors copied one after the other
         into new arena regions (``regions``), their segments concatenated."""
@@ -171,7 +187,7 @@ class Combiner:
             ids = self._concatenated([r for d in descriptors if (r := d.topk_ids)], regions)
             weights = self._concatenated([r for d in descriptors if (r := d.topk_weights)], regions)
         return ForwardDescriptor(
-            request_id=self._link.next_id(),
+            request_id=request_id,
             layer=first.layer,
             slot_wait=min(d.slot_wait for d in descriptors),
             decode_seconds=max(d.decode_seconds for d in descriptors),

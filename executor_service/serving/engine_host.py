@@ -378,6 +378,8 @@ class EngineHost:
                 self._pool.submit(
                     self._wait_ready, runtime, link, descriptor, request, held, received
                 )
+                if not link.channel:  # its front end stops counting it as queued work
+                    link.send(Kind.WAITING, _U64.pack(request_id))
                 return
             stage["prepare"].observe(time.perf_counter() - preparing)
             self._submit(runtime, link, descriptor, prepared, held, received)
@@ -597,6 +599,9 @@ class EngineHost:
                 message=internal_error_message("engine_call_failed", method=call["method"]),
             )
         link.send(Kind.REPLY, json.dumps(reply).encode())
+
+
+_U64 = struct.Struct("<Q")
 
 
 class _Borrowed:

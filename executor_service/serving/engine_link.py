@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: The engine says whether to serve, and why not.
 StateListener = Callable[[bool, str], None]
+#: The engine says a descriptor (by request id) waits for its adapters to load.
+WaitingListener = Callable[[int], None]
 
 
 class _Waiter:
@@ -62,10 +64,16 @@ class EngineLink:
         self._waiting: dict[int, _Waiter] = {}
         self._gone = False
         self._closed = False
+        self._on_waiting: WaitingListener | None = None
 
     def start(self) -> None:
         self._connection.send_json(Kind.HELLO, {"arena": self.arena.name, "pid": os.getpid()})
         threading.Thread(target=self._read, name="engine-link-reader", daemon=True).start()
+
+    def listen_waiting(self, listener: WaitingListener) -> None:
+        """``listener`` hears of each descriptor that waits for adapter loads (the combiner
+        stops counting it as queued), on the reader thread: it must be quick."""
+        self._on_waiting = listener
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -120,6 +128,9 @@ class EngineLink:
                 elif kind is Kind.REPLY:
                     reply = json.loads(payload)
                     self._wake(int(reply["id"]), reply)
+                elif kind is Kind.WAITING:
+                    if self._on_waiting is not None:
+                        self._on_waiting(int.from_bytes(payload[:8], "little"))
                 elif kind is Kind.STATE:
                     state = json.loads(payload)
                     self._on_state(bool(state["serving"]), str(state["reason"]))

@@ -34,6 +34,7 @@ class Kind(IntEnum):
     CALL = 4  # front end -> engine, JSON: {"id": n, "method": str, "args": {...}}
     REPLY = 5  # engine -> front end, JSON: {"id": n, "code": int, "message": str, "value": ...}
     STATE = 6  # engine -> front end, JSON: {"serving": bool, "reason": str}
+    WAITING = 7  # engine -> front end: u64 request id of a descriptor waiting for adapter loads
 
 
 @dataclass(frozen=True)

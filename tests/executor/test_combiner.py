@@ -4,6 +4,7 @@ the float32 references of the qwen3_moe world."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -18,10 +19,12 @@ import torch
 from executor_service.serving.arena import Arena, Region
 from executor_service.serving.combiner import CombineLimits, Combiner, combinable
 from executor_service.serving.engine_link import EngineLink
+from executor_service.sources import LocalFolderSource
 from moelora.client.engine_wire import ForwardDescriptor, ForwardResult, TensorRef
 from moelora.v1 import tensor_pb2
 from tests.executor.conftest import (
     FOREIGN,
+    GatedSource,
     Running,
     StartExecutor,
     assert_close,
@@ -83,13 +86,9 @@ class FrontEnd:
         )
 
 
-@pytest.fixture
-def front_end(
-    qwen_world: World, start_executor: StartExecutor, tmp_path: Path
-) -> Iterator[FrontEnd]:
-    # Each launch waits 0.3 s: requests sent meanwhile wait in the combiner, together.
-    running = start_executor(qwen_world, kernel=slowed_kernel(0.3), num_slots=6)
-    path = tmp_path / "engine.sock"
+@contextlib.contextmanager
+def _attached(running: Running, path: Path, limits: CombineLimits = LIMITS) -> Iterator[FrontEnd]:
+    """A front end's link, arena and combiner on ``running``'s engine (socket at ``path``)."""
     running.app.host.listen(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(str(path))
@@ -97,10 +96,20 @@ def front_end(
     link = EngineLink(sock, arena, on_state=lambda _serving, _reason: None)
     link.start()
     try:
-        yield FrontEnd(link, arena, Combiner(link, LIMITS), running)
+        yield FrontEnd(link, arena, Combiner(link, limits), running)
     finally:
         link.close()
         arena.close()
+
+
+@pytest.fixture
+def front_end(
+    qwen_world: World, start_executor: StartExecutor, tmp_path: Path
+) -> Iterator[FrontEnd]:
+    # Each launch waits 0.3 s: requests sent meanwhile wait in the combiner, together.
+    running = start_executor(qwen_world, kernel=slowed_kernel(0.3), num_slots=6)
+    with _attached(running, tmp_path / "engine.sock") as attached:
+        yield attached
 
 
 Call = tuple[int, list[tuple[int, str]]]
@@ -218,6 +227,36 @@ def test_requests_that_cannot_share_a_launch_are_not_combined(
     # second alone, the third (another layer) alone.
     assert front_end.descriptors() == 4
     assert front_end.requests() == 5
+
+
+def test_a_request_waiting_for_its_adapter_holds_back_no_request_behind_it(
+    qwen_world: World, start_executor: StartExecutor, tmp_path: Path
+) -> None:
+    """With one descriptor allowed queued, a request whose adapter's fetch is held (the engine
+    says WAITING) no longer counts: the next one is sent and answered meanwhile."""
+    gate = threading.Event()
+    source = GatedSource(LocalFolderSource(qwen_world.adapter_dir), gate)
+    running = start_executor(qwen_world, source=source)
+    layer = qwen_world.moe_layers[0]
+    with _attached(running, tmp_path / "engine.sock") as front_end:
+        loading: list[tuple[ForwardResult, torch.Tensor]] = []
+        first = threading.Thread(
+            target=lambda: loading.append(
+                front_end.forward(layer, qwen_world.inputs[layer], [(TOKENS, "alpha")])
+            )
+        )
+        first.start()
+        deadline = time.monotonic() + 30
+        while not source.fetches and time.monotonic() < deadline:
+            time.sleep(0.01)
+        result, rows = front_end.forward(layer, qwen_world.inputs[layer], [])
+        assert result.code == OK, result.message
+        assert_close(rows, qwen_world.expected(layer, [(TOKENS, None)]))
+        assert not loading, "the loading request was answered before its fetch could end"
+        gate.set()
+        first.join(30)
+        assert loading and loading[0][0].code == OK
+        assert_close(loading[0][1], qwen_world.expected(layer, [(TOKENS, "alpha")]))
 
 
 def test_only_whole_well_formed_arena_requests_are_combined() -> None:
