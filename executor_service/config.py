@@ -222,11 +222,9 @@ class ExecutorSettings(ServerSettings):
     gil_switch_interval_us: int = Field(
         200,
         ge=1,
-        description="Python's thread switch interval in microseconds (sys.setswitchinterval) "
-        "in the engine and every front end: the launch loop waits up to this long for the GIL "
-        "after each GPU call while other threads (front-end readers, loads) run, and a front "
-        "end's handler thread as long for its turn after the engine answers (Python's "
-        "default: 5000)",
+        description="Python's thread switch interval in microseconds (sys.setswitchinterval); "
+        "the launch loop waits up to this long for the GIL after each GPU call while other "
+        "threads (front-end readers, loads) run (Python's default: 5000)",
     )
     launch_torch_threads: int = Field(
         1,

@@ -25,7 +25,6 @@ import multiprocessing.process
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -67,9 +66,6 @@ def run_front_end(settings: ExecutorSettings, engine_socket: str, index: int) ->
     """A front-end process: serves gRPC until SIGTERM (exit 0) or until the engine goes away
     (exit ``ENGINE_GONE_EXIT_CODE``)."""
     configure_logging(settings.log_level, settings.log_format)
-    # A spawned process starts with Python's 5 ms: a handler thread woken by the engine's
-    # answer would wait up to that long behind other handlers' Python.
-    sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
     arena = Arena.create(f"moelora-frontend{index}", settings.frontend_arena_bytes)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(engine_socket)
