@@ -57,8 +57,9 @@ _STAGE_BUCKETS = (
     2,
 )
 
-#: A Forward's stages, in order (``moelora_executor_stage_seconds{stage}``): per request for
-#: decode, dispatch, prepare and queue; per launch for the others.
+#: A Forward's stages, in order (``moelora_executor_stage_seconds{stage}``): per descriptor
+#: (a request, or a front end's combined requests) for decode, dispatch, prepare and queue; per
+#: launch for the others.
 STAGES = ("decode", "dispatch", "prepare", "queue", "stage", "h2d", "kernel", "d2h", "encode")
 
 
