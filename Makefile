@@ -19,7 +19,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/moelora/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: help setup client-wheel proto proto-check lint docs format test demo bench bench-registry bench-load bench-forward bench-decode bench-engine-loop \
+.PHONY: help setup client-wheel proto proto-check lint docs format test demo bench bench-registry bench-load bench-forward bench-decode bench-engine-loop bench-frontends \
 	helm-check fuzz chaos soak clean
 
 help: ## List the targets
@@ -106,6 +106,9 @@ bench-decode: setup ## Greedy decoding with remote MoE blocks vs in process: ms 
 
 bench-engine-loop: setup ## The engine's launch loop alone: requests/s and its CPU per request (no GPU)
 	$(PY) -m executor_service.bench.engine_loop $(ARGS)
+
+bench-frontends: setup ## The gRPC front ends alone: their CPU per call against the echo floor (no GPU)
+	$(PY) -m executor_service.bench.frontends $(ARGS)
 
 fuzz: setup ## Full fuzz run: property tests, >= 1,000 mutated Forward, >= 300 uploads, the hostile-client attacks (figures printed)
 	$(PY) -m pytest tests/fuzz tests/hostile --long -s -q $(PYTEST_ARGS)

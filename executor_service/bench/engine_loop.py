@@ -42,6 +42,7 @@ from executor_service.synthetic import (
 )
 from kernels import LoRAContext, MoELayerWeights, Routing
 from moelora.client.engine_wire import ForwardDescriptor, TensorRef
+from moelora.client.model_spec import ModelSpec
 from moelora.v1 import tensor_pb2
 
 #: Adapters every request spreads its tokens over (all pinned: no loads in the way).
@@ -102,35 +103,45 @@ class LoopReport:
         )
 
 
-def _doubled(
+def doubled(
     hidden: torch.Tensor, _layer: MoELayerWeights, _lora: LoRAContext | None, _r: Routing | None
 ) -> torch.Tensor:
+    """The layer these benches serve: twice the input (every answer can be checked)."""
     return hidden * 2
+
+
+def doubling_executor(
+    root: Path, base: SyntheticBase, listen: str
+) -> tuple[ModelSpec, ExecutorSettings]:
+    """A checkpoint of ``base`` and rank-4 adapters ``ADAPTERS`` written under ``root``, and
+    the settings of a CPU executor on ``listen`` serving them pinned (the benches replace its
+    layer by ``doubled``)."""
+    spec = write_base_checkpoint(root / "base", base)
+    for seed, name in enumerate(ADAPTERS):
+        write_adapter(root / "adapters" / name, spec, SyntheticAdapter(rank=4), seed=seed)
+    settings = ExecutorSettings.model_validate(
+        {
+            "listen": listen,
+            "base_model_path": root / "base",
+            "adapter_dir": root / "adapters",
+            "device": "cpu",
+            "num_slots": len(ADAPTERS) + 2,
+            "max_rank": 8,
+            "metrics_listen": "",
+            "log_level": "warning",
+            "preload_adapters": list(ADAPTERS),
+        }
+    )
+    return spec, settings
 
 
 def run(settings: LoopSettings) -> LoopReport:
     with tempfile.TemporaryDirectory(prefix="bench-engine-loop-") as tmp:
         root = Path(tmp)
-        spec = write_base_checkpoint(
-            root / "base", SyntheticBase("qwen3_moe", hidden_size=64, moe_intermediate_size=32)
-        )
-        for seed, name in enumerate(ADAPTERS):
-            write_adapter(root / "adapters" / name, spec, SyntheticAdapter(rank=4), seed=seed)
-        executor = ExecutorSettings.model_validate(
-            {
-                "listen": "127.0.0.1:0",
-                "base_model_path": root / "base",
-                "adapter_dir": root / "adapters",
-                "device": "cpu",
-                "num_slots": len(ADAPTERS) + 2,
-                "max_rank": 8,
-                "metrics_listen": "",
-                "log_level": "warning",
-                "preload_adapters": list(ADAPTERS),
-            }
-        )
+        base = SyntheticBase("qwen3_moe", hidden_size=64, moe_intermediate_size=32)
+        spec, executor = doubling_executor(root, base, "127.0.0.1:0")
         registry = CollectorRegistry()
-        app = ExecutorApp(executor, ExecutorMetrics(registry), kernel=_doubled)
+        app = ExecutorApp(executor, ExecutorMetrics(registry), kernel=doubled)
         app.start()
         try:
             if not app.loaded.wait(300) or app.load_error is not None:

@@ -37,6 +37,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -127,7 +128,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _run_clients(
+def run_clients(
     address: str,
     layer: int,
     target: str,
@@ -137,7 +138,7 @@ def _run_clients(
     adapter_sets: list[list[str]],
     iters: int,
     warmup: int,
-    answers: Answers | None = None,
+    answers: AnswerFiles | None = None,
     transport: str = "grpc",
     server: int | None = None,
 ) -> ClientsRun:
@@ -209,6 +210,12 @@ def _run_clients(
         mismatched=sum(r["mismatched"] for r in results),
         worst_row_error=max(r["worst_row_error"] for r in results),
     )
+
+
+class AnswerFiles(Protocol):
+    """Where each client finds its expected answer: ``bench.clients`` arguments."""
+
+    def arguments(self, tokens: int, client: int, adapters: list[str]) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -519,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
                 for tokens, clients, churn in plan:
                     sets = _adapter_sets(names if churn else pinned, clients)
                     before = _metrics(metrics_url)
-                    served = _run_clients(
+                    served = run_clients(
                         address,
                         layer,
                         "executor",
@@ -537,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
                     after = _metrics(metrics_url)
                     floor = None
                     if args.transport != "channel":  # a channel has no gRPC echo to compare
-                        floor = _run_clients(
+                        floor = run_clients(
                             echo_address,
                             layer,
                             "echo",

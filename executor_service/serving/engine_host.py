@@ -375,11 +375,11 @@ class EngineHost:
                     descriptor = dataclasses.replace(descriptor, slot_wait=slot_wait)
                 prepared = runtime.engine.prepare_at_once(request, descriptor.slot_wait)
             if prepared is None:
+                if not link.channel:  # its front end stops counting it as queued work
+                    link.send(Kind.WAITING, _U64.pack(request_id))
                 self._pool.submit(
                     self._wait_ready, runtime, link, descriptor, request, held, received
                 )
-                if not link.channel:  # its front end stops counting it as queued work
-                    link.send(Kind.WAITING, _U64.pack(request_id))
                 return
             stage["prepare"].observe(time.perf_counter() - preparing)
             self._submit(runtime, link, descriptor, prepared, held, received)

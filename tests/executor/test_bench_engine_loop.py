@@ -24,6 +24,6 @@ def test_the_engine_loop_bench_answers_every_request_right(
 
 
 def test_a_wrong_answer_fails_the_engine_loop_bench(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_loop, "_doubled", lambda hidden, *_: hidden * 3)
+    monkeypatch.setattr(engine_loop, "doubled", lambda hidden, *_: hidden * 3)
     report = engine_loop.run(engine_loop.LoopSettings(front_ends=1, threads=2, seconds=0.5))
     assert report.requests > 0 and report.mismatches == report.requests
