@@ -109,6 +109,9 @@ def run_front_end(settings: ExecutorSettings, engine_socket: str, index: int) ->
         raise SystemExit(ENGINE_GONE_EXIT_CODE)
 
 
+_METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
 class FrontEnds:
     """The front-end processes of one executor (see the module doc)."""
 
@@ -122,10 +125,16 @@ class FrontEnds:
         self._context = multiprocessing.get_context("spawn")
         self._processes: dict[int, multiprocessing.process.BaseProcess] = {}
         self._stopping = threading.Event()
+        #: The process's own PROMETHEUS_MULTIPROC_DIR, given back at ``stop``.
+        self._metrics_env: str | None = None
 
     def start(self) -> None:
         # Read by prometheus-client as a child imports it: their metrics go to files there.
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
+        # Spawned children inherit this process's environment, so it is set here until
+        # ``stop`` (a process that hosts front ends only for a while, as a benchmark does,
+        # must not hand later children a folder that is gone).
+        self._metrics_env = os.environ.get(_METRICS_ENV)
+        os.environ[_METRICS_ENV] = str(self.metrics_dir)
         for index in range(self._count):
             self._spawn(index)
         threading.Thread(target=self._watch, name="front-end-watch", daemon=True).start()
@@ -172,6 +181,10 @@ class FrontEnds:
             if process.is_alive():
                 process.kill()
                 process.join()
+        if self._metrics_env is None:
+            os.environ.pop(_METRICS_ENV, None)
+        else:
+            os.environ[_METRICS_ENV] = self._metrics_env
 
     @property
     def pids(self) -> list[int]:

@@ -4,6 +4,8 @@ their answers checked against twice their input, the echo floor beside."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from executor_service.bench import frontends
@@ -12,7 +14,10 @@ from executor_service.bench import frontends
 def test_the_front_ends_bench_answers_every_request_right(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     frontends.main(["--frontends=2", "--clients=1,3", "--iters=12", "--hidden=256"])
+    # The front ends' metrics folder is gone: later children must not be sent there.
+    assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") == before
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     data = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[1:]]
     assert [row[0] for row in data] == ["1", "3"]
