@@ -123,7 +123,7 @@ def _delta_mean(
     return total / count if count else 0.0
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
                             tokens=tokens,
                             clients=clients,
                             p50_ms=1e3 * statistics.median(latency),
-                            p99_ms=1e3 * _percentile(latency, 0.99),
+                            p99_ms=1e3 * percentile(latency, 0.99),
                             server_ms=statistics.median(served.server_us) / 1e3,
                             kernel_ms=kernel_ms(tokens) if clients == 1 else None,
                             floor_ms=(

@@ -16,7 +16,6 @@ of the front ends, of the engine's process and of the clients, against the echo'
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from executor_service.app import ExecutorApp
 from executor_service.bench import engine_loop
 from executor_service.bench.clients import forward_request
 from executor_service.bench.engine_loop import doubled, doubling_executor
-from executor_service.bench.forward import ClientsRun, run_clients
+from executor_service.bench.forward import ClientsRun, percentile, run_clients
 from executor_service.bench.processes import child_process, free_port, progress, tree_cpu_seconds
 from executor_service.metrics import ExecutorMetrics
 from executor_service.serving.frontends import FrontEnds
@@ -70,10 +69,7 @@ class FrontEndRow:
 
 
 def _ms(latency: list[float], q: float) -> str:
-    if q == 0.5:
-        return f"{1e3 * statistics.median(latency):.3f}"
-    ordered = sorted(latency)
-    return f"{1e3 * ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]:.3f}"
+    return f"{1e3 * percentile(latency, q):.3f}"
 
 
 class _Doubled:

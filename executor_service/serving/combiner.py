@@ -17,6 +17,7 @@ always its own (never a neighbour's field) and costs the others one more round t
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,11 +59,13 @@ def combine_limits(settings: ExecutorSettings) -> CombineLimits:
 class _Member:
     """A request waiting its turn, then its answer (or that it must go alone)."""
 
-    __slots__ = ("alone", "answered", "descriptor", "error", "result", "tokens")
+    __slots__ = ("adapters", "alone", "answered", "descriptor", "error", "key", "result", "tokens")
 
     def __init__(self, descriptor: ForwardDescriptor) -> None:
         self.descriptor = descriptor
         self.tokens = descriptor.hidden.shape[0]
+        self.key = _key(descriptor)
+        self.adapters = frozenset(a for _, a in descriptor.segments if a)
         self.answered = False
         self.alone = False
         self.result: ForwardResult | None = None
@@ -131,14 +134,13 @@ class Combiner:
         """The waiting requests that go next as one descriptor: the first, and those after it
         that can share its launch within the limits (lock held; ``_waiting`` not empty)."""
         head = self._waiting[0]
-        key = _key(head.descriptor)
-        group, tokens, adapters = [head], head.tokens, _adapters(head.descriptor)
+        group, tokens, adapters = [head], head.tokens, head.adapters
         for member in self._waiting[1:]:
-            if _key(member.descriptor) != key:
+            if member.key != head.key:
                 continue
             if tokens + member.tokens > self._limits.max_tokens:
                 continue
-            joined = adapters | _adapters(member.descriptor)
+            joined = adapters | member.adapters
             if len(joined) > self._limits.max_adapters:
                 continue
             group.append(member)
@@ -168,7 +170,10 @@ class Combiner:
             if result.code == _UNAVAILABLE or (
                 result.code == _RESOURCE_EXHAUSTED and result.retry_after_ms > 0
             ):  # the engine's state, not a member's fault: the same for all
-                return [(_with_id(result, d.request_id), None, False) for d in descriptors]
+                return [
+                    (dataclasses.replace(result, request_id=d.request_id), None, False)
+                    for d in descriptors
+                ]
             return [(None, None, True)] * len(group)
         finally:
             for region in regions:
@@ -282,17 +287,3 @@ def _key(d: ForwardDescriptor) -> tuple[object, ...]:
 def _segments(d: ForwardDescriptor) -> tuple[tuple[int, str], ...]:
     """The descriptor's segments, "all rows on the base model" spelled out."""
     return d.segments or ((d.hidden.shape[0], ""),)
-
-
-def _adapters(d: ForwardDescriptor) -> frozenset[str]:
-    return frozenset(a for _, a in d.segments if a)
-
-
-def _with_id(result: ForwardResult, request_id: int) -> ForwardResult:
-    return ForwardResult(
-        request_id,
-        result.code,
-        result.message,
-        server_time_us=result.server_time_us,
-        retry_after_ms=result.retry_after_ms,
-    )
