@@ -169,7 +169,11 @@ def test_a_full_queue_refuses_with_a_retry_hint(
     qwen_world: World, start_executor: StartExecutor
 ) -> None:
     layer = qwen_world.moe_layers[0]
-    running = start_executor(qwen_world, kernel=slowed_kernel(0.3), max_queued_requests=1)
+    # Requests go to the engine alone: combined, the ones that wait would wait in the front
+    # end, which this limit (the engine's queue) does not count.
+    running = start_executor(
+        qwen_world, kernel=slowed_kernel(0.3), max_queued_requests=1, frontend_combine_after=0
+    )
     request = forward_request(layer, qwen_world.inputs[layer], [(TOKENS, "alpha")])
     codes: list[tuple[grpc.StatusCode, str | None]] = []
 

@@ -101,7 +101,10 @@ def test_overloaded_is_retried_after_its_hint(
 ) -> None:
     """One request may wait: of six sent at once most are refused with a hint at first, and
     every one gets through on a retry."""
-    running = start_executor(qwen_world, kernel=slowed_kernel(0.05), max_queued_requests=1)
+    # Requests go to the engine alone (see test_batching's full-queue test).
+    running = start_executor(
+        qwen_world, kernel=slowed_kernel(0.05), max_queued_requests=1, frontend_combine_after=0
+    )
     layer = qwen_world.moe_layers[0]
 
     async def main() -> list[ForwardResult[torch.Tensor]]:
