@@ -109,6 +109,11 @@ class ExecutorApp:
         self.device_fault: DeviceFault | None = None
         self.host.serve(engine_end)
         self.host.listen_channels(settings.channel_dir, settings.max_channel_in_flight)
+        self.host.listen_network_channels(
+            settings.network_channel_port,
+            settings.network_channel_host,
+            settings.max_network_channels,
+        )
         self.link.start()
 
     @property

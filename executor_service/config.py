@@ -187,6 +187,28 @@ class ExecutorSettings(ServerSettings):
         description="Forward requests one direct channel may have in flight; more are answered "
         "RESOURCE_EXHAUSTED with a retry hint",
     )
+    network_channel_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="TCP port of the engine's network channels (clients on other hosts or "
+        "GPUs: Forward descriptors over TCP, the tensors GPU to GPU over a torch.distributed "
+        "process group per channel, NCCL; Gloo on a CPU executor); 0: any free port; unset: "
+        "no network channels",
+    )
+    network_channel_host: str | None = Field(
+        None,
+        description="the address clients on other hosts reach this executor's engine at "
+        "(OpenChannel tells them; in Kubernetes the pod IP); default: this host's name "
+        "resolved",
+    )
+    max_network_channels: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="network channels open at once (each holds a process group, its GPU "
+        "buffers and a reader thread); more are turned away",
+    )
     frontend_combine_after: int = Field(
         2,
         ge=0,

@@ -122,6 +122,11 @@ def _serve_with_front_ends(settings: ExecutorSettings, kernel: KernelFn | None, 
     )
     host.listen(workdir / "engine.sock")
     host.listen_channels(settings.channel_dir, settings.max_channel_in_flight)
+    host.listen_network_channels(
+        settings.network_channel_port,
+        settings.network_channel_host,
+        settings.max_network_channels,
+    )
     listen = concrete_listen(settings.listen)
     front_ends = FrontEnds(
         settings.model_copy(update={"listen": listen}), workdir / "engine.sock", count, metrics_dir

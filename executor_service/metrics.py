@@ -84,7 +84,8 @@ class ExecutorMetrics:
             "moelora_executor_forward_requests_by_transport_total",
             "Forward requests by where their tensors came from: message (bytes in the RPC), "
             "shared_memory (a client's registered shared memory), cuda_memory (a client's "
-            "registered CUDA memory, read and written on the GPU)",
+            "registered CUDA memory, read and written on the GPU), network_channel (received "
+            "over a network channel's process group)",
             ["transport"],
             registry=registry,
         )

@@ -406,10 +406,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def OpenChannel(
         self, request: executor_pb2.OpenChannelRequest, context: grpc.ServicerContext
     ) -> executor_pb2.OpenChannelResponse:
-        if not _on_this_host(context.peer()):
+        if not request.network and not _on_this_host(context.peer()):
             raise FailedPrecondition(
                 f"direct channels are for clients on the executor's host; this call came from "
-                f"{context.peer()}: call Forward instead",
+                f"{context.peer()}: open a network channel (network: true) or call Forward",
                 "channel",
             )
         opened = self._link.call(
@@ -418,6 +418,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 "scope": _scope(context),
                 "adapters": list(request.adapters),
                 "wait": _slot_wait(self._settings, context),
+                "network": request.network,
             },
         )
         return executor_pb2.OpenChannelResponse(
@@ -425,6 +426,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             ticket=opened["ticket"],
             max_in_flight=opened["max_in_flight"],
             leased=opened["leased"],
+            network_address=opened.get("network_address", ""),
+            store_address=opened.get("store_address", ""),
+            backend=opened.get("backend", ""),
         )
 
     @override

@@ -8,6 +8,7 @@ latencies, the executor's ``server_time_us``, each call's wall-clock start, the 
 and end, and the answers checked. With ``--expected`` (the request's answer computed alone,
 float32 .npy) every warm-up answer and every ``CHECK_EVERY``-th timed one is compared with it
 row by row after the timed loop (``bench.answers``), so that checking costs the timing nothing.
+With ``--transport network`` the tensors go over a network channel from ``--device``.
 With ``--transport shm|cuda`` the answer stays where the executor wrote it (the client's shared
 or CUDA memory, as a client that uses it in place would have it); the checked ones are copied
 out after their call's time is taken.
@@ -141,7 +142,12 @@ class _Transport:
     input written there once, the answer left there by the executor."""
 
     def __init__(
-        self, channel: grpc.Channel, kind: str, target: str, request: executor_pb2.ForwardRequest
+        self,
+        channel: grpc.Channel,
+        kind: str,
+        target: str,
+        request: executor_pb2.ForwardRequest,
+        device: str = "cuda",
     ) -> None:
         self.request = request
         self._ring: Segment | None = None
@@ -149,7 +155,10 @@ class _Transport:
         self._stub = executor_pb2_grpc.ExecutorStub(channel)
         self._registered = False
         self._channel: ForwardChannel | None = None
-        if kind == "grpc":
+        self._network: Any = None  # a moelora.client.network_channel.NetworkChannel
+        self._answer: Any = None  # the network channel's last output (a torch tensor)
+        self._client_device = device
+        if kind in ("grpc", "network"):
             return
         hidden = request.hidden_states
         nbytes = len(hidden.data)
@@ -219,8 +228,42 @@ class _Transport:
 
         return call
 
+    def network_call(self) -> Call:
+        """Round trips over a network channel (``--transport network``): the descriptor over
+        TCP, the tensors over the channel's process group from this process's ``--device``;
+        each call ends with the output on the device, synchronised."""
+        import torch
+
+        from moelora.client.network_channel import NetworkChannel
+
+        device = torch.device(self._client_device)
+        torch.cuda.set_device(device)
+        hidden = self.request.hidden_states
+        rows = torch.frombuffer(bytearray(hidden.data), dtype=torch.bfloat16)
+        tensor = rows.view(*hidden.shape).to(device)
+        segments = [(s.num_tokens, s.adapter or None) for s in self.request.segments]
+        opened = self._stub.OpenChannel(executor_pb2.OpenChannelRequest(network=True), timeout=60)
+        channel = self._network = NetworkChannel(opened, device, timeout=60)
+
+        def call() -> tuple[int, tensor_pb2.Tensor | None]:
+            output, result = channel.forward(self.request.layer, tensor, segments)
+            torch.cuda.current_stream(device).synchronize()
+            self._answer = output
+            return result.server_time_us, None
+
+        return call
+
     def output(self, answered: tensor_pb2.Tensor | None) -> tensor_pb2.Tensor | None:
         """A copy of the call's output for the check: from the message, or from the region."""
+        if self._network is not None:
+            import torch
+
+            data = self._answer.view(torch.int16).cpu().numpy().tobytes()
+            return tensor_pb2.Tensor(
+                dtype=self.request.hidden_states.dtype,
+                shape=self.request.hidden_states.shape,
+                data=data,
+            )
         if not self._registered:
             return answered
         end = 2 * self._output_at
@@ -236,6 +279,8 @@ class _Transport:
     def __exit__(self, *_exc: object) -> None:
         if self._channel is not None:
             self._channel.close()
+        if self._network is not None:
+            self._network.close()
         if self._registered:
             unregister = (
                 self._stub.UnregisterSharedMemory
@@ -309,23 +354,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tolerance", type=float, default=0.0)
     parser.add_argument(
         "--transport",
-        choices=["grpc", "shm", "cuda", "channel"],
+        choices=["grpc", "shm", "cuda", "channel", "network"],
         default="grpc",
         help="shm / cuda: the tensors in a shared-memory / CUDA-memory region registered once, "
         "the RPC a descriptor; channel: that region (CUDA memory where this process has a GPU) "
-        "and the descriptor over a direct channel to the engine, no RPC per call",
+        "and the descriptor over a direct channel to the engine, no RPC per call; network: a "
+        "network channel from --device (NCCL), no RPC per call",
     )
+    parser.add_argument("--device", default="cuda", help="the tensors' GPU (--transport network)")
     args = parser.parse_args(argv)
     adapters = [a for a in args.adapters.split(",") if a]
     request = forward_request(args.layer, args.tokens, args.hidden, adapters, args.seed)
     with (
         grpc.insecure_channel(args.address, options=_OPTIONS) as channel,
-        _Transport(channel, args.transport, args.target, request) as transport,
+        _Transport(channel, args.transport, args.target, request, args.device) as transport,
     ):
         request = transport.request
         stream = None
         if args.transport == "channel" and args.target == "executor":
             sent = transport.channel_call()  # one kind of call: the mode does not apply
+        elif args.transport == "network" and args.target == "executor":
+            sent = transport.network_call()
         elif args.mode == "stream":
             sent = stream = _StreamCall(channel, args.target, request)
         else:

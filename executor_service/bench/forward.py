@@ -141,6 +141,7 @@ def run_clients(
     answers: AnswerFiles | None = None,
     transport: str = "grpc",
     server: int | None = None,
+    client_device: str = "cuda",
 ) -> ClientsRun:
     """Runs one row's clients (client i sends the request of seed i); with ``answers`` each
     checks a sample of its answers against its request's expected answer. ``server``: the
@@ -164,6 +165,7 @@ def run_clients(
             f"--warmup={warmup}",
             f"--seed={i}",
             f"--transport={transport}",
+            f"--device={client_device}",
             *check,
         ]
         procs.append(
@@ -391,12 +393,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", default="8,32,64", help="client counts of the T=64 rows")
     parser.add_argument(
         "--transport",
-        choices=["grpc", "shm", "cuda", "channel"],
+        choices=["grpc", "shm", "cuda", "channel", "network"],
         default="grpc",
         help="grpc: tensors in the messages; shm / cuda: in a shared-memory / CUDA-memory "
         "region (on the executor's GPU) each client registers once, the RPC carrying only the "
         "descriptor; channel: that CUDA region and the descriptor over a direct channel to the "
-        "engine (OpenChannel), no RPC per call (no echo floor: the overhead is p50 - kernel)",
+        "engine (OpenChannel), no RPC per call; network: a network channel from the clients' "
+        "--client-device (descriptors over TCP, tensors over NCCL). No echo floor for channel "
+        "and network: the overhead is p50 - kernel",
+    )
+    parser.add_argument(
+        "--client-device",
+        default="cuda",
+        help="the clients' GPU for --transport network (e.g. cuda:1 beside --device cuda:0)",
     )
     parser.add_argument(
         "--frontends", type=int, help="the executor's --frontends (default: its own)"
@@ -501,6 +510,11 @@ def main(argv: list[str] | None = None) -> None:
             f"--batch-window-us={args.batch_window_us}",
             "--log-level=info",
             *([] if args.frontends is None else [f"--frontends={args.frontends}"]),
+            *(
+                ["--network-channel-port=0", "--network-channel-host=127.0.0.1"]
+                if args.transport == "network"
+                else []
+            ),
         ]
         front_ends = max(1, frontend_count(args.frontends))
         echo = [
@@ -539,11 +553,12 @@ def main(argv: list[str] | None = None) -> None:
                         answers,
                         args.transport,
                         executor_proc.pid,
+                        args.client_device,
                     )
                     latency = served.latency
                     after = _metrics(metrics_url)
                     floor = None
-                    if args.transport != "channel":  # a channel has no gRPC echo to compare
+                    if args.transport not in ("channel", "network"):  # no gRPC echo to compare
                         floor = run_clients(
                             echo_address,
                             layer,

@@ -47,7 +47,14 @@ from executor_service.batch import Prepared, Segment
 from executor_service.engine import ForwardInput, ForwardOutput
 from executor_service.registry_source import registry_status
 from executor_service.runtime import ExecutorRuntime, replica_name
+from executor_service.serving.network_channels import (
+    DataLink,
+    NetworkChannels,
+    advertised_host,
+    peer_gone,
+)
 from executor_service.serving.regions import HeldRegion, HostPinning, RegionInfo, SharedRegions
+from moelora.client import network_group
 from moelora.client.cuda_ipc import CudaError, register_host, unregister_host
 from moelora.client.engine_wire import (
     MAX_FRAME,
@@ -121,6 +128,7 @@ class EngineHost:
         #: Clients' registered shared memory (same-host requests without their bytes).
         self.regions = SharedRegions()
         self._channels: _Channels | None = None
+        self._network: NetworkChannels | None = None
         #: Digests held in GPU slots by channels' leases (a count per lease holding each).
         self._leased: collections.Counter[str] = collections.Counter()
 
@@ -177,21 +185,55 @@ class EngineHost:
         ).start()
         return channels.path
 
+    def listen_network_channels(
+        self, port: int | None, advertise: str | None, max_channels: int
+    ) -> None:
+        """Accepts network channels (``network_channels``) on TCP ``port`` of every
+        interface (0: any free port; None: none), told to clients as ``advertise``."""
+        if port is None:
+            return
+        network = NetworkChannels("0.0.0.0", port, advertised_host(advertise), max_channels)
+        self._network = network
+        threading.Thread(
+            target=self._accept,
+            args=(network.listener, True, True),
+            name="engine-network-channels",
+            daemon=True,
+        ).start()
+
     def open_channel(
-        self, scope: str, adapters: list[str] | None = None, wait: float = 0.0
+        self,
+        scope: str,
+        adapters: list[str] | None = None,
+        wait: float = 0.0,
+        network: bool = False,
     ) -> dict[str, Any]:
-        """A ticket to a direct channel for ``scope``'s caller (see ``listen_channels``),
-        ``adapters`` leased for it (held in GPU slots, waiting up to ``wait`` for them, until
-        the channel closes, or the ticket expires unused)."""
+        """A ticket to a direct channel for ``scope``'s caller (see ``listen_channels``;
+        ``network``: a network channel, see ``listen_network_channels``), ``adapters`` leased
+        for it (held in GPU slots, waiting up to ``wait`` for them, until the channel closes,
+        or the ticket expires unused)."""
         channels = self._channels
         if channels is None:
             raise FailedPrecondition("this executor takes no direct channels", "channel")
+        extra: dict[str, Any] = {}
+        if network:
+            if self._network is None:
+                raise FailedPrecondition(
+                    "network: this executor takes no network channels (--network-channel-port "
+                    "unset); send the tensors' bytes",
+                    "network",
+                )
+            extra = {
+                "network_address": self._network.address,
+                "store_address": self._network.store_address,
+                "backend": network_group.backend_for(self._ready().placement.device),
+            }
         held = self._hold(
             [AdapterRef.parse(a, f"adapters[{i}]") for i, a in enumerate(adapters or [])], wait
         )
-        ticket = channels.ticket(scope, held)
+        ticket = channels.ticket(scope, held, network)
         ticket["leased"] = [] if held is None else [a.label for a in held.adapters]
-        return ticket
+        return {**ticket, **extra}
 
     def _hold(self, refs: list[AdapterRef], wait: float) -> HeldAdapters | None:
         """``refs`` held in GPU slots for a channel, if leases leave a slot for the rest."""
@@ -236,7 +278,14 @@ class EngineHost:
             self._leased.subtract(digests)
             self._leased = +self._leased  # drop the zeros
 
-    def _accept(self, listener: socket.socket | None = None, channel: bool = False) -> None:
+    def network_channels_open(self) -> int:
+        """Network channels connected now (admitted or not)."""
+        with self._lock:
+            return sum(link.network for link in self._links)
+
+    def _accept(
+        self, listener: socket.socket | None = None, channel: bool = False, network: bool = False
+    ) -> None:
         listener = listener or self._listener
         assert listener is not None
         while not self._closed.is_set():
@@ -244,18 +293,26 @@ class EngineHost:
                 sock, _ = listener.accept()
             except OSError:
                 return
-            self.serve(sock, channel)
+            if network:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.serve(sock, channel, network)
 
-    def serve(self, sock: socket.socket, channel: bool = False) -> None:
-        """Serves the front end (or, ``channel``, the client) at the other end of ``sock``."""
-        link = _Link(Connection(sock), self._send_timeout, channel)
+    def serve(self, sock: socket.socket, channel: bool = False, network: bool = False) -> None:
+        """Serves the front end (or, ``channel``, the client; ``network``, over TCP) at the
+        other end of ``sock``."""
+        link = _Link(Connection(sock), self._send_timeout, channel, network)
+        limit = MAX_CHANNELS
+        if network:
+            assert self._network is not None
+            limit = self._network.max_channels
         with self._lock:
-            crowded = channel and sum(x.channel for x in self._links) >= MAX_CHANNELS
+            crowded = channel and sum(x.network == network for x in self._links) >= limit
             if not crowded:
                 self._links.add(link)
             serving, reason = self._serving, self._reason
         if crowded:  # each channel holds a reader thread: a bound, not a pile of threads
-            link.send_state(False, f"{MAX_CHANNELS} channels are open, the most the engine takes")
+            kind = "network channels" if network else "channels"
+            link.send_state(False, f"{limit} {kind} are open, the most the engine takes")
             link.close()
             return
         link.send_state(serving, reason)
@@ -267,6 +324,8 @@ class EngineHost:
                 kind, payload = link.connection.recv(link.max_frame)
                 if kind is Kind.FORWARD and link.ready:
                     received = time.perf_counter()
+                    if link.data is not None:  # its input arrives over the channel's group
+                        payload = link.data.receive(payload, peer_gone(link.connection.sock))
                     if not link.enter():
                         self._finish(link, _Borrowed(), self._overloaded(link, payload))
                         continue
@@ -290,6 +349,7 @@ class EngineHost:
                 log_event(
                     log, "channel_refused", logging.WARNING, pid=link.pid, error=str(exc)[:200]
                 )
+                link.send_state(False, f"the channel ended: {str(exc)[:200]}")
         except Exception:
             internal_error_message("engine_link_failed", front_end=link.pid)
         finally:
@@ -302,13 +362,23 @@ class EngineHost:
     def _admit(self, link: _Link, hello: dict[str, Any]) -> bool:
         """A channel's HELLO: its ticket gives it its caller's scope, or it is turned away."""
         channels = self._channels
-        redeemed = None if channels is None else channels.redeem(str(hello.get("ticket", "")))
+        ticket = str(hello.get("ticket", ""))
+        redeemed = None if channels is None else channels.redeem(ticket, link.network)
         if channels is None or redeemed is None:
             link.send_state(False, "unknown or used channel ticket: call OpenChannel for one")
             link.linger()
             return False
         scope, link.held = redeemed
-        link.admit(scope, int(hello.get("pid", 0)), channels.max_in_flight)
+        max_in_flight = channels.max_in_flight
+        if link.network:  # one request at a time: its transfers pair up in order
+            runtime, network = self._ready(), self._network
+            assert network is not None
+            link.send_state(self._serving, self._reason, admitted=True)  # now join the group
+            limit = runtime.settings.max_tokens_per_request * runtime.model.spec.hidden_size * 4
+            link.data = network.data_link(ticket, runtime.placement.device, limit)
+            link.data.connect(peer_gone(link.connection.sock))
+            max_in_flight = 1
+        link.admit(scope, int(hello.get("pid", 0)), max_in_flight)
         return True
 
     def _overloaded(self, link: _Link, payload: bytes) -> ForwardResult:
@@ -329,6 +399,8 @@ class EngineHost:
             self._listener.close()
         if self._channels is not None:
             self._channels.close()
+        if self._network is not None:
+            self._network.close()
         with self._lock:
             links = list(self._links)
         for link in links:
@@ -440,6 +512,8 @@ class EngineHost:
         scope = link.scope if link.channel else descriptor.scope
 
         def region(ref: TensorRef) -> HeldRegion | None:
+            if link.data is not None:  # the channel's own buffer (``DataLink.receive``)
+                return link.data.region
             if not ref.segment:
                 return None
             found = self.regions.acquire(scope, ref.segment)
@@ -569,6 +643,11 @@ class EngineHost:
         the launch loop flushes them (``_Link.flush``)."""
         for region in held.regions:
             self.regions.release(region)
+        if link.data is not None:
+            try:
+                link.data.send_output()
+            except Exception as exc:  # an aborted group: the channel is over
+                link.fail(exc)
         link.leave()
         if later:
             link.queue(Kind.RESULT, result.encode())
@@ -683,11 +762,20 @@ def _failure(request_id: int, exc: MoeLoraError) -> ForwardResult:
 class _Link:
     """One front end, as the engine sees it."""
 
-    def __init__(self, connection: Connection, send_timeout: float, channel: bool = False) -> None:
+    def __init__(
+        self,
+        connection: Connection,
+        send_timeout: float,
+        channel: bool = False,
+        network: bool = False,
+    ) -> None:
         self.connection = connection
         #: A client's direct channel (else a front end): its scope comes from its ticket, its
         #: tensors only from registered regions, and it may not make admin calls.
         self.channel = channel
+        #: A network channel: its tensors travel over ``data``, made at its HELLO.
+        self.network = network
+        self.data: DataLink | None = None
         self.scope = ""
         #: A channel's lease, released when the channel ends.
         self.held: HeldAdapters | None = None
@@ -809,8 +897,22 @@ class _Link:
         except OSError as exc:
             self._give_up(exc)
 
-    def send_state(self, serving: bool, reason: str) -> None:
-        self.send(Kind.STATE, json.dumps({"serving": serving, "reason": reason}).encode())
+    def send_state(self, serving: bool, reason: str, admitted: bool = False) -> None:
+        """The engine's state; ``admitted``: a network channel's ticket was taken (its client
+        joins the channel's group next)."""
+        state: dict[str, Any] = {"serving": serving, "reason": reason}
+        if admitted:
+            state["admitted"] = True
+        self.send(Kind.STATE, json.dumps(state).encode())
+
+    def fail(self, exc: BaseException) -> None:
+        """Ends a network channel whose group failed (its reader sees the socket close)."""
+        log_event(
+            log, "network_channel_failed", logging.WARNING, pid=self.pid, error=str(exc)[:200]
+        )
+        self._open = False
+        with contextlib.suppress(OSError):
+            self.connection.sock.shutdown(socket.SHUT_RDWR)
 
     def _give_up(self, exc: OSError) -> None:
         """The front end is gone, or stopped reading: a frame may be half sent, so the
@@ -862,6 +964,8 @@ class _Link:
             self._typed = {}
             if self._arena is not None:
                 self._arena.close()
+            if self.data is not None:
+                self.data.close()
             log_event(log, "channel_closed" if self.channel else "front_end_gone", pid=self.pid)
 
         threading.Thread(target=release, name="engine-link-release", daemon=True).start()
@@ -907,16 +1011,19 @@ class _Channels:
         self.listener.listen(256)
         self.max_in_flight = max_in_flight
         self._lock = threading.Lock()
-        #: ticket -> (scope, lease, expiry).
-        self._tickets: dict[str, tuple[str, HeldAdapters | None, float]] = {}
+        #: ticket -> (scope, lease, expiry, network).
+        self._tickets: dict[str, tuple[str, HeldAdapters | None, float, bool]] = {}
 
-    def ticket(self, scope: str, held: HeldAdapters | None) -> dict[str, Any]:
+    def ticket(
+        self, scope: str, held: HeldAdapters | None, network: bool = False
+    ) -> dict[str, Any]:
         ticket = secrets.token_urlsafe(24)
         self._expire()
         with self._lock:
             crowded = len(self._tickets) >= self.MAX_TICKETS
             if not crowded:
-                self._tickets[ticket] = (scope, held, time.monotonic() + self.TICKET_SECONDS)
+                expiry = time.monotonic() + self.TICKET_SECONDS
+                self._tickets[ticket] = (scope, held, expiry, network)
         if crowded:
             self._release(held)
             raise Overloaded(
@@ -924,14 +1031,20 @@ class _Channels:
                 "keeps; connect with the ones you have, or retry",
                 retry_after_ms=1000,
             )
+        if network:
+            return {"socket": "", "ticket": ticket, "max_in_flight": 1}
         return {"socket": str(self.path), "ticket": ticket, "max_in_flight": self.max_in_flight}
 
-    def redeem(self, ticket: str) -> tuple[str, HeldAdapters | None] | None:
-        """The ticket's scope and lease, once (None: unknown, used or expired)."""
+    def redeem(self, ticket: str, network: bool) -> tuple[str, HeldAdapters | None] | None:
+        """The ticket's scope and lease, once, if it is for this kind of channel (None:
+        unknown, used, expired or for the other kind)."""
         self._expire()
         with self._lock:
-            found = self._tickets.pop(ticket, None)
-        return None if found is None else (found[0], found[1])
+            found = self._tickets.get(ticket)
+            if found is None or found[3] != network:
+                return None
+            del self._tickets[ticket]
+        return found[0], found[1]
 
     def _expire(self) -> None:
         """Voids tickets not used in time, ending their leases."""
@@ -945,7 +1058,7 @@ class _Channels:
     def close(self) -> None:
         with self._lock:
             unused, self._tickets = list(self._tickets.values()), {}
-        for _, held, _ in unused:
+        for _, held, _, _ in unused:
             self._release(held)
         self.listener.close()
         self.path.unlink(missing_ok=True)
@@ -1063,7 +1176,12 @@ def _list_regions(host: EngineHost, args: dict[str, Any]) -> list[dict[str, Any]
 
 
 def _open_channel(host: EngineHost, args: dict[str, Any]) -> dict[str, Any]:
-    return host.open_channel(args["scope"], args.get("adapters", []), float(args.get("wait", 0)))
+    return host.open_channel(
+        args["scope"],
+        args.get("adapters", []),
+        float(args.get("wait", 0)),
+        bool(args.get("network", False)),
+    )
 
 
 #: Calls about clients' regions and channels, answered whether or not the model is loaded

@@ -55,10 +55,11 @@ MAX_REGIONS_PER_SCOPE = 64
 
 @dataclass(frozen=True)
 class RegionInfo:
-    """A registered region: ``shm_name`` for shared memory, ``device_uuid`` for CUDA memory."""
+    """A registered region: ``shm_name`` for shared memory, ``device_uuid`` for CUDA memory;
+    ``network``: a network channel's buffer, the engine's own memory (never registered)."""
 
     region: str
-    kind: Literal["shm", "cuda"]
+    kind: Literal["shm", "cuda", "network"]
     size: int
     shm_name: str = ""
     device_uuid: str = ""
@@ -68,7 +69,7 @@ class RegionInfo:
     @property
     def transport(self) -> str:
         """The label of ``moelora_executor_forward_requests_by_transport_total``."""
-        return "cuda_memory" if self.kind == "cuda" else "shared_memory"
+        return {"cuda": "cuda_memory", "shm": "shared_memory"}.get(self.kind, "network_channel")
 
 
 class HostPinning:
@@ -178,7 +179,8 @@ class HeldRegion:
 
     @property
     def on_device(self) -> bool:
-        return self.info.kind == "cuda"
+        """Viewed in place by the engine (CUDA memory, or a network channel's buffer)."""
+        return self.info.kind != "shm"
 
     def maps(self, offset: int, nbytes: int) -> bool:
         """Whether those bytes lie in the region's page-locked start."""

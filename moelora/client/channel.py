@@ -121,15 +121,9 @@ class ForwardChannel:
                 ) from None
 
     def _last_words(self) -> None:
-        """Reads what the engine said before it hung up (a send can fail before the frames
-        already here are read): its reason, if it gave one."""
-        with contextlib.suppress(EOFError, OSError, ValueError):
-            self._connection.sock.settimeout(0.5)
-            while True:
-                kind, payload = self._connection.recv()
-                if kind is Kind.STATE:
-                    state: dict[str, Any] = json.loads(payload)
-                    self.serving, self.reason = bool(state["serving"]), str(state["reason"])
+        last = last_words(self._connection)
+        if last is not None:
+            self.serving, self.reason = last
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -140,6 +134,20 @@ class ForwardChannel:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def last_words(connection: Connection) -> tuple[bool, str] | None:
+    """What the engine said last before it hung up (a send can fail before the frames
+    already here are read): whether it serves, and its reason; None if it said nothing."""
+    last = None
+    with contextlib.suppress(EOFError, OSError, ValueError):
+        connection.sock.settimeout(0.5)
+        while True:
+            kind, payload = connection.recv()
+            if kind is Kind.STATE:
+                state: dict[str, Any] = json.loads(payload)
+                last = bool(state["serving"]), str(state["reason"])
+    return last
 
 
 def take_slot(ring: ForwardRing, hidden: Any) -> Slot:

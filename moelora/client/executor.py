@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import torch
 
     from moelora.client.channel import ForwardChannel
+    from moelora.client.network_channel import NetworkChannel
 
 T = TypeVar("T")
 #: What Forward takes and gives back: numpy arrays, or torch tensors (any device, bfloat16 too).
@@ -415,6 +416,26 @@ class ExecutorClient:
             self._stub.OpenChannel, request, timeout, idempotent=not adapters
         )
         return ForwardChannel(opened, timeout or self.timeout, slot_wait)
+
+    def open_network_channel(
+        self,
+        device: torch.device,
+        timeout: float | None = None,
+        slot_wait: float = 10.0,
+        adapters: Sequence[str] = (),
+    ) -> NetworkChannel:
+        """A network channel to the executor's engine (any host; see
+        ``moelora.client.network_channel``): Forward for tensors on ``device`` with the bytes
+        moved over a process group of the channel's own (NCCL between GPUs) and no gRPC call
+        each. ``timeout`` bounds this call and each of the channel's; ``adapters`` are leased
+        as for ``open_channel``. FailedPrecondition where the executor takes none."""
+        from moelora.client.network_channel import NetworkChannel
+
+        request = executor_pb2.OpenChannelRequest(adapters=list(adapters), network=True)
+        opened: executor_pb2.OpenChannelResponse = self._call(
+            self._stub.OpenChannel, request, timeout, idempotent=not adapters
+        )
+        return NetworkChannel(opened, device, timeout or self.timeout, slot_wait)
 
     def forward_stream(
         self, calls: Iterable[ForwardCall[Array]], timeout: float | None = None

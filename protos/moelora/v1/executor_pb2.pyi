@@ -541,6 +541,13 @@ class OpenChannelRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ADAPTERS_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
+    network: _builtins.bool
+    """A network channel, for a client on another host (or GPU): the descriptors go over
+    TCP to `network_address` and the tensors over a two-rank torch.distributed process
+    group (NCCL between GPUs, Gloo for a CPU executor) whose rendezvous is `store_address`.
+    Unset: a direct channel on this host's Unix socket.
+    """
     @_builtins.property
     def adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Adapters to lease for the channel's life: brought into GPU slots now and kept there
@@ -552,10 +559,11 @@ class OpenChannelRequest(_message.Message):
         self,
         *,
         adapters: _abc.Iterable[_builtins.str] | None = ...,
+        network: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "network", b"network"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -571,12 +579,25 @@ class OpenChannelResponse(_message.Message):
     TICKET_FIELD_NUMBER: _builtins.int
     MAX_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     LEASED_FIELD_NUMBER: _builtins.int
+    NETWORK_ADDRESS_FIELD_NUMBER: _builtins.int
+    STORE_ADDRESS_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
     socket_path: _builtins.str
-    """The Unix socket to connect to (a path on the executor's host)."""
+    """The Unix socket to connect to (a path on the executor's host; empty for a network
+    channel).
+    """
     ticket: _builtins.str
     """What the channel's first frame (HELLO) presents."""
     max_in_flight: _builtins.int
     """Requests the channel may have in flight at once."""
+    network_address: _builtins.str
+    """A network channel's "host:port" to connect to over TCP (empty for a direct channel)."""
+    store_address: _builtins.str
+    """A network channel's rendezvous: the "host:port" of the engine's torch.distributed
+    TCPStore; the channel's keys live under its ticket as prefix.
+    """
+    backend: _builtins.str
+    """A network channel's torch.distributed backend: "nccl" or "gloo"."""
     @_builtins.property
     def leased(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Per requested adapter, in order, the version leased as "name:VERSION"."""
@@ -588,10 +609,13 @@ class OpenChannelResponse(_message.Message):
         ticket: _builtins.str = ...,
         max_in_flight: _builtins.int = ...,
         leased: _abc.Iterable[_builtins.str] | None = ...,
+        network_address: _builtins.str = ...,
+        store_address: _builtins.str = ...,
+        backend: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["leased", b"leased", "max_in_flight", b"max_in_flight", "socket_path", b"socket_path", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "leased", b"leased", "max_in_flight", b"max_in_flight", "network_address", b"network_address", "socket_path", b"socket_path", "store_address", b"store_address", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,216 @@
+"""A network channel to an executor's engine, for a client on another host or GPU: Forward with
+the tensors moved GPU to GPU and only a small descriptor over TCP, no gRPC call each.
+
+``ExecutorClient.open_network_channel()`` asks for a ticket over gRPC once (auth, scope and
+leases as for every call). The channel then connects to the engine over TCP, presents the
+ticket, and joins a two-rank torch.distributed process group with the engine through its
+rendezvous store (``moelora.client.network_group``): NCCL between GPUs, Gloo with a CPU
+executor. Per call it sends the descriptor, then the input over the group, receives the
+output over the group and the RESULT frame over TCP. One request is in flight at a time (open
+one channel per thread).
+
+A client in another language speaks the same frames as a direct channel (docs/api.md) and
+joins the group as torch.distributed's rank 1 does: the NCCL unique id under the store key
+prefix ``channel/<ticket>/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from moelora.client import network_group
+from moelora.client.channel import last_words
+from moelora.client.engine_wire import (
+    Connection,
+    ForwardDescriptor,
+    ForwardResult,
+    Kind,
+    TensorRef,
+    raise_for,
+)
+from moelora.client.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from moelora.client.tensors import dtype_from_name
+from moelora.v1 import executor_pb2
+
+if TYPE_CHECKING:
+    import torch
+
+#: (num_tokens, adapter reference or None for the base model), in token order.
+Segments = Sequence[tuple[int, str | None]]
+
+
+class NetworkChannel:
+    """A connected network channel (``ExecutorClient.open_network_channel``) whose tensors are
+    on ``device``. ``timeout``: how long one call may take; ``slot_wait``: how long the
+    engine may hold a request for GPU slots (capped by the executor's own limit)."""
+
+    def __init__(
+        self,
+        opened: executor_pb2.OpenChannelResponse,
+        device: torch.device,
+        timeout: float = 30.0,
+        slot_wait: float = 10.0,
+    ) -> None:
+        if network_group.backend_for(device) != opened.backend:
+            raise FailedPrecondition(
+                f"device: the executor's channels use {opened.backend}, which {device} "
+                "cannot (NCCL for CUDA tensors, Gloo for CPU tensors)",
+                "device",
+            )
+        host, _, port = opened.network_address.rpartition(":")
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"channel: cannot reach the engine at {opened.network_address} ({exc}); the "
+                "executor's --network-channel-port must be reachable from this host",
+                "channel",
+            ) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._connection = Connection(sock)
+        self.device = device
+        self.leased = list(opened.leased)
+        self.slot_wait = slot_wait
+        self.serving = True
+        self.reason = ""
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._sending: Any = None
+        self._closed = False
+        try:
+            self._connection.send_json(Kind.HELLO, {"ticket": opened.ticket, "pid": os.getpid()})
+            self._admitted()
+            store = network_group.store_client(opened.store_address)
+            self._group: network_group.Group = network_group.channel_group(
+                store, opened.ticket, network_group.CLIENT_RANK, opened.backend
+            )
+            self._store = store  # the group reads it while it makes its communicator
+            self._send(_hello_tensor(device)).wait()
+        except (EOFError, OSError):
+            sock.close()
+            self._closed = True
+            raise Unavailable(
+                f"channel: the engine turned it away ({self.reason or 'it hung up'})"
+            ) from None
+        except Exception as exc:  # torch.distributed's errors
+            sock.close()
+            self._closed = True
+            raise Unavailable(f"channel: the rendezvous with the engine failed ({exc})") from None
+
+    def forward(
+        self, layer: int, hidden: torch.Tensor, segments: Segments | None = None
+    ) -> tuple[torch.Tensor, ForwardResult]:
+        """One MoE layer for ``hidden`` (T, H) on the channel's device: the output (a new
+        tensor, ready on the current stream) and the engine's result. Errors raise as for
+        Forward."""
+        import torch
+
+        if hidden.device != self.device or hidden.dim() != 2:
+            raise ValueError(f"hidden: must be (T, H) on {self.device}")
+        name = str(hidden.dtype).removeprefix("torch.")
+        if name not in _FLOATS:
+            raise ValueError(f"hidden: {hidden.dtype} is not float32, float16 or bfloat16")
+        dtype = dtype_from_name(name)
+        hidden = hidden.contiguous()
+        shape = tuple(int(d) for d in hidden.shape)
+        nbytes = math.prod(shape) * hidden.element_size()
+        ref = TensorRef("", 0, nbytes, dtype, shape)
+        output = torch.empty_like(hidden)
+        with self._lock:
+            descriptor = ForwardDescriptor(
+                request_id=next(self._ids),
+                layer=layer,
+                slot_wait=self.slot_wait,
+                decode_seconds=0.0,
+                scope="",  # the engine takes the ticket's
+                hidden=ref,
+                output=ref,
+                segments=tuple((n, a or "") for n, a in segments or ()),
+            )
+            try:
+                self._connection.send(Kind.FORWARD, descriptor.encode())
+                if self._sending is not None:
+                    self._sending.wait()
+                self._sending = self._send(hidden)
+                receiving = self._group.recv(
+                    [network_group.as_bytes(output)],
+                    network_group.ENGINE_RANK,
+                    network_group.TAG,
+                )
+                result = self._result(descriptor.request_id)
+                receiving.wait()  # NCCL: the current stream waits; Gloo: this thread does
+            except TimeoutError:
+                self._broken()
+                raise DeadlineExceeded("channel: no answer within the channel's timeout") from None
+            except (EOFError, OSError, RuntimeError):
+                self._broken()
+                raise Unavailable(
+                    f"channel: the engine closed it ({self.reason or 'it stopped'}); open another"
+                ) from None
+        raise_for(result.code, result.message, result.retry_after_ms)
+        return output, result
+
+    def _send(self, tensor: torch.Tensor) -> Any:
+        return self._group.send(
+            [network_group.as_bytes(tensor)], network_group.ENGINE_RANK, network_group.TAG
+        )
+
+    def _admitted(self) -> None:
+        """Reads the engine's states until it takes the ticket (EOFError if it hangs up)."""
+        while True:
+            kind, payload = self._connection.recv()
+            if kind is Kind.STATE:
+                state: dict[str, Any] = json.loads(payload)
+                self.serving, self.reason = bool(state["serving"]), str(state["reason"])
+                if state.get("admitted"):
+                    return
+
+    def _result(self, request_id: int) -> ForwardResult:
+        while True:
+            kind, payload = self._connection.recv()
+            if kind is Kind.RESULT:
+                result = ForwardResult.decode(payload)
+                if result.request_id == request_id:
+                    return result
+            elif kind is Kind.STATE:
+                state: dict[str, Any] = json.loads(payload)
+                self.serving, self.reason = bool(state["serving"]), str(state["reason"])
+
+    def _broken(self) -> None:
+        """After a failed call the two ends' transfers no longer pair up: the channel ends
+        (reading the reason the engine gave, if any)."""
+        last = last_words(self._connection)
+        if last is not None:
+            self.serving, self.reason = last
+        self.close()
+
+    def close(self) -> None:
+        """Closes the socket and ends the group (the engine frees the channel's buffers)."""
+        with contextlib.suppress(OSError):
+            self._connection.close()
+        if not self._closed:
+            self._closed = True
+            network_group.abort(self._group)
+
+    def __enter__(self) -> NetworkChannel:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def _hello_tensor(device: torch.device) -> torch.Tensor:
+    import torch
+
+    return torch.zeros(network_group.HELLO_BYTES, dtype=torch.uint8, device=device)
+
+
+_FLOATS = ("float32", "float16", "bfloat16")
