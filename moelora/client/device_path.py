@@ -1,11 +1,18 @@
-"""The path an ``ExecutorClient`` takes, unasked, for CUDA tensors when the executor can read
-them in place: a ring in CUDA memory registered once (``cuda_ring``) and a direct channel per
-calling thread (``channel``), so a call moves no tensor bytes through the host and makes no
-gRPC call. Set up on the first CUDA-tensor call; where any step is refused (an executor on
-another host or on the CPU, a handle it cannot map, a channel socket this container cannot
-reach), the client says so once in its log and sends such calls' bytes as before, for good or
-(for the channel alone) with the ring over gRPC. A call the ring cannot hold (more tokens than
-a slot, every slot busy, routing given) sends its bytes too.
+"""The path an ``ExecutorClient`` takes, unasked, for CUDA tensors: the fastest the pair can
+use.
+
+- Where the executor can read this process's CUDA memory in place (the same host and a GPU it
+  reaches): a ring in CUDA memory registered once (``cuda_ring``) and a direct channel per
+  calling thread (``channel``), so a call moves no tensor bytes through the host and makes no
+  gRPC call.
+- Where it cannot (another host, or a GPU it cannot map): a network channel per calling thread
+  (``network_channel``), the tensors GPU to GPU over NCCL, if the executor takes them.
+- Else, and for calls neither can hold (more tokens than a ring slot, every slot busy, routing
+  given): the tensors' bytes in the message, as before.
+
+Set up on the first CUDA-tensor call; each refusal (an executor on the CPU, a handle it cannot
+map, a channel socket this container cannot reach, no network channels) is said once in the
+client's log with the transport chosen instead (``executor_transport``).
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from typing import TYPE_CHECKING
 from moelora.client.channel import ForwardChannel
 from moelora.client.cuda_ipc import CudaError
 from moelora.client.cuda_ring import CudaMemoryRing
-from moelora.client.errors import MoeLoraError, Unavailable
+from moelora.client.errors import DeadlineExceeded, MoeLoraError, Unavailable
 from moelora.client.logs import log_event
+from moelora.client.network_channel import NetworkChannel
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +38,7 @@ log = logging.getLogger(__name__)
 
 #: The transports a client reports (``DevicePath.transport``).
 MESSAGE, CUDA_MEMORY, CUDA_CHANNEL = "message", "cuda_memory", "cuda_memory+channel"
+NETWORK_CHANNEL = "network_channel"
 
 
 class DevicePath:
@@ -43,21 +52,23 @@ class DevicePath:
         self._lock = threading.Lock()
         self._rings: dict[tuple[str, str], CudaMemoryRing] = {}
         self._local = threading.local()
-        self._channels: list[ForwardChannel] = []
+        self._channels: list[ForwardChannel | NetworkChannel] = []
         #: What calls with CUDA tensors use now (``MESSAGE`` until the first such call).
         self.transport = MESSAGE
         self._refused = False
         self._channel_refused = False
+        self._network_refused = False
 
     def forward(
         self, layer: int, hidden: torch.Tensor, segments: Segments | None, timeout: float | None
     ) -> ForwardResult[torch.Tensor] | None:
-        """The answer through the ring (and this thread's channel), or None: send bytes."""
-        if self._refused or not 1 <= int(hidden.shape[0]) <= self._max_tokens:
-            return None
-        ring = self._ring(hidden)
+        """The answer through the ring (and this thread's channel), or over this thread's
+        network channel where the executor cannot map the ring, or None: send bytes."""
+        ring = None
+        if not self._refused and 1 <= int(hidden.shape[0]) <= self._max_tokens:
+            ring = self._ring(hidden)
         if ring is None:
-            return None
+            return self._over_network(layer, hidden, segments, timeout) if self._refused else None
         channel = self._channel(timeout)
         if channel is None:
             return self._client.forward(layer, hidden, segments, timeout=timeout, ring=ring)
@@ -77,6 +88,49 @@ class DevicePath:
             adapters_resident=result.adapters_loaded == 0,
             adapters_loaded=result.adapters_loaded,
         )
+
+    def _over_network(
+        self, layer: int, hidden: torch.Tensor, segments: Segments | None, timeout: float | None
+    ) -> ForwardResult[torch.Tensor] | None:
+        channel = self._network_channel(hidden, timeout)
+        if channel is None:
+            return None
+        from moelora.client.executor import ForwardResult
+
+        try:
+            output, result = channel.forward(layer, hidden, list(segments or ()))
+        except ValueError:  # a tensor the channel does not carry (another device, a dtype)
+            return None
+        except (Unavailable, DeadlineExceeded):  # the channel ended: bytes, with retries
+            self._local.network = None
+            return None
+        return ForwardResult(
+            output=output,
+            resolved_adapters=list(result.resolved_adapters),
+            server_time_us=result.server_time_us,
+            adapters_resident=result.adapters_loaded == 0,
+            adapters_loaded=result.adapters_loaded,
+        )
+
+    def _network_channel(
+        self, hidden: torch.Tensor, timeout: float | None
+    ) -> NetworkChannel | None:
+        channel: NetworkChannel | None = getattr(self._local, "network", None)
+        if channel is not None or self._network_refused:
+            return channel
+        try:
+            channel = self._client.open_network_channel(hidden.device, timeout)
+        except MoeLoraError as exc:
+            with self._lock:
+                self._network_refused = True
+                self._choose(MESSAGE, f"network channel refused: {exc}")
+            return None
+        with self._lock:
+            self._channels.append(channel)
+            if self.transport != NETWORK_CHANNEL:
+                self._choose(NETWORK_CHANNEL, "the executor cannot map this process's memory")
+        self._local.network = channel
+        return channel
 
     def _ring(self, hidden: torch.Tensor) -> CudaMemoryRing | None:
         dtype = str(hidden.dtype).removeprefix("torch.")
