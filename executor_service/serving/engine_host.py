@@ -371,8 +371,14 @@ class EngineHost:
         scope, link.held = redeemed
         max_in_flight = channels.max_in_flight
         if link.network:  # one request at a time: its transfers pair up in order
-            runtime, network = self._ready(), self._network
+            network = self._network
             assert network is not None
+            try:
+                runtime = self._ready()
+            except MoeLoraError as exc:  # stopped serving since the ticket was given
+                link.send_state(False, exc.message)
+                link.linger()
+                return False
             link.send_state(self._serving, self._reason, admitted=True)  # now join the group
             limit = runtime.settings.max_tokens_per_request * runtime.model.spec.hidden_size * 4
             link.data = network.data_link(ticket, runtime.placement.device, limit)
