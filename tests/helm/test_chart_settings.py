@@ -5,12 +5,22 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+import helm_python as helm
+import kubernetes_validate
 import pytest
 
 from executor_service.config import ExecutorSettings
 from registry_service.config import RegistrySettings
 from shared.config import ServiceSettings, parse_settings
-from tests.helm.chart import Release, container, container_env
+from tests.helm.chart import (
+    KUBE_VERSIONS,
+    Release,
+    configmap_env,
+    container,
+    container_env,
+    env_of,
+    render,
+)
 
 S = TypeVar("S", bound=ServiceSettings)
 
@@ -97,3 +107,78 @@ def test_metrics_off_reaches_the_services(cpu: Release, monkeypatch: pytest.Monk
     assert executor.device == "cpu"
     # auth.enabled false says off outright: on 0.0.0.0, auto would refuse to start.
     assert (executor.auth, executor.auth_tokens_file) == ("off", None)
+
+
+NETWORK_CHANNEL_HOST = "MOELORA_EXECUTOR_NETWORK_CHANNEL_HOST"
+NETWORK_CHANNEL_SETTINGS = {
+    "MOELORA_EXECUTOR_NETWORK_CHANNEL_PORT",
+    "MOELORA_EXECUTOR_MAX_NETWORK_CHANNELS",
+    NETWORK_CHANNEL_HOST,
+}
+
+
+@pytest.fixture(scope="module")
+def network_channels(chart: helm.Chart) -> Release:
+    """Network channels on, on a port and a channel count of their own."""
+    values = {"executor": {"networkChannels": {"enabled": True, "port": 50070, "maxChannels": 32}}}
+    return render(chart, values)
+
+
+def test_network_channels_reach_the_executor_at_its_pod_ip(
+    network_channels: Release, defaults: Release, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    executor_pod = container(network_channels.one("StatefulSet"), "executor")
+    data = network_channels.one("ConfigMap", "executor")["data"]
+    assert data["MOELORA_EXECUTOR_NETWORK_CHANNEL_PORT"] == "50070"
+    assert data["MOELORA_EXECUTOR_MAX_NETWORK_CHANNELS"] == "32"
+    # The address clients on other nodes are told: the pod's own IP, from the downward API.
+    host = env_of(executor_pod)[NETWORK_CHANNEL_HOST]
+    assert host["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert {"name": "channels", "containerPort": 50070, "protocol": "TCP"} in executor_pod["ports"]
+
+    # As the kubelet resolves it, with the pod IP filled in.
+    without_host = dict(executor_pod)
+    without_host["env"] = [e for e in executor_pod["env"] if e["name"] != NETWORK_CHANNEL_HOST]
+    env = container_env(network_channels, without_host, SECRETS)
+    env[NETWORK_CHANNEL_HOST] = "10.4.2.17"
+    executor = parsed(ExecutorSettings, env, monkeypatch)
+    assert (executor.network_channel_host, executor.network_channel_port) == ("10.4.2.17", 50070)
+    assert executor.max_network_channels == 32
+
+    # The executor's policy admits its labelled clients on every port, both ways (the store's
+    # and NCCL's ports are ephemeral); by default only on gRPC.
+    client_peer = {"podSelector": {"matchLabels": {"moelora.io/executor-client": "true"}}}
+    spec = network_channels.one("NetworkPolicy", "executor")["spec"]
+    assert {"from": [client_peer]} in spec["ingress"]
+    assert {"to": [client_peer]} in spec["egress"]
+    default_spec = defaults.one("NetworkPolicy", "executor")["spec"]
+    assert all("ports" in rule for rule in default_spec["ingress"])
+    assert not any(rule.get("to") == [client_peer] for rule in default_spec["egress"])
+
+    rendered = (
+        network_channels.one("StatefulSet"),
+        network_channels.one("NetworkPolicy", "executor"),
+        network_channels.one("ConfigMap", "executor"),
+    )
+    for obj in rendered:
+        for kube_version in KUBE_VERSIONS:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+
+
+def test_network_channels_are_off_by_default(
+    defaults: Release, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    executor_pod = container(defaults.one("StatefulSet"), "executor")
+    assert not NETWORK_CHANNEL_SETTINGS & configmap_env(defaults, executor_pod).keys()
+    assert not NETWORK_CHANNEL_SETTINGS & env_of(executor_pod).keys()
+    assert "channels" not in {p["name"] for p in executor_pod["ports"]}
+    executor = parsed(ExecutorSettings, container_env(defaults, executor_pod, SECRETS), monkeypatch)
+    assert executor.network_channel_port is None
+
+
+@pytest.mark.parametrize("port", [0, 65536])
+def test_schema_refuses_a_network_channel_port_out_of_range(chart: helm.Chart, port: int) -> None:
+    values = {"executor": {"networkChannels": {"enabled": True, "port": port}}}
+    with pytest.raises(helm.HelmValuesError) as caught:
+        render(chart, values)
+    assert "/executor/networkChannels/port" in str(caught.value)

@@ -227,7 +227,7 @@ matchExpressions:
 {{- end }}
 
 {{/* The executor's env entries beyond its ConfigMap: its group's layers and replica name,
-the registry token and extraEnv. */}}
+the network channels' address (the pod IP), the registry token and extraEnv. */}}
 {{- define "moelora.executor.env" -}}
 {{- with .g.layers }}
 - name: MOELORA_EXECUTOR_LAYERS
@@ -238,6 +238,12 @@ the registry token and extraEnv. */}}
   valueFrom:
     fieldRef:
       fieldPath: metadata.name
+{{- end }}
+{{- if .root.Values.executor.networkChannels.enabled }}
+- name: MOELORA_EXECUTOR_NETWORK_CHANNEL_HOST
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
 {{- end }}
 {{- if .root.Values.auth.enabled }}
 - name: MOELORA_EXECUTOR_REGISTRY_TOKEN
