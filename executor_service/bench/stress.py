@@ -85,7 +85,22 @@ class StressSettings:
     def client_modes(self) -> tuple[str, ...]:
         if self.modes is not None:
             return self.modes
-        return tuple(m for m in MODES if self.device != "cpu" or m != "device")
+        on_cpu = self.device == "cpu"
+        # NCCL needs a GPU of the client's own beside the executor's.
+        two_gpus = torch.cuda.is_available() and torch.cuda.device_count() > 1
+        return tuple(
+            m
+            for m in MODES
+            if not (m == "device" and on_cpu)
+            and not (m == "network" and not on_cpu and not two_gpus)
+        )
+
+    def network_device(self) -> str:
+        """Where network clients keep their tensors: the CPU for a CPU executor (Gloo), else
+        the last GPU (NCCL)."""
+        if self.device == "cpu":
+            return "cpu"
+        return f"cuda:{torch.cuda.device_count() - 1}"
 
 
 @dataclass
@@ -141,6 +156,7 @@ class StressReport:
             "shm": "shared_memory",
             "device": "cuda_memory",
             "channel": "cuda_memory" if on_gpu else "shared_memory",
+            "network": "network_channel",
         }
         return {label[m] for m in self.by_mode}
 
@@ -304,6 +320,7 @@ def run(settings: StressSettings, workdir: Path | None = None) -> StressReport:
             f"--device={settings.device}", f"--num-slots={settings.slots}",
             f"--max-rank={settings.max_rank}", f"--cuda-graphs={settings.cuda_graphs}",
             "--kernel-autotune-seconds=0", "--log-format=json",
+            "--network-channel-port=0", "--network-channel-host=127.0.0.1",
         ]  # fmt: skip
         with log_path.open("w") as log_file:
             executor = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
@@ -352,6 +369,7 @@ def _drive(
             f"--address={address}", f"--pool={pool_dir}", f"--mode={mode}",
             f"--seconds={settings.seconds}", f"--seed={settings.seed * 1000 + i}",
             f"--tolerance={report.tolerance}", f"--lease={hot}",
+            f"--network-device={settings.network_device()}",
         ]  # fmt: skip
         clients.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
     latencies: list[float] = []

@@ -10,7 +10,9 @@ Modes (``MODES``): ``unary`` and ``stream`` send bytes with the generated stubs 
 the others go through the client library as a same-host user would
 (``bench.stress_transports``): ``shm`` a registered shared-memory ring, ``device`` CUDA tensors
 through ``ExecutorClient``'s own device path (a CUDA ring and a direct channel), ``channel``
-an asyncio channel with several calls in flight, reopened now and then with a lease.
+an asyncio channel with several calls in flight, reopened now and then with a lease;
+``network`` a network channel (Gloo from the CPU to a CPU executor, NCCL from a second GPU),
+reopened now and then with a lease.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ _OPTIONS = [
 _DETAILED = 5
 _CODES = {code.value[0]: code.name for code in grpc.StatusCode}
 #: How a client sends its requests (see the module's docstring).
-MODES = ("unary", "stream", "shm", "device", "channel")
+MODES = ("unary", "stream", "shm", "device", "channel", "network")
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ def run(
     seed: int,
     tolerance: float,
     lease: Sequence[str] = (),
+    network_device: str = "cpu",
 ) -> dict[str, object]:
     """Sends random pool requests for ``seconds``; the report ``main`` prints."""
     rng = random.Random(seed)
@@ -167,7 +170,9 @@ def run(
     if mode not in ("unary", "stream"):
         from executor_service.bench import stress_transports
 
-        errors.extend(stress_transports.run(address, pool, mode, deadline, rng, check, lease))
+        errors.extend(
+            stress_transports.run(address, pool, mode, deadline, rng, check, lease, network_device)
+        )
     else:
         with grpc.insecure_channel(address, options=_OPTIONS) as channel:
             stub = executor_pb2_grpc.ExecutorStub(channel)
@@ -209,10 +214,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tolerance", type=float, required=True)
     parser.add_argument("--lease", default="", help="channel: adapters to lease, one a channel")
+    parser.add_argument("--network-device", default="cpu", help="network: the tensors' device")
     args = parser.parse_args(argv)
     pool = load_pool(args.pool)
     lease = [a for a in args.lease.split(",") if a]
-    report = run(args.address, pool, args.mode, args.seconds, args.seed, args.tolerance, lease)
+    report = run(
+        args.address,
+        pool,
+        args.mode,
+        args.seconds,
+        args.seed,
+        args.tolerance,
+        lease,
+        args.network_device,
+    )
     print(json.dumps(report), flush=True)
 
 

@@ -1,5 +1,5 @@
 """The stress client's same-host transports, through the client library as a user calls it
-(``bench.stress_client --mode shm|device|channel``).
+(``bench.stress_client --mode shm|device|channel|network``).
 
 * ``shm``: ``ExecutorClient.shared_memory`` — a registered ring, descriptors over gRPC;
 * ``device``: CUDA tensors into a plain ``ExecutorClient``, which takes its own CUDA ring and
@@ -8,7 +8,10 @@
   channel and a ring (CUDA memory where this process has a GPU, shared memory otherwise); the
   channel is closed and reopened every ``CALLS_PER_CHANNEL`` calls, leasing an adapter the
   driver names (its segments then name it by the channel's handle, "#0"), so that tickets,
-  leases and their release churn with the traffic.
+  leases and their release churn with the traffic;
+* ``network``: ``ExecutorClient.open_network_channel`` from ``network_device`` (the CPU with
+  Gloo for a CPU executor, another GPU with NCCL for a GPU executor), closed and reopened with
+  a lease every ``CALLS_PER_CHANNEL`` calls as ``channel`` is.
 
 Each call's answer goes to ``check`` as float32 rows (None when it failed).
 """
@@ -71,6 +74,7 @@ def run(
     rng: random.Random,
     check: Check,
     lease: Sequence[str] = (),
+    network_device: str = "cpu",
 ) -> list[str]:
     """Sends random pool requests until ``deadline``; returns problems that are no call's
     status (a transport that fell back, a channel that broke)."""
@@ -82,6 +86,8 @@ def run(
     if mode == "channel":
         ring_shape = (hidden_size, max_tokens)
         return asyncio.run(_channel(address, pool, deadline, rng, check, lease, ring_shape))
+    if mode == "network":
+        return _network(address, pool, deadline, rng, check, lease, torch.device(network_device))
     gpu = mode == "device"
     with ExecutorClient(
         address, timeout=120, device_path=gpu, device_ring_tokens=max_tokens, device_ring_slots=1
@@ -115,6 +121,37 @@ def _calls(
         except MoeLoraError as exc:
             output = exc
         _answered(check, item, begin, output)
+
+
+def _network(
+    address: str,
+    pool: list[PoolRequest],
+    deadline: float,
+    rng: random.Random,
+    check: Check,
+    lease: Sequence[str],
+    device: torch.device,
+) -> list[str]:
+    with ExecutorClient(address, timeout=120, device_path=False) as client:
+        while time.monotonic() < deadline:
+            leased = [rng.choice(lease)] if lease else []
+            handles = {adapter: f"#{i}" for i, adapter in enumerate(leased)}
+            with client.open_network_channel(device, adapters=leased) as channel:
+                for _ in range(CALLS_PER_CHANNEL):
+                    if time.monotonic() >= deadline:
+                        break
+                    item = rng.choice(pool)
+                    hidden = _hidden(item, str(device))
+                    begin = time.perf_counter()
+                    output: torch.Tensor | MoeLoraError
+                    try:
+                        output, _ = channel.forward(item.layer, hidden, _segments(item, handles))
+                    except MoeLoraError as exc:
+                        output = exc
+                    _answered(check, item, begin, output)
+                if not channel.serving:
+                    return [f"network channel says not serving: {channel.reason}"]
+    return []
 
 
 async def _channel(
