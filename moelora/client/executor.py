@@ -183,7 +183,8 @@ def shared_forward_request(
     return request
 
 
-def _is_cuda(array: object) -> bool:
+def is_cuda(array: object) -> bool:
+    """Whether ``array`` is a CUDA tensor (without importing torch)."""
     return bool(getattr(array, "is_cuda", False))
 
 
@@ -233,7 +234,8 @@ class ExecutorClient:
         a dead connection does not wait for its deadline). ``device_path``: CUDA tensors go
         through a registered CUDA ring and a direct channel when the executor is on this host
         and can map them (``moelora.client.device_path``; ``device_ring_tokens`` rows per slot,
-        ``device_ring_slots`` calls at once), else as bytes."""
+        ``device_ring_slots`` calls at once), else over a network channel where the executor
+        takes them, else as bytes."""
         self._channel = open_channel(
             address,
             token=token,
@@ -252,8 +254,9 @@ class ExecutorClient:
     @property
     def transport(self) -> str:
         """How calls with CUDA tensors travel now: "message" (bytes in the RPC, and the only
-        way for host arrays), "cuda_memory" (a registered CUDA ring, descriptors over gRPC) or
-        "cuda_memory+channel" (the ring and a direct channel, no gRPC call each)."""
+        way for host arrays), "cuda_memory" (a registered CUDA ring, descriptors over gRPC),
+        "cuda_memory+channel" (the ring and a direct channel, no gRPC call each) or
+        "network_channel" (a network channel per thread: NCCL, no gRPC call each)."""
         return MESSAGE if self._device_path is None else self._device_path.transport
 
     def __enter__(self) -> ExecutorClient:
@@ -293,7 +296,7 @@ class ExecutorClient:
         ``shared_memory`` or ``cuda_memory``): the tensors travel through it where a slot
         fits them."""
         path = self._device_path
-        if path is not None and ring is None and routing is None and _is_cuda(hidden):
+        if path is not None and ring is None and routing is None and is_cuda(hidden):
             on_device = path.forward(layer, cast("torch.Tensor", hidden), segments, timeout)
             if on_device is not None:
                 return cast(ForwardResult[Array], on_device)

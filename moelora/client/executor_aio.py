@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 import grpc.aio
@@ -27,6 +27,8 @@ import grpc.aio
 from moelora.client import keepalive
 from moelora.client.auth import bearer_metadata
 from moelora.client.cuda_ring import CudaMemoryRing
+from moelora.client.device_path import MESSAGE
+from moelora.client.device_path_aio import AsyncDevicePath
 from moelora.client.errors import MoeLoraError, Unavailable, from_rpc_error
 from moelora.client.executor import (
     Array,
@@ -38,6 +40,7 @@ from moelora.client.executor import (
     channel_options,
     forward_request,
     forward_result,
+    is_cuda,
     retry_pause,
     shared_forward_request,
     shared_region_name,
@@ -67,8 +70,13 @@ class AsyncExecutorClient:
         retry: RetryPolicy | None = None,
         token: str | None = None,
         keepalive_seconds: float = keepalive.DEFAULT_KEEPALIVE_SECONDS,
+        device_path: bool = True,
+        device_ring_tokens: int = 1024,
+        device_ring_slots: int = 8,
     ) -> None:
-        """Arguments as ``ExecutorClient``'s."""
+        """Arguments as ``ExecutorClient``'s. ``device_path``: CUDA tensors go through a
+        registered CUDA ring and one asyncio direct channel where the executor can map them
+        (``moelora.client.device_path_aio``), else as bytes."""
         options = channel_options(max_message_bytes, keepalive_seconds)
         if tls or root_certificates is not None:
             credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
@@ -80,6 +88,15 @@ class AsyncExecutorClient:
         self.address = address
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
+        self._device_path = (
+            AsyncDevicePath(self, device_ring_tokens, device_ring_slots) if device_path else None
+        )
+
+    @property
+    def transport(self) -> str:
+        """How calls with CUDA tensors travel now: "message", "cuda_memory" or
+        "cuda_memory+channel" (as ``ExecutorClient.transport``)."""
+        return MESSAGE if self._device_path is None else self._device_path.transport
 
     async def __aenter__(self) -> AsyncExecutorClient:
         return self
@@ -93,6 +110,8 @@ class AsyncExecutorClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._device_path is not None:
+            await self._device_path.close()
         await self._channel.close()
 
     async def wait_until_serving(self, timeout: float = 60.0) -> None:
@@ -119,6 +138,11 @@ class AsyncExecutorClient:
         ring: ForwardRing | None = None,
     ) -> ForwardResult[Array]:
         """One MoE layer for ``hidden`` (T, H), as ``ExecutorClient.forward``."""
+        path = self._device_path
+        if path is not None and ring is None and routing is None and is_cuda(hidden):
+            on_device = await path.forward(layer, cast("torch.Tensor", hidden), segments, timeout)
+            if on_device is not None:
+                return cast(ForwardResult[Array], on_device)
         slot = None if ring is None else ring.take(hidden)
         if ring is None or slot is None:
             request = forward_request(layer, hidden, segments, routing)
@@ -174,6 +198,24 @@ class AsyncExecutorClient:
     ) -> AsyncIterator[CudaMemoryRing]:
         """A registered CUDA-memory ring for ``forward(..., ring=ring)``, as
         ``ExecutorClient.cuda_memory``."""
+        ring = await self.register_cuda_ring(hidden_size, max_tokens, device, slots, dtype, timeout)
+        try:
+            yield ring
+        finally:
+            with contextlib.suppress(MoeLoraError):
+                await self.unregister_cuda_ring(ring, timeout)
+            ring.close()
+
+    async def register_cuda_ring(
+        self,
+        hidden_size: int,
+        max_tokens: int,
+        device: torch.device | str = "cuda",
+        slots: int = 4,
+        dtype: str = "bfloat16",
+        timeout: float | None = None,
+    ) -> CudaMemoryRing:
+        """``cuda_memory``'s ring, registered until ``unregister_cuda_ring`` (then close it)."""
         import torch
 
         ring = CudaMemoryRing(
@@ -183,18 +225,20 @@ class AsyncExecutorClient:
             await self._call(
                 self._stub.RegisterCudaMemory, ring.register_request(), timeout, idempotent=True
             )
-            try:
-                yield ring
-            finally:
-                with contextlib.suppress(MoeLoraError):
-                    await self._call(
-                        self._stub.UnregisterCudaMemory,
-                        executor_pb2.UnregisterCudaMemoryRequest(region=ring.region),
-                        timeout,
-                        idempotent=True,
-                    )
-        finally:
+        except BaseException:
             ring.close()
+            raise
+        return ring
+
+    async def unregister_cuda_ring(
+        self, ring: CudaMemoryRing, timeout: float | None = None
+    ) -> None:
+        await self._call(
+            self._stub.UnregisterCudaMemory,
+            executor_pb2.UnregisterCudaMemoryRequest(region=ring.region),
+            timeout,
+            idempotent=True,
+        )
 
     async def open_channel(
         self,

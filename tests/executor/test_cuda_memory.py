@@ -11,6 +11,7 @@ it). On the CPU: the RPCs answer with the errors a CPU executor owes.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import threading
@@ -24,9 +25,11 @@ import pytest
 import torch
 
 from executor_service.serving.regions import SharedRegions
+from kernels.synthetic import worst_row_error
 from moelora.client import cuda_ipc
 from moelora.client.errors import FailedPrecondition, MoeLoraError
 from moelora.client.executor import ExecutorClient, RetryPolicy
+from moelora.client.executor_aio import AsyncExecutorClient
 from moelora.v1 import executor_pb2 as ex
 from moelora.v1 import executor_pb2_grpc, tensor_pb2
 from tests.executor.conftest import StartExecutor
@@ -45,6 +48,8 @@ CASES: list[tuple[int, list[tuple[int, str | None]]]] = [
     (600, [(600, "beta")]),
 ]
 MAX_TOKENS = 600
+#: A request's bf16 answer merged with others against it alone (worst row, relative).
+MERGED_BF16_ROW = 1e-2
 
 
 def _code(call: Any) -> grpc.StatusCode:
@@ -256,6 +261,29 @@ def _unasked(address: str, layer: int, hidden: torch.Tensor) -> dict[str, Any]:
         return {"before": before, "after": client.transport, "outputs": outputs}
 
 
+def _unasked_async(address: str, layer: int, hidden: torch.Tensor) -> dict[str, Any]:
+    """A plain asyncio client given CUDA tensors, every case in flight at once: one ring and
+    one channel carry them all."""
+    device = torch.device("cuda")
+
+    async def calls() -> dict[str, Any]:
+        async with AsyncExecutorClient(
+            address, timeout=60, retry=RetryPolicy(attempts=1)
+        ) as client:
+            before = client.transport
+            results = await asyncio.gather(
+                *(
+                    client.forward(layer, hidden[:tokens].to(device, torch.bfloat16), segments)
+                    for tokens, segments in CASES
+                )
+            )
+            assert all(r.output.is_cuda for r in results)
+            outputs = [_portable(r.output) for r in results]
+            return {"before": before, "after": client.transport, "outputs": outputs}
+
+    return asyncio.run(calls())
+
+
 def _portable(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
     """An answer as the parent can receive it after this process is gone (a torch tensor
     would travel as a handle to this process's memory); bf16 to float32 is exact."""
@@ -267,6 +295,7 @@ _SCRIPTS = {
     "unregister": _unregister_while_calling,
     "die": _die_mid_request,
     "unasked": _unasked,
+    "unasked_async": _unasked_async,
 }
 
 
@@ -369,6 +398,26 @@ def test_a_client_that_dies_mid_request_leaves_the_executor_serving(world: World
             )
             assert torch.isfinite(answer.output.float()).all()
         assert running.app.load_error is None
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_an_asyncio_client_takes_the_device_path_by_itself(world: World) -> None:
+    """Calls in flight at once from one event loop share the ring and one channel; answers as
+    with bytes."""
+    hidden = _long_input(world)
+    with _running(world, batch_window_us=0) as running:
+        got = _run_client(running.app.address, world.layer, hidden, "unasked_async")
+        assert (got["before"], got["after"]) == ("message", "cuda_memory+channel")
+        assert running.metric(
+            "moelora_executor_forward_requests_by_transport_total", transport="cuda_memory"
+        ) == len(CASES)
+        for (tokens, segments), output in zip(CASES, got["outputs"], strict=True):
+            as_bytes = hidden[:tokens].to(torch.bfloat16)
+            expected = running.client.forward(world.layer, as_bytes, segments).output
+            # Merged into one launch of another size: bf16 rounding of other tiles at most.
+            error = worst_row_error(torch.from_numpy(output), expected.float())
+            assert error < MERGED_BF16_ROW, f"T={tokens}: {error} from bytes"
 
 
 @needs_gpu

@@ -1,0 +1,135 @@
+"""The path an ``AsyncExecutorClient`` takes, unasked, for CUDA tensors (as
+``moelora.client.device_path`` for the blocking client): a CUDA ring registered once and one
+asyncio direct channel that carries every coroutine's calls at once (up to the channel's
+in-flight limit and the ring's slots). Where the executor cannot map the ring (another host
+or GPU, a CPU executor, the same process) the tensors go as bytes; where only the channel is
+refused, through the ring over gRPC. A call the ring cannot hold (more tokens than a slot,
+every slot busy, routing given) sends its bytes too. Each choice is logged once
+(``executor_transport``); ``transport`` says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from moelora.client.cuda_ipc import CudaError
+from moelora.client.cuda_ring import CudaMemoryRing
+from moelora.client.device_path import CUDA_CHANNEL, CUDA_MEMORY, MESSAGE
+from moelora.client.errors import DeadlineExceeded, MoeLoraError, Unavailable
+from moelora.client.logs import log_event
+
+if TYPE_CHECKING:
+    import torch
+
+    from moelora.client.channel_aio import AsyncForwardChannel
+    from moelora.client.executor import ForwardResult, Segments
+    from moelora.client.executor_aio import AsyncExecutorClient
+
+log = logging.getLogger(__name__)
+
+
+class AsyncDevicePath:
+    """The CUDA ring and the channel of one asyncio client. ``max_tokens``: the largest T a
+    slot holds; ``slots``: calls in flight at once through the ring."""
+
+    def __init__(self, client: AsyncExecutorClient, max_tokens: int, slots: int) -> None:
+        self._client = client
+        self._max_tokens = max_tokens
+        self._slots = slots
+        self._lock = asyncio.Lock()
+        self._ring: CudaMemoryRing | None = None
+        self._channel: AsyncForwardChannel | None = None
+        #: What calls with CUDA tensors use now (``MESSAGE`` until the first such call).
+        self.transport = MESSAGE
+        self._refused = False
+        self._channel_refused = False
+
+    async def forward(
+        self, layer: int, hidden: torch.Tensor, segments: Segments | None, timeout: float | None
+    ) -> ForwardResult[torch.Tensor] | None:
+        """The answer through the ring (over the channel, or gRPC), or None: send bytes."""
+        if self._refused or not 1 <= int(hidden.shape[0]) <= self._max_tokens:
+            return None
+        ring = await self._ring_for(hidden)
+        if ring is None:
+            return None
+        channel = await self._open_channel(timeout)
+        if channel is None:
+            return await self._client.forward(layer, hidden, segments, timeout=timeout, ring=ring)
+        from moelora.client.executor import ForwardResult
+
+        try:
+            output, result = await channel.forward(layer, hidden, ring, list(segments or ()))
+        except ValueError:  # every slot busy, or another device's or dtype's tensor
+            return None
+        except (Unavailable, DeadlineExceeded):  # the channel ended: bytes, with retries
+            await self._drop(channel)
+            return None
+        return ForwardResult(
+            output=output,
+            resolved_adapters=list(result.resolved_adapters),
+            server_time_us=result.server_time_us,
+            adapters_resident=result.adapters_loaded == 0,
+            adapters_loaded=result.adapters_loaded,
+        )
+
+    async def _ring_for(self, hidden: torch.Tensor) -> CudaMemoryRing | None:
+        ring = self._ring
+        if ring is not None:  # one ring: the first call's device and dtype
+            return ring if (ring.device, ring.dtype) == (hidden.device, hidden.dtype) else None
+        async with self._lock:
+            if self._refused:
+                return None
+            if self._ring is None:
+                dtype = str(hidden.dtype).removeprefix("torch.")
+                try:
+                    self._ring = await self._client.register_cuda_ring(
+                        int(hidden.shape[1]), self._max_tokens, hidden.device, self._slots, dtype
+                    )
+                except (MoeLoraError, CudaError, ValueError) as exc:
+                    self._refused = True
+                    self._choose(MESSAGE, f"CUDA memory refused: {exc}")
+                    return None
+                self._choose(CUDA_CHANNEL, "the executor maps this process's CUDA memory")
+        return await self._ring_for(hidden)
+
+    async def _open_channel(self, timeout: float | None) -> AsyncForwardChannel | None:
+        if self._channel is not None or self._channel_refused:
+            return self._channel
+        async with self._lock:
+            if self._channel is None and not self._channel_refused:
+                try:
+                    self._channel = await self._client.open_channel(timeout)
+                except MoeLoraError as exc:
+                    self._channel_refused = True
+                    self._choose(CUDA_MEMORY, f"direct channel refused: {exc}")
+            return self._channel
+
+    async def _drop(self, channel: AsyncForwardChannel) -> None:
+        """Forgets a channel that ended (the next call opens another)."""
+        async with self._lock:
+            if self._channel is channel:
+                self._channel = None
+        with contextlib.suppress(OSError):
+            await channel.close()
+
+    def _choose(self, transport: str, reason: str) -> None:
+        self.transport = transport
+        log_event(
+            log, "executor_transport", address=self._client.address, transport=transport,
+            reason=reason,
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        """Closes the channel, unregisters and frees the ring."""
+        channel, self._channel = self._channel, None
+        ring, self._ring = self._ring, None
+        if channel is not None:
+            await channel.close()
+        if ring is not None:
+            with contextlib.suppress(MoeLoraError):
+                await self._client.unregister_cuda_ring(ring)
+            ring.close()
