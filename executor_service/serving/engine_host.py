@@ -306,7 +306,8 @@ class EngineHost:
             assert self._network is not None
             limit = self._network.max_channels
         with self._lock:
-            crowded = channel and sum(x.network == network for x in self._links) >= limit
+            open_now = sum(x.channel and x.network == network for x in self._links)
+            crowded = channel and open_now >= limit
             if not crowded:
                 self._links.add(link)
             serving, reason = self._serving, self._reason
