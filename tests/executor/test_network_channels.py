@@ -22,7 +22,7 @@ from moelora.client.errors import FailedPrecondition, NotFound, Unavailable
 from moelora.v1 import executor_pb2 as ex
 from moelora.v1 import tensor_pb2
 from tests.conftest import wait_for
-from tests.executor.conftest import Placement, Running, StartExecutor
+from tests.executor.conftest import Placement, Running, StartExecutor, slowed_kernel
 from tests.executor.worlds import TOKENS, World
 
 CPU = torch.device("cpu")
@@ -106,6 +106,30 @@ def test_a_descriptor_that_would_unpair_the_transfers_ends_its_channel_alone(
         network_group.abort(group)
         raw.close()
         output, _ = good.forward(layer, hidden, [(TOKENS, "alpha")])  # the others serve on
+        torch.testing.assert_close(
+            output, qwen_world.expected(layer, [(TOKENS, "alpha")]), atol=TOLERANCE, rtol=TOLERANCE
+        )
+
+
+def test_a_second_request_in_flight_ends_its_channel_alone(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """One request at a time: a client that sends the next descriptor before its answer
+    could no longer pair its transfers with the engine's; the channel ends, nothing else."""
+    running = _network(qwen_world, start_executor, kernel=slowed_kernel(0.5))
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer]
+    opened = running.client._stub.OpenChannel(ex.OpenChannelRequest(network=True))
+    raw, group = _join(opened)
+    ref = TensorRef("", 0, hidden.numel() * 4, tensor_pb2.DATA_TYPE_FLOAT32, tuple(hidden.shape))
+    raw.send(Kind.FORWARD, _descriptor(layer, ref).encode())
+    group.send([network_group.as_bytes(hidden.contiguous())], 0, 0).wait()
+    raw.send(Kind.FORWARD, _descriptor(layer, ref).encode())  # while the first computes
+    assert "one request at a time" in _reasons(raw)[-1]
+    network_group.abort(group)
+    raw.close()
+    with running.client.open_network_channel(CPU) as channel:
+        output, _ = channel.forward(layer, hidden, [(TOKENS, "alpha")])
         torch.testing.assert_close(
             output, qwen_world.expected(layer, [(TOKENS, "alpha")]), atol=TOLERANCE, rtol=TOLERANCE
         )
