@@ -157,6 +157,13 @@ class ExecutorMetrics:
             "it, as fresh memory)",
             registry=registry,
         )
+        self.channels_open = Gauge(
+            "moelora_executor_channels_open",
+            "Channels to the engine open now, by kind: direct (same-host clients over a Unix "
+            "socket) and network (clients on other hosts or GPUs: TCP and a process group each)",
+            ["kind"],
+            registry=registry,
+        )
         self.gpu_slots = Gauge(
             "moelora_executor_gpu_slots",
             "GPU adapter slots by state (free, loaded, pinned)",

@@ -141,6 +141,7 @@ class EngineHost:
         if device.type == "cuda" and self._region_pinned_bytes:
             self.region_pinning = HostPinning(device, self._region_pinned_bytes)
         self._runtime = runtime
+        self._count_channels()  # both kinds' series from the start, at 0
         with self._lock:
             links = list(self._links)
         for link in links:
@@ -317,7 +318,20 @@ class EngineHost:
             link.close()
             return
         link.send_state(serving, reason)
+        if channel:
+            self._count_channels()
         threading.Thread(target=self._read, args=(link,), name="engine-link", daemon=True).start()
+
+    def _count_channels(self) -> None:
+        """The channels-open gauge, by kind (once the runtime, and its metrics, are there)."""
+        runtime = self._runtime
+        if runtime is None:
+            return
+        with self._lock:
+            network = sum(link.network for link in self._links)
+            direct = sum(link.channel for link in self._links) - network
+        runtime.metrics.channels_open.labels("direct").set(direct)
+        runtime.metrics.channels_open.labels("network").set(network)
 
     def _read(self, link: _Link) -> None:
         try:
@@ -356,6 +370,8 @@ class EngineHost:
         finally:
             with self._lock:
                 self._links.discard(link)
+            if link.channel:
+                self._count_channels()
             link.close()
             if link.held is not None:
                 self._release(link.held)

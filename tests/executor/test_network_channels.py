@@ -45,7 +45,10 @@ def test_a_network_channel_answers_as_the_reference(
         [(3, None), (TOKENS - 3, "beta")],
         [(TOKENS, None)],
     ]
+    gauge = "moelora_executor_channels_open"
     with running.client.open_network_channel(CPU) as channel:
+        assert running.metric(gauge, kind="network") == 1
+        assert running.metric(gauge, kind="direct") == 0
         for mix in mixes:
             output, result = channel.forward(layer, hidden, mix)
             torch.testing.assert_close(
@@ -66,6 +69,7 @@ def test_a_network_channel_answers_as_the_reference(
         )
     transports = "moelora_executor_forward_requests_by_transport_total"
     assert running.metric(transports, transport="network_channel") == len(mixes) + 3
+    wait_for(lambda: running.metric(gauge, kind="network") == 0, timeout=30)
 
 
 def test_without_a_port_an_executor_refuses_network_channels(
