@@ -113,6 +113,7 @@ class ExecutorApp:
             settings.network_channel_port,
             settings.network_channel_host,
             settings.max_network_channels,
+            settings.network_channel_buffer_bytes,
         )
         self.link.start()
 

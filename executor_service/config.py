@@ -202,6 +202,14 @@ class ExecutorSettings(ServerSettings):
         "(OpenChannel tells them; in Kubernetes the pod IP); default: this host's name "
         "resolved",
     )
+    network_channel_buffer_bytes: int = Field(
+        64 * 1024**2,
+        ge=1024**2,
+        description="device memory one network channel may hold for a request's input and "
+        "output together (its buffer grows to its largest request up to this): a larger "
+        "request ends the channel; every open channel may hold this much outside the slot "
+        "budget",
+    )
     max_network_channels: int = Field(
         16,
         ge=1,

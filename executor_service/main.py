@@ -126,6 +126,7 @@ def _serve_with_front_ends(settings: ExecutorSettings, kernel: KernelFn | None, 
         settings.network_channel_port,
         settings.network_channel_host,
         settings.max_network_channels,
+        settings.network_channel_buffer_bytes,
     )
     listen = concrete_listen(settings.listen)
     front_ends = FrontEnds(

@@ -187,13 +187,16 @@ class EngineHost:
         return channels.path
 
     def listen_network_channels(
-        self, port: int | None, advertise: str | None, max_channels: int
+        self, port: int | None, advertise: str | None, max_channels: int, buffer_bytes: int
     ) -> None:
         """Accepts network channels (``network_channels``) on TCP ``port`` of every
-        interface (0: any free port; None: none), told to clients as ``advertise``."""
+        interface (0: any free port; None: none), told to clients as ``advertise``; each
+        holds at most ``buffer_bytes`` of device memory for its requests."""
         if port is None:
             return
-        network = NetworkChannels("0.0.0.0", port, advertised_host(advertise), max_channels)
+        network = NetworkChannels(
+            "0.0.0.0", port, advertised_host(advertise), max_channels, buffer_bytes
+        )
         self._network = network
         threading.Thread(
             target=self._accept,
@@ -397,8 +400,7 @@ class EngineHost:
                 link.linger()
                 return False
             link.send_state(self._serving, self._reason, admitted=True)  # now join the group
-            limit = runtime.settings.max_tokens_per_request * runtime.model.spec.hidden_size * 4
-            link.data = network.data_link(ticket, runtime.placement.device, limit)
+            link.data = network.data_link(ticket, runtime.placement.device)
             link.data.connect(peer_gone(link.connection.sock))
             max_in_flight = 1
         link.admit(scope, int(hello.get("pid", 0)), max_in_flight)

@@ -60,9 +60,12 @@ class ChannelBroken(ValueError):
 class NetworkChannels:
     """The engine's TCP listener for network channels and its rendezvous store."""
 
-    def __init__(self, bind_host: str, port: int, advertise_host: str, max_channels: int) -> None:
+    def __init__(
+        self, bind_host: str, port: int, advertise_host: str, max_channels: int, buffer_bytes: int
+    ) -> None:
         self.listener = socket.create_server((bind_host, port), backlog=64)
         self.max_channels = max_channels
+        self._buffer_bytes = buffer_bytes
         self._store = TCPStore(
             bind_host,
             0,
@@ -74,12 +77,11 @@ class NetworkChannels:
         self.address = f"{advertise_host}:{self.listener.getsockname()[1]}"
         self.store_address = f"{advertise_host}:{self._store.port}"
 
-    def data_link(self, ticket: str, device: torch.device, limit: int) -> DataLink:
-        """The engine's end of the channel ``ticket`` names, on ``device``; a request's input
-        may be at most ``limit`` bytes."""
+    def data_link(self, ticket: str, device: torch.device) -> DataLink:
+        """The engine's end of the channel ``ticket`` names, on ``device``."""
         backend = network_group.backend_for(device)
         group = network_group.channel_group(self._store, ticket, network_group.ENGINE_RANK, backend)
-        return DataLink(group, device, limit)
+        return DataLink(group, device, self._buffer_bytes)
 
     def close(self) -> None:
         self.listener.close()
@@ -87,12 +89,12 @@ class NetworkChannels:
 
 class DataLink:
     """One network channel's tensors: its group and the device buffer its requests' input and
-    output live in (grown to the largest request, up to ``limit`` bytes each)."""
+    output live in (grown to the largest request, up to ``buffer_bytes`` for both)."""
 
-    def __init__(self, group: network_group.Group, device: torch.device, limit: int) -> None:
+    def __init__(self, group: network_group.Group, device: torch.device, buffer_bytes: int) -> None:
         self._group = group
         self._device = device
-        self._limit = limit
+        self._buffer_bytes = buffer_bytes
         self._cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None  # type: ignore[no-untyped-call]
         self.region = _region(device, 0)
@@ -119,18 +121,25 @@ class DataLink:
         if wire is None or any(d < 0 for d in hidden.shape):
             raise ChannelBroken("the descriptor's input has no dtype or shape the engine takes")
         nbytes = math.prod(hidden.shape) * wire.itemsize
-        if nbytes > self._limit:
-            raise ChannelBroken(
-                f"the descriptor's input is {nbytes} bytes, more than the {self._limit} a "
-                "request may have"
-            )
         output_at = -(-nbytes // 256) * 256  # the output aligned after the input
+        if output_at + nbytes > self._buffer_bytes:
+            raise ChannelBroken(
+                f"the descriptor's input and output take {output_at + nbytes} bytes, more "
+                f"than the {self._buffer_bytes} a network channel holds "
+                "(--network-channel-buffer-bytes): send fewer tokens per request"
+            )
         with self._lock:
             if self._sending is not None:  # done by now: the client saw it before this
                 self._sending.wait()
                 self._sending = None
             if self.region.info.size < output_at + nbytes:
-                self.region = _region(self._device, output_at + nbytes)
+                try:
+                    self.region = _region(self._device, output_at + nbytes)
+                except torch.OutOfMemoryError:
+                    raise ChannelBroken(
+                        f"the device has no {output_at + nbytes} bytes free for the channel's "
+                        "buffer"
+                    ) from None
         self._receive(self.region.memory.bytes[:nbytes], peer_gone)
         self._output_bytes = nbytes
         self._output_at = output_at

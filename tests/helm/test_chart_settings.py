@@ -113,6 +113,7 @@ NETWORK_CHANNEL_HOST = "MOELORA_EXECUTOR_NETWORK_CHANNEL_HOST"
 NETWORK_CHANNEL_SETTINGS = {
     "MOELORA_EXECUTOR_NETWORK_CHANNEL_PORT",
     "MOELORA_EXECUTOR_MAX_NETWORK_CHANNELS",
+    "MOELORA_EXECUTOR_NETWORK_CHANNEL_BUFFER_BYTES",
     NETWORK_CHANNEL_HOST,
 }
 
@@ -120,7 +121,8 @@ NETWORK_CHANNEL_SETTINGS = {
 @pytest.fixture(scope="module")
 def network_channels(chart: helm.Chart) -> Release:
     """Network channels on, on a port and a channel count of their own."""
-    values = {"executor": {"networkChannels": {"enabled": True, "port": 50070, "maxChannels": 32}}}
+    channels = {"enabled": True, "port": 50070, "maxChannels": 32, "bufferMiB": 128}
+    values = {"executor": {"networkChannels": channels}}
     return render(chart, values)
 
 
@@ -131,6 +133,7 @@ def test_network_channels_reach_the_executor_at_its_pod_ip(
     data = network_channels.one("ConfigMap", "executor")["data"]
     assert data["MOELORA_EXECUTOR_NETWORK_CHANNEL_PORT"] == "50070"
     assert data["MOELORA_EXECUTOR_MAX_NETWORK_CHANNELS"] == "32"
+    assert data["MOELORA_EXECUTOR_NETWORK_CHANNEL_BUFFER_BYTES"] == str(128 * 1024**2)
     # The address clients on other nodes are told: the pod's own IP, from the downward API.
     host = env_of(executor_pod)[NETWORK_CHANNEL_HOST]
     assert host["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -144,6 +147,7 @@ def test_network_channels_reach_the_executor_at_its_pod_ip(
     executor = parsed(ExecutorSettings, env, monkeypatch)
     assert (executor.network_channel_host, executor.network_channel_port) == ("10.4.2.17", 50070)
     assert executor.max_network_channels == 32
+    assert executor.network_channel_buffer_bytes == 128 * 1024**2
 
     # The executor's policy admits its labelled clients on every port, both ways (the store's
     # and NCCL's ports are ephemeral); by default only on gRPC.
