@@ -32,6 +32,7 @@ from moelora.client.network_channel import NetworkChannel
 if TYPE_CHECKING:
     import torch
 
+    from moelora.client.engine_wire import ForwardResult as ChannelResult
     from moelora.client.executor import ExecutorClient, ForwardResult, Segments
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,6 @@ class DevicePath:
         channel = self._channel(timeout)
         if channel is None:
             return self._client.forward(layer, hidden, segments, timeout=timeout, ring=ring)
-        from moelora.client.executor import ForwardResult
-
         try:
             output, result = channel.forward(layer, hidden, ring, list(segments or ()))
         except ValueError:  # every slot busy
@@ -81,13 +80,7 @@ class DevicePath:
         except Unavailable:  # the engine closed it (draining, restarted): bytes, with retries
             self._local.channel = None
             return None
-        return ForwardResult(
-            output=output,
-            resolved_adapters=list(result.resolved_adapters),
-            server_time_us=result.server_time_us,
-            adapters_resident=result.adapters_loaded == 0,
-            adapters_loaded=result.adapters_loaded,
-        )
+        return channel_answer(output, result)
 
     def _over_network(
         self, layer: int, hidden: torch.Tensor, segments: Segments | None, timeout: float | None
@@ -95,8 +88,6 @@ class DevicePath:
         channel = self._network_channel(hidden, timeout)
         if channel is None:
             return None
-        from moelora.client.executor import ForwardResult
-
         try:
             output, result = channel.forward(layer, hidden, list(segments or ()))
         except ValueError:  # a tensor the channel does not carry (another device, a dtype)
@@ -104,13 +95,7 @@ class DevicePath:
         except (Unavailable, DeadlineExceeded):  # the channel ended: bytes, with retries
             self._local.network = None
             return None
-        return ForwardResult(
-            output=output,
-            resolved_adapters=list(result.resolved_adapters),
-            server_time_us=result.server_time_us,
-            adapters_resident=result.adapters_loaded == 0,
-            adapters_loaded=result.adapters_loaded,
-        )
+        return channel_answer(output, result)
 
     def _network_channel(
         self, hidden: torch.Tensor, timeout: float | None
@@ -188,3 +173,16 @@ class DevicePath:
             with contextlib.suppress(MoeLoraError):
                 self._client.unregister_cuda_ring(ring)
             ring.close()
+
+
+def channel_answer(output: torch.Tensor, result: ChannelResult) -> ForwardResult[torch.Tensor]:
+    """A channel's answer as ``ExecutorClient.forward`` gives it."""
+    from moelora.client.executor import ForwardResult
+
+    return ForwardResult(
+        output=output,
+        resolved_adapters=list(result.resolved_adapters),
+        server_time_us=result.server_time_us,
+        adapters_resident=result.adapters_loaded == 0,
+        adapters_loaded=result.adapters_loaded,
+    )

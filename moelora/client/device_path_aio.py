@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from moelora.client.cuda_ipc import CudaError
 from moelora.client.cuda_ring import CudaMemoryRing
-from moelora.client.device_path import CUDA_CHANNEL, CUDA_MEMORY, MESSAGE
+from moelora.client.device_path import CUDA_CHANNEL, CUDA_MEMORY, MESSAGE, channel_answer
 from moelora.client.errors import DeadlineExceeded, MoeLoraError, Unavailable
 from moelora.client.logs import log_event
 
@@ -59,8 +59,6 @@ class AsyncDevicePath:
         channel = await self._open_channel(timeout)
         if channel is None:
             return await self._client.forward(layer, hidden, segments, timeout=timeout, ring=ring)
-        from moelora.client.executor import ForwardResult
-
         try:
             output, result = await channel.forward(layer, hidden, ring, list(segments or ()))
         except ValueError:  # every slot busy, or another device's or dtype's tensor
@@ -68,13 +66,7 @@ class AsyncDevicePath:
         except (Unavailable, DeadlineExceeded):  # the channel ended: bytes, with retries
             await self._drop(channel)
             return None
-        return ForwardResult(
-            output=output,
-            resolved_adapters=list(result.resolved_adapters),
-            server_time_us=result.server_time_us,
-            adapters_resident=result.adapters_loaded == 0,
-            adapters_loaded=result.adapters_loaded,
-        )
+        return channel_answer(output, result)
 
     async def _ring_for(self, hidden: torch.Tensor) -> CudaMemoryRing | None:
         ring = self._ring
