@@ -18,7 +18,7 @@ import torch
 
 from moelora.client import network_group
 from moelora.client.engine_wire import Connection, ForwardDescriptor, Kind, TensorRef
-from moelora.client.errors import FailedPrecondition, NotFound, Unavailable
+from moelora.client.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from moelora.v1 import executor_pb2 as ex
 from moelora.v1 import tensor_pb2
 from tests.conftest import wait_for
@@ -70,6 +70,22 @@ def test_a_network_channel_answers_as_the_reference(
     transports = "moelora_executor_forward_requests_by_transport_total"
     assert running.metric(transports, transport="network_channel") == len(mixes) + 3
     wait_for(lambda: running.metric(gauge, kind="network") == 0, timeout=30)
+
+
+def test_a_network_channel_leases_adapters_named_by_handle(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    running = _network(qwen_world, start_executor)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer]
+    with running.client.open_network_channel(CPU, adapters=["beta"]) as channel:
+        assert channel.leased == ["beta:1"]
+        output, result = channel.forward(layer, hidden, [(3, None), (TOKENS - 3, "#0")])
+        assert list(result.resolved_adapters) == ["", "beta:1"]
+        expected = qwen_world.expected(layer, [(3, None), (TOKENS - 3, "beta")])
+        torch.testing.assert_close(output, expected, atol=TOLERANCE, rtol=TOLERANCE)
+        with pytest.raises(InvalidArgument, match="segments"):  # a handle it did not lease
+            channel.forward(layer, hidden, [(TOKENS, "#1")])
 
 
 def test_without_a_port_an_executor_refuses_network_channels(
