@@ -59,12 +59,7 @@ class NetworkChannel:
         timeout: float = 30.0,
         slot_wait: float = 10.0,
     ) -> None:
-        if network_group.backend_for(device) != opened.backend:
-            raise FailedPrecondition(
-                f"device: the executor's channels use {opened.backend}, which {device} "
-                "cannot (NCCL for CUDA tensors, Gloo for CPU tensors)",
-                "device",
-            )
+        check_backend(opened, device)
         host, _, port = opened.network_address.rpartition(":")
         try:
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
@@ -83,27 +78,20 @@ class NetworkChannel:
         self.reason = ""
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._sending: Any = None
-        self._closed = False
+        self._transfers: Transfers | None = None
         try:
             self._connection.send_json(Kind.HELLO, {"ticket": opened.ticket, "pid": os.getpid()})
             self._admitted()
-            store = network_group.store_client(opened.store_address)
-            self._group: network_group.Group = network_group.channel_group(
-                store, opened.ticket, network_group.CLIENT_RANK, opened.backend
-            )
-            self._store = store  # the group reads it while it makes its communicator
-            self._send(_hello_tensor(device)).wait()
         except (EOFError, OSError):
             sock.close()
-            self._closed = True
             raise Unavailable(
                 f"channel: the engine turned it away ({self.reason or 'it hung up'})"
             ) from None
-        except Exception as exc:  # torch.distributed's errors
+        try:
+            self._transfers = Transfers.join(opened, device)
+        except Unavailable:
             sock.close()
-            self._closed = True
-            raise Unavailable(f"channel: the rendezvous with the engine failed ({exc})") from None
+            raise
 
     def forward(
         self, layer: int, hidden: torch.Tensor, segments: Segments | None = None
@@ -111,40 +99,16 @@ class NetworkChannel:
         """One MoE layer for ``hidden`` (T, H) on the channel's device: the output (a new
         tensor, ready on the current stream) and the engine's result. Errors raise as for
         Forward."""
-        import torch
-
-        if hidden.device != self.device or hidden.dim() != 2:
-            raise ValueError(f"hidden: must be (T, H) on {self.device}")
-        name = str(hidden.dtype).removeprefix("torch.")
-        if name not in _FLOATS:
-            raise ValueError(f"hidden: {hidden.dtype} is not float32, float16 or bfloat16")
-        dtype = dtype_from_name(name)
-        hidden = hidden.contiguous()
-        shape = tuple(int(d) for d in hidden.shape)
-        nbytes = math.prod(shape) * hidden.element_size()
-        ref = TensorRef("", 0, nbytes, dtype, shape)
-        output = torch.empty_like(hidden)
+        transfers = self._transfers
+        if transfers is None:
+            raise Unavailable("channel: closed")
         with self._lock:
-            descriptor = ForwardDescriptor(
-                request_id=next(self._ids),
-                layer=layer,
-                slot_wait=self.slot_wait,
-                decode_seconds=0.0,
-                scope="",  # the engine takes the ticket's
-                hidden=ref,
-                output=ref,
-                segments=tuple((n, a or "") for n, a in segments or ()),
+            descriptor, hidden = network_descriptor(
+                self.device, layer, hidden, segments, next(self._ids), self.slot_wait
             )
             try:
                 self._connection.send(Kind.FORWARD, descriptor.encode())
-                if self._sending is not None:
-                    self._sending.wait()
-                self._sending = self._send(hidden)
-                receiving = self._group.recv(
-                    [network_group.as_bytes(output)],
-                    network_group.ENGINE_RANK,
-                    network_group.TAG,
-                )
+                output, receiving = transfers.post(hidden)
                 result = self._result(descriptor.request_id)
                 receiving.wait()  # NCCL: the current stream waits; Gloo: this thread does
             except TimeoutError:
@@ -157,11 +121,6 @@ class NetworkChannel:
                 ) from None
         raise_for(result.code, result.message, result.retry_after_ms)
         return output, result
-
-    def _send(self, tensor: torch.Tensor) -> Any:
-        return self._group.send(
-            [network_group.as_bytes(tensor)], network_group.ENGINE_RANK, network_group.TAG
-        )
 
     def _admitted(self) -> None:
         """Reads the engine's states until it takes the ticket (EOFError if it hangs up)."""
@@ -196,9 +155,9 @@ class NetworkChannel:
         """Closes the socket and ends the group (the engine frees the channel's buffers)."""
         with contextlib.suppress(OSError):
             self._connection.close()
-        if not self._closed:
-            self._closed = True
-            network_group.abort(self._group)
+        transfers, self._transfers = self._transfers, None
+        if transfers is not None:
+            transfers.close()
 
     def __enter__(self) -> NetworkChannel:
         return self
@@ -207,10 +166,96 @@ class NetworkChannel:
         self.close()
 
 
-def _hello_tensor(device: torch.device) -> torch.Tensor:
-    import torch
+class Transfers:
+    """A network channel's client end of its group (rank 1): one request's tensors at a time,
+    input sent then output received (``moelora.client.network_group``)."""
 
-    return torch.zeros(network_group.HELLO_BYTES, dtype=torch.uint8, device=device)
+    def __init__(self, group: network_group.Group, store: Any, device: torch.device) -> None:
+        self._group = group
+        self._store = store  # the group reads it while it makes its communicator
+        self._device = device
+        self._sending: Any = None
+
+    @classmethod
+    def join(cls, opened: executor_pb2.OpenChannelResponse, device: torch.device) -> Transfers:
+        """Joins the channel's group once the engine admitted the ticket: the first transfer
+        completes the rendezvous (blocking; Unavailable if it fails)."""
+        import torch
+
+        try:
+            store = network_group.store_client(opened.store_address)
+            group = network_group.channel_group(
+                store, opened.ticket, network_group.CLIENT_RANK, opened.backend
+            )
+            transfers = cls(group, store, device)
+            hello = torch.zeros(network_group.HELLO_BYTES, dtype=torch.uint8, device=device)
+            transfers._send(hello).wait()
+        except Exception as exc:  # torch.distributed's errors
+            raise Unavailable(f"channel: the rendezvous with the engine failed ({exc})") from None
+        return transfers
+
+    def post(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Posts the input's send and the output's receive (after the frame that describes
+        them): the output tensor and the receive (``wait`` it once the RESULT is read)."""
+        import torch
+
+        if self._sending is not None:  # done by now: the engine answered the request before
+            self._sending.wait()
+        self._sending = self._send(hidden)
+        output = torch.empty_like(hidden)
+        receiving = self._group.recv(
+            [network_group.as_bytes(output)], network_group.ENGINE_RANK, network_group.TAG
+        )
+        return output, receiving
+
+    def _send(self, tensor: torch.Tensor) -> Any:
+        return self._group.send(
+            [network_group.as_bytes(tensor)], network_group.ENGINE_RANK, network_group.TAG
+        )
+
+    def close(self) -> None:
+        network_group.abort(self._group)
+
+
+def check_backend(opened: executor_pb2.OpenChannelResponse, device: torch.device) -> None:
+    """FailedPrecondition unless tensors on ``device`` can use the channel's backend."""
+    if network_group.backend_for(device) != opened.backend:
+        raise FailedPrecondition(
+            f"device: the executor's channels use {opened.backend}, which {device} cannot "
+            "(NCCL for CUDA tensors, Gloo for CPU tensors)",
+            "device",
+        )
+
+
+def network_descriptor(
+    device: torch.device,
+    layer: int,
+    hidden: torch.Tensor,
+    segments: Segments | None,
+    request_id: int,
+    slot_wait: float,
+) -> tuple[ForwardDescriptor, torch.Tensor]:
+    """The descriptor of one request (its tensors' dtype and shape alone) and the input as
+    the group sends it (contiguous); ValueError for a tensor the channel does not carry."""
+    if hidden.device != device or hidden.dim() != 2:
+        raise ValueError(f"hidden: must be (T, H) on {device}")
+    name = str(hidden.dtype).removeprefix("torch.")
+    if name not in _FLOATS:
+        raise ValueError(f"hidden: {hidden.dtype} is not float32, float16 or bfloat16")
+    hidden = hidden.contiguous()
+    shape = tuple(int(d) for d in hidden.shape)
+    ref = TensorRef("", 0, math.prod(shape) * hidden.element_size(), dtype_from_name(name), shape)
+    descriptor = ForwardDescriptor(
+        request_id=request_id,
+        layer=layer,
+        slot_wait=slot_wait,
+        decode_seconds=0.0,
+        scope="",  # the engine takes the ticket's
+        hidden=ref,
+        output=ref,
+        segments=tuple((n, a or "") for n, a in segments or ()),
+    )
+    return descriptor, hidden
 
 
 _FLOATS = ("float32", "float16", "bfloat16")
