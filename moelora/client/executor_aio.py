@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     import torch
 
     from moelora.client.channel_aio import AsyncForwardChannel
+    from moelora.client.network_channel_aio import AsyncNetworkChannel
 
 T = TypeVar("T")
 
@@ -255,6 +256,24 @@ class AsyncExecutorClient:
             self._stub.OpenChannel, request, timeout, idempotent=not adapters
         )
         return await AsyncForwardChannel.connect(opened, timeout or self.timeout, slot_wait)
+
+    async def open_network_channel(
+        self,
+        device: torch.device,
+        timeout: float | None = None,
+        slot_wait: float = 10.0,
+        adapters: Sequence[str] = (),
+    ) -> AsyncNetworkChannel:
+        """A network channel to the executor's engine, as
+        ``ExecutorClient.open_network_channel``; one call at a time on it
+        (``moelora.client.network_channel_aio``)."""
+        from moelora.client.network_channel_aio import AsyncNetworkChannel
+
+        request = executor_pb2.OpenChannelRequest(adapters=list(adapters), network=True)
+        opened: executor_pb2.OpenChannelResponse = await self._call(
+            self._stub.OpenChannel, request, timeout, idempotent=not adapters
+        )
+        return await AsyncNetworkChannel.connect(opened, device, timeout or self.timeout, slot_wait)
 
     async def forward_stream(
         self, calls: Iterable[ForwardCall[Array]], timeout: float | None = None

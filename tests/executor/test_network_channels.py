@@ -7,6 +7,7 @@ that vanishes mid-request, or a ticket for the other kind of channel ends that c
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -16,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from moelora.client import network_group
+from moelora.client import AsyncExecutorClient, network_group
 from moelora.client.engine_wire import Connection, ForwardDescriptor, Kind, TensorRef
 from moelora.client.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from moelora.v1 import executor_pb2 as ex
@@ -86,6 +87,45 @@ def test_a_network_channel_leases_adapters_named_by_handle(
         torch.testing.assert_close(output, expected, atol=TOLERANCE, rtol=TOLERANCE)
         with pytest.raises(InvalidArgument, match="segments"):  # a handle it did not lease
             channel.forward(layer, hidden, [(TOKENS, "#1")])
+
+
+def test_asyncio_network_channels_answer_calls_that_overlap(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """Two asyncio channels, each with calls queued on it, all in flight from one event loop;
+    an error answer leaves its channel usable."""
+    running = _network(qwen_world, start_executor)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer]
+    mixes: list[list[tuple[int, str | None]]] = [
+        [(TOKENS, "alpha")],
+        [(3, None), (TOKENS - 3, "beta")],
+        [(TOKENS, None)],
+        [(TOKENS, "beta")],
+    ]
+
+    async def calls() -> list[torch.Tensor]:
+        async with AsyncExecutorClient(running.app.address, timeout=30) as client:
+            first = await client.open_network_channel(CPU)
+            second = await client.open_network_channel(CPU)
+            async with first, second:
+                outputs = await asyncio.gather(
+                    *(
+                        (first if i % 2 else second).forward(layer, hidden, mix)
+                        for i, mix in enumerate(mixes)
+                    )
+                )
+                with pytest.raises(NotFound):
+                    await first.forward(layer, hidden, [(TOKENS, "no-such-adapter")])
+                again, _ = await first.forward(layer, hidden, mixes[0])
+            return [output for output, _ in outputs] + [again]
+
+    answers = asyncio.run(calls())
+    for mix, output in zip([*mixes, mixes[0]], answers, strict=True):
+        torch.testing.assert_close(
+            output, qwen_world.expected(layer, mix), atol=TOLERANCE, rtol=TOLERANCE
+        )
+    wait_for(lambda: running.app.host.network_channels_open() == 0, timeout=30)
 
 
 def test_without_a_port_an_executor_refuses_network_channels(
