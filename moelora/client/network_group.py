@@ -44,10 +44,11 @@ def backend_for(device: torch.device) -> str:
 
 
 def configure_nccl() -> None:
-    """Keeps a failed or timed-out channel from taking its process down: torch's default
-    for NCCL errors tears the process down, and its heartbeat monitor kills a process whose
-    watchdog is stuck; a channel's peer is another host's client, not a training job's rank.
-    Operators' own settings win (read when a group is made)."""
+    """Keeps a failed or timed-out channel from taking the engine's process down: torch's
+    default for NCCL errors tears the process down, and its heartbeat monitor kills a process
+    whose watchdog is stuck; a channel's peer is another host's client, not a training job's
+    rank. For the engine alone (a client's process keeps its own settings for its own groups);
+    operators' settings win (read when a group is made)."""
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the comm alone
     os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
@@ -75,7 +76,6 @@ def channel_group(
 
     prefixed = PrefixStore(f"channel/{ticket}", store)
     if backend == "nccl":
-        configure_nccl()
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return cast(Group, dist.ProcessGroupNCCL(prefixed, rank, 2, options))
