@@ -205,9 +205,11 @@ def _poll(work: Work, peer_gone: Callable[[], bool]) -> None:
 def peer_gone(sock: socket.socket) -> Callable[[], bool]:
     """Whether the client at the other end of ``sock`` hung up (its socket reads EOF)."""
 
+    poller = select.poll()  # not select(): the engine's descriptors may pass FD_SETSIZE
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+
     def gone() -> bool:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
+        if not poller.poll(0):
             return False
         try:
             return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
