@@ -203,22 +203,19 @@ def _poll(work: Work, peer_gone: Callable[[], bool]) -> None:
 
 
 def peer_gone(sock: socket.socket) -> Callable[[], bool]:
-    """Whether the client at the other end of ``sock`` hung up (its socket reads EOF)."""
-
+    """Whether the client at the other end of ``sock`` hung up (or its connection broke),
+    bytes it sent still unread or not."""
     poller = select.poll()  # not select(): the engine's descriptors may pass FD_SETSIZE
-    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    poller.register(sock, _HUNG_UP)
 
     def gone() -> bool:
-        if not poller.poll(0):
-            return False
-        try:
-            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
+        return any(events & _HUNG_UP for _, events in poller.poll(0))
 
     return gone
+
+
+#: poll()'s events for a peer that closed its end (RDHUP: even with its last bytes unread).
+_HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 
 
 def _region(device: torch.device, size: int) -> HeldRegion:

@@ -318,3 +318,25 @@ def test_between_two_gpus_nccl_answers_as_the_reference(
                 assert output.device == client_gpu
                 placement.check(output.cpu(), qwen_world.expected(layer, mix))
     wait_for(lambda: running.app.host.network_channels_open() == 0, timeout=60)
+
+
+def test_the_wait_for_a_tensor_ends_when_its_client_hangs_up() -> None:
+    """The engine's wait for an NCCL transfer (polled, ``_poll``) watches the channel's socket:
+    bytes from the client are not a hang-up, a closed socket is, and the wait then ends
+    (a transfer that never completes stands in for a dead peer's)."""
+    from executor_service.serving.network_channels import ChannelBroken, _poll, peer_gone
+
+    class NeverCompletes:
+        def is_completed(self) -> bool:
+            return False
+
+    engine_end, client_end = socket.socketpair()
+    gone = peer_gone(engine_end)
+    assert not gone()
+    client_end.send(b"x")  # a frame's first byte, unread: still there
+    assert not gone()
+    client_end.close()
+    assert gone()
+    with pytest.raises(ChannelBroken, match="went away"):
+        _poll(NeverCompletes(), gone)  # type: ignore[arg-type]
+    engine_end.close()
