@@ -105,7 +105,7 @@ class DataLink:
         self._lock = threading.Lock()
 
     def connect(self, peer_gone: Callable[[], bool]) -> None:
-        """Completes the rendezvous: receives the client's first (one-element) tensor."""
+        """Completes the rendezvous: receives the client's first transfer (``HELLO_BYTES``)."""
         hello = torch.zeros(network_group.HELLO_BYTES, dtype=torch.uint8, device=self._device)
         self._receive(hello, peer_gone)
 
