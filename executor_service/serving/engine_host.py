@@ -343,7 +343,7 @@ class EngineHost:
                 if kind is Kind.FORWARD and link.ready:
                     received = time.perf_counter()
                     if link.data is not None:  # its input arrives over the channel's group
-                        payload = link.data.receive(payload, peer_gone(link.connection.sock))
+                        payload = link.data.receive(payload)
                     if not link.enter():
                         self._finish(link, _Borrowed(), self._overloaded(link, payload))
                         continue

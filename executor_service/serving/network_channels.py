@@ -103,13 +103,16 @@ class DataLink:
         self._output_at = 0
         self._sending: Work | None = None
         self._lock = threading.Lock()
+        self._peer_gone: Callable[[], bool] = lambda: False
 
     def connect(self, peer_gone: Callable[[], bool]) -> None:
-        """Completes the rendezvous: receives the client's first transfer (``HELLO_BYTES``)."""
+        """Completes the rendezvous: receives the client's first transfer (``HELLO_BYTES``);
+        every wait of the channel watches ``peer_gone``."""
+        self._peer_gone = peer_gone
         hello = torch.zeros(network_group.HELLO_BYTES, dtype=torch.uint8, device=self._device)
-        self._receive(hello, peer_gone)
+        self._receive(hello)
 
-    def receive(self, payload: bytes, peer_gone: Callable[[], bool]) -> bytes:
+    def receive(self, payload: bytes) -> bytes:
         """Receives the input of the descriptor ``payload`` into the buffer; the descriptor,
         pointing at the buffer, as the engine takes it. ChannelBroken if it cannot."""
         if self._output_bytes >= 0:
@@ -141,7 +144,7 @@ class DataLink:
                         f"the device has no {output_at + nbytes} bytes free for the channel's "
                         "buffer"
                     ) from None
-        self._receive(self.region.memory.bytes[:nbytes], peer_gone)
+        self._receive(self.region.memory.bytes[:nbytes])
         self._output_bytes = nbytes
         self._output_at = output_at
         return replace(
@@ -166,12 +169,12 @@ class DataLink:
                 network_group.TAG,
             )
 
-    def _receive(self, into: torch.Tensor, peer_gone: Callable[[], bool]) -> None:
+    def _receive(self, into: torch.Tensor) -> None:
         with self._on_stream():
             work = self._group.recv([into], network_group.CLIENT_RANK, network_group.TAG)
             try:
                 if self._cuda:  # Gloo's receive completes in ``wait``; NCCL's is polled
-                    _poll(work, peer_gone)
+                    _poll(work, self._peer_gone)
                 work.wait()
             except RuntimeError as exc:  # torch.distributed's errors (a peer gone, a timeout)
                 raise ChannelBroken(f"the client's tensor did not arrive ({exc})") from None

@@ -157,10 +157,7 @@ class DevicePath:
 
     def _choose(self, transport: str, reason: str) -> None:
         self.transport = transport
-        log_event(
-            log, "executor_transport", address=self._client.address, transport=transport,
-            reason=reason,
-        )  # fmt: skip
+        log_transport(self._client.address, transport, reason)
 
     def close(self) -> None:
         """Closes the channels, unregisters and frees the rings."""
@@ -186,3 +183,8 @@ def channel_answer(output: torch.Tensor, result: ChannelResult) -> ForwardResult
         adapters_resident=result.adapters_loaded == 0,
         adapters_loaded=result.adapters_loaded,
     )
+
+
+def log_transport(address: str, transport: str, reason: str) -> None:
+    """Says once which way a client's CUDA tensors now travel, and why."""
+    log_event(log, "executor_transport", address=address, transport=transport, reason=reason)

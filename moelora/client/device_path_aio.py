@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from typing import TYPE_CHECKING
 
 from moelora.client.cuda_ipc import CudaError
@@ -28,9 +27,9 @@ from moelora.client.device_path import (
     MESSAGE,
     NETWORK_CHANNEL,
     channel_answer,
+    log_transport,
 )
 from moelora.client.errors import DeadlineExceeded, MoeLoraError, Unavailable
-from moelora.client.logs import log_event
 
 if TYPE_CHECKING:
     import torch
@@ -39,8 +38,6 @@ if TYPE_CHECKING:
     from moelora.client.executor import ForwardResult, Segments
     from moelora.client.executor_aio import AsyncExecutorClient
     from moelora.client.network_channel_aio import AsyncNetworkChannel
-
-log = logging.getLogger(__name__)
 
 
 class AsyncDevicePath:
@@ -191,10 +188,7 @@ class AsyncDevicePath:
 
     def _choose(self, transport: str, reason: str) -> None:
         self.transport = transport
-        log_event(
-            log, "executor_transport", address=self._client.address, transport=transport,
-            reason=reason,
-        )  # fmt: skip
+        log_transport(self._client.address, transport, reason)
 
     async def close(self) -> None:
         """Closes the channels, unregisters and frees the ring."""

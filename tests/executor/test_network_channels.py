@@ -52,9 +52,7 @@ def test_a_network_channel_answers_as_the_reference(
         assert running.metric(gauge, kind="direct") == 0
         for mix in mixes:
             output, result = channel.forward(layer, hidden, mix)
-            torch.testing.assert_close(
-                output, qwen_world.expected(layer, mix), atol=TOLERANCE, rtol=TOLERANCE
-            )
+            _assert_answer(output, qwen_world, layer, mix)
             assert len(result.resolved_adapters) == len(mix)
         # Half the rows, in bfloat16: the buffer serves any size up to its limit, and the
         # answer is the one the same request's bytes get.
@@ -65,9 +63,7 @@ def test_a_network_channel_answers_as_the_reference(
         with pytest.raises(NotFound):  # the engine's error, raised as Forward's would be
             channel.forward(layer, hidden, [(TOKENS, "no-such-adapter")])
         output, _ = channel.forward(layer, hidden, mixes[0])  # the transfers still pair up
-        torch.testing.assert_close(
-            output, qwen_world.expected(layer, mixes[0]), atol=TOLERANCE, rtol=TOLERANCE
-        )
+        _assert_answer(output, qwen_world, layer, mixes[0])
     transports = "moelora_executor_forward_requests_by_transport_total"
     assert running.metric(transports, transport="network_channel") == len(mixes) + 3
     wait_for(lambda: running.metric(gauge, kind="network") == 0, timeout=30)
@@ -122,9 +118,7 @@ def test_asyncio_network_channels_answer_calls_that_overlap(
 
     answers = asyncio.run(calls())
     for mix, output in zip([*mixes, mixes[0]], answers, strict=True):
-        torch.testing.assert_close(
-            output, qwen_world.expected(layer, mix), atol=TOLERANCE, rtol=TOLERANCE
-        )
+        _assert_answer(output, qwen_world, layer, mix)
     wait_for(lambda: running.app.host.network_channels_open() == 0, timeout=30)
 
 
@@ -166,9 +160,7 @@ def test_a_descriptor_that_would_unpair_the_transfers_ends_its_channel_alone(
         network_group.abort(group)
         raw.close()
         output, _ = good.forward(layer, hidden, [(TOKENS, "alpha")])  # the others serve on
-        torch.testing.assert_close(
-            output, qwen_world.expected(layer, [(TOKENS, "alpha")]), atol=TOLERANCE, rtol=TOLERANCE
-        )
+        _assert_answer(output, qwen_world, layer, [(TOKENS, "alpha")])
 
 
 def test_a_second_request_in_flight_ends_its_channel_alone(
@@ -190,9 +182,7 @@ def test_a_second_request_in_flight_ends_its_channel_alone(
     raw.close()
     with running.client.open_network_channel(CPU) as channel:
         output, _ = channel.forward(layer, hidden, [(TOKENS, "alpha")])
-        torch.testing.assert_close(
-            output, qwen_world.expected(layer, [(TOKENS, "alpha")]), atol=TOLERANCE, rtol=TOLERANCE
-        )
+        _assert_answer(output, qwen_world, layer, [(TOKENS, "alpha")])
 
 
 def test_a_client_that_vanishes_mid_request_leaves_the_engine_serving(
@@ -208,9 +198,7 @@ def test_a_client_that_vanishes_mid_request_leaves_the_engine_serving(
     with running.client.open_network_channel(CPU) as channel:
         hidden = qwen_world.inputs[layer]
         output, _ = channel.forward(layer, hidden, [(TOKENS, "beta")])
-        torch.testing.assert_close(
-            output, qwen_world.expected(layer, [(TOKENS, "beta")]), atol=TOLERANCE, rtol=TOLERANCE
-        )
+        _assert_answer(output, qwen_world, layer, [(TOKENS, "beta")])
     wait_for(lambda: running.app.host.network_channels_open() == 0, timeout=30)
 
 
@@ -249,6 +237,13 @@ def _vanishing_client(opened: ex.OpenChannelResponse, layer: int, device: str) -
         os._exit(0)
         """
     )
+
+
+def _assert_answer(
+    output: torch.Tensor, world: World, layer: int, mix: list[tuple[int, str | None]]
+) -> None:
+    """``output`` against the float32 reference of ``mix`` on ``layer``."""
+    torch.testing.assert_close(output, world.expected(layer, mix), atol=TOLERANCE, rtol=TOLERANCE)
 
 
 def _descriptor(layer: int, ref: TensorRef) -> ForwardDescriptor:
