@@ -187,6 +187,15 @@ class ExecutorSettings(ServerSettings):
         description="Forward requests one direct channel may have in flight; more are answered "
         "RESOURCE_EXHAUSTED with a retry hint",
     )
+    channel_spin_us: int = Field(
+        2000,
+        ge=0,
+        le=1_000_000,
+        description="microseconds the launch loop keeps polling direct channels' spin blocks "
+        "after their last request (a channel that asks for one: its descriptors and answers "
+        "in shared memory, no socket or thread wake-up per call; the loop's core is busy "
+        "meanwhile); 0: channels do not spin",
+    )
     network_channel_port: int | None = Field(
         None,
         ge=0,

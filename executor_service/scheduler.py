@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from executor_service.batch import Prepared, batch_key
 from executor_service.device_fault import DeviceFaultError, DeviceWatch
@@ -45,6 +46,19 @@ Done = Callable[[ForwardOutput | None, BaseException | None], None]
 #: Called once on the loop thread after the answers of a launch that used it (say, to send a
 #: front end its answers in one write); it must be quick and raise nothing.
 Flush = Callable[[], None]
+
+
+class IdlePoller(Protocol):
+    """Where else requests arrive than ``post`` and ``submit``: shared memory the loop polls
+    (``executor_service.serving.spin_poller``)."""
+
+    @property
+    def sleep_timeout(self) -> float | None: ...
+
+    def poll(self) -> bool: ...
+
+    def idle(self, work_waiting: Callable[[], bool]) -> bool: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +104,7 @@ class Scheduler:
         self._queue: deque[_Pending] = deque()
         self._tasks: list[Callable[[], None]] = []
         self._closed = False
+        self._poller: IdlePoller | None = None
         #: Seconds the last batch took (the retry hint's unit of work).
         self._last_batch = 0.001
         #: When the loop last stopped waiting (see ``_wait``).
@@ -129,6 +144,13 @@ class Scheduler:
         batches = 1 + len(self._queue) // 8
         return max(1, round(self._last_batch * batches * 1000))
 
+    def poll_while_idle(self, poller: IdlePoller) -> None:
+        """Has the loop poll ``poller`` when it has nothing to do and while the device
+        computes (where it prepares posted tasks)."""
+        with self._cond:
+            self._poller = poller
+            self._cond.notify()
+
     def post(self, task: Callable[[], None]) -> None:
         """Runs ``task`` on the loop thread between launches (the engine prepares requests
         there: one thread, no fight for the GIL). It must be quick and raise nothing."""
@@ -150,8 +172,11 @@ class Scheduler:
                 with self._cond:
                     if not self._queue:
                         idle = True
-                    while not self._queue and not self._tasks and not self._closed:
-                        self._wait(None)
+                    while not self._work_waiting():
+                        if self._poll_idle():
+                            continue
+                        poller = self._poller
+                        self._wait(None if poller is None else poller.sleep_timeout)
                     if self._closed:
                         break
                 self._run_posted()
@@ -178,6 +203,31 @@ class Scheduler:
             left, self._queue = list(self._queue), deque()
         self._run_posted()  # they answer their requests (the queue is closed to them)
         self._answer([(p, None, stopping) for p in left])
+
+    def _work_waiting(self) -> bool:
+        return bool(self._queue or self._tasks or self._closed)
+
+    def _poll_idle(self) -> bool:
+        """Polls the poller, if any, with the lock released; True if work came meanwhile."""
+        poller = self._poller
+        if poller is None:
+            return False
+        start = time.perf_counter()
+        self._metrics.launch_loop_busy.inc(start - self._busy_since)
+        self._cond.release()
+        try:
+            found = poller.idle(self._work_waiting)
+        finally:
+            self._cond.acquire()
+            self._busy_since = time.perf_counter()
+        return found or self._work_waiting()
+
+    def _meanwhile(self) -> None:
+        """Work to do while the device computes a launch."""
+        poller = self._poller
+        if poller is not None:
+            poller.poll()
+        self._run_posted()
 
     def _wait(self, timeout: float | None) -> None:
         """Waits on the condition (its lock held), counting the work since the last wait."""
@@ -232,7 +282,7 @@ class Scheduler:
             self._metrics.queue_wait_seconds.observe(start - pending.enqueued)
             self._metrics.stage["queue"].observe(start - pending.enqueued)
         answers: list[tuple[_Pending, ForwardOutput | None, BaseException | None]] = []
-        meanwhile = self._run_posted if self.settings.prepare_during_launch else None
+        meanwhile = self._meanwhile if self.settings.prepare_during_launch else None
         groups = [batch]
         while groups:
             group = groups.pop()

@@ -164,7 +164,7 @@ class _Transport:
         nbytes = len(hidden.data)
         self._output_at = nbytes
         self._region = f"bench-{os.getpid()}"
-        on_gpu = kind == "cuda" or (kind == "channel" and _has_gpu())
+        on_gpu = kind == "cuda" or (kind in ("channel", "spin") and _has_gpu())
         if not on_gpu:
             ring = self._ring = Segment.create_unique("moelora-bench", 2 * nbytes)
             ring.buffer[:nbytes] = hidden.data
@@ -202,11 +202,14 @@ class _Transport:
             shared_output=shared(nbytes),
         )
 
-    def channel_call(self) -> Call:
+    def channel_call(self, spin: bool) -> Call:
         """Round trips over a direct channel to the engine (``--transport channel``): the
-        request's descriptor, no gRPC call."""
+        request's descriptor, no gRPC call; ``spin`` (``--transport spin``): through the
+        channel's spin block, polled by both ends."""
         opened = self._stub.OpenChannel(executor_pb2.OpenChannelRequest(), timeout=60)
-        channel = self._channel = ForwardChannel(opened, timeout=60)
+        channel = self._channel = ForwardChannel(opened, timeout=60, spin=spin)
+        if spin and channel.block is None:
+            raise RuntimeError("the executor gave the channel no spin block (--channel-spin-us)")
         template = self.request
         ids = itertools.count(1)
 
@@ -354,12 +357,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tolerance", type=float, default=0.0)
     parser.add_argument(
         "--transport",
-        choices=["grpc", "shm", "cuda", "channel", "network"],
+        choices=["grpc", "shm", "cuda", "channel", "spin", "network"],
         default="grpc",
         help="shm / cuda: the tensors in a shared-memory / CUDA-memory region registered once, "
         "the RPC a descriptor; channel: that region (CUDA memory where this process has a GPU) "
-        "and the descriptor over a direct channel to the engine, no RPC per call; network: a "
-        "network channel from --device (NCCL), no RPC per call",
+        "and the descriptor over a direct channel to the engine, no RPC per call; spin: the "
+        "same through the channel's spin block; network: a network channel from --device "
+        "(NCCL), no RPC per call",
     )
     parser.add_argument("--device", default="cuda", help="the tensors' GPU (--transport network)")
     args = parser.parse_args(argv)
@@ -371,8 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     ):
         request = transport.request
         stream = None
-        if args.transport == "channel" and args.target == "executor":
-            sent = transport.channel_call()  # one kind of call: the mode does not apply
+        if args.transport in ("channel", "spin") and args.target == "executor":
+            # One kind of call: the mode does not apply.
+            sent = transport.channel_call(args.transport == "spin")
         elif args.transport == "network" and args.target == "executor":
             sent = transport.network_call()
         elif args.mode == "stream":

@@ -13,7 +13,10 @@ with the model's MoE blocks computed by:
   adapter) — the fastest local path, what remote blocks are measured against;
 - ``remote, message``: the executor, through an ``ExecutorClient`` that sends bytes;
 - ``remote, device path``: the executor through the client's device path (a CUDA ring and a
-  direct channel: ``moelora.client.device_path``), where the executor can map its memory.
+  direct channel: ``moelora.client.device_path``), where the executor can map its memory;
+- ``remote, network channel``: the executor through a network channel (NCCL between two GPUs,
+  Gloo on the CPU), when the model runs on another device than the executor
+  (``--client-device``, e.g. ``cuda:1`` beside ``--device cuda:0``) or on the CPU.
 
 Every variant's tokens are compared with the in-process kernels' (identical rows counted).
 ``--shape tiny --device cpu`` runs in seconds (a test runs it).
@@ -22,6 +25,7 @@ Every variant's tokens are compared with the in-process kernels' (identical rows
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -29,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -38,6 +42,7 @@ from executor_service.model_loader import load_base_model
 from kernels import MoELayerWeights, moe_forward
 from moelora.client.cluster.hf import attach_remote_experts
 from moelora.client.executor import ExecutorClient
+from moelora.client.network_channel import NetworkChannel
 
 PROMPT = 8
 #: transformers qwen3_moe configs: a Qwen3-30B-A3B layer, and a tiny one for the CPU.
@@ -89,6 +94,21 @@ class _LocalBlock(torch.nn.Module):
         batch, seq, hidden = hidden_states.shape
         flat = hidden_states.reshape(batch * seq, hidden)
         out = moe_forward(flat, self.layer, backend=self.backend)  # type: ignore[arg-type]
+        return out.reshape(batch, seq, hidden)
+
+
+class _ChannelBlock(torch.nn.Module):
+    """A MoE block computed by the executor through a network channel (no adapter)."""
+
+    def __init__(self, layer: int, channel: NetworkChannel) -> None:
+        super().__init__()
+        self.layer = layer
+        self.channel = channel
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = hidden_states.shape
+        flat = hidden_states.reshape(batch * seq, hidden)
+        out, _ = self.channel.forward(self.layer, flat)
         return out.reshape(batch, seq, hidden)
 
 
@@ -144,7 +164,9 @@ def _swap(model: Any, blocks: dict[int, torch.nn.Module]) -> dict[int, torch.nn.
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    device = torch.device(args.device)
+    device = torch.device(args.client_device or args.device)  # the model's
+    # NCCL takes no two ranks on one GPU: a network channel needs the model on another device.
+    network = device.type == "cpu" or device != torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     batches = [int(b) for b in args.batch.split(",") if b]
     rows: list[Row] = []
@@ -175,24 +197,36 @@ def run(args: argparse.Namespace) -> list[Row]:
             "--num-slots=2", "--max-rank=8", "--kernel-autotune-seconds=0",
             "--log-level=warning",
         ]  # fmt: skip
+        if network:
+            executor.append(f"--network-channel-port={free_port()}")
         env = {**os.environ, "MOELORA_REGISTRY_ADDRESS": ""}
         with (
             child_process(executor, env),
             ExecutorClient(address, timeout=600, device_path=False) as message,
             ExecutorClient(address, timeout=600) as fast,
+            contextlib.ExitStack() as stack,
         ):
             message.wait_until_serving(timeout=600)
             _say("executor serving")
-            variants: list[tuple[str, Callable[[], dict[int, torch.nn.Module]], Any]] = [
-                ("kernels, in process", lambda: local, None),
-                ("transformers", lambda: own, None),
-                ("remote, message", lambda: _remote(model, message), message),
-                ("remote, device path", lambda: _remote(model, fast), fast),
+
+            def over_network() -> dict[int, torch.nn.Module]:
+                channel = stack.enter_context(message.open_network_channel(device, timeout=600))
+                return {i: _ChannelBlock(i, channel) for i in local}
+
+            variants: list[tuple[str, Callable[[], dict[int, torch.nn.Module]], Callable[[], str]]]
+            variants = [
+                ("kernels, in process", lambda: local, str),
+                ("transformers", lambda: own, str),
+                ("remote, message", lambda: _remote(model, message), lambda: message.transport),
+                ("remote, device path", lambda: _remote(model, fast), lambda: fast.transport),
+                ("remote, network channel", over_network, lambda: "network_channel"),
             ]
             expected: dict[int, torch.Tensor] = {}
-            for name, blocks, client in variants:
+            for name, blocks, transport in variants:
                 if name == "remote, device path" and device.type != "cuda":
                     continue  # CUDA memory needs a GPU
+                if name == "remote, network channel" and not network:
+                    continue
                 _swap(model, blocks())
                 for batch in batches:
                     prompt = prompts[batch].to(device)
@@ -209,7 +243,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                             batch,
                             1e3 * seconds / args.new_tokens,
                             same,
-                            "" if client is None else cast(ExecutorClient, client).transport,
+                            transport(),
                         )
                     )
                     _say(f"row done: {rows[-1]}")
@@ -245,13 +279,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", help="the executor's device")
+    parser.add_argument(
+        "--client-device",
+        default="",
+        help="the model's device (default: --device); another GPU adds a network-channel row",
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--batch", default="1,64")
     parser.add_argument("--new-tokens", type=int, default=16)
     args = parser.parse_args(argv)
     rows = run(args)
-    device = torch.device(args.device)
+    device = torch.device(args.client_device or args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print_table(rows, args, name)
 

@@ -393,14 +393,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", default="8,32,64", help="client counts of the T=64 rows")
     parser.add_argument(
         "--transport",
-        choices=["grpc", "shm", "cuda", "channel", "network"],
+        choices=["grpc", "shm", "cuda", "channel", "spin", "network"],
         default="grpc",
         help="grpc: tensors in the messages; shm / cuda: in a shared-memory / CUDA-memory "
         "region (on the executor's GPU) each client registers once, the RPC carrying only the "
         "descriptor; channel: that CUDA region and the descriptor over a direct channel to the "
-        "engine (OpenChannel), no RPC per call; network: a network channel from the clients' "
-        "--client-device (descriptors over TCP, tensors over NCCL). No echo floor for channel "
-        "and network: the overhead is p50 - kernel",
+        "engine (OpenChannel), no RPC per call; spin: the same through the channel's spin "
+        "block, polled by both ends; network: a network channel from the clients' "
+        "--client-device (descriptors over TCP, tensors over NCCL). No echo floor for channel, "
+        "spin and network: the overhead is p50 - kernel",
     )
     parser.add_argument(
         "--client-device",
@@ -558,7 +559,8 @@ def main(argv: list[str] | None = None) -> None:
                     latency = served.latency
                     after = _metrics(metrics_url)
                     floor = None
-                    if args.transport not in ("channel", "network"):  # no gRPC echo to compare
+                    # No gRPC echo to compare for the channels.
+                    if args.transport not in ("channel", "spin", "network"):
                         floor = run_clients(
                             echo_address,
                             layer,

@@ -54,6 +54,7 @@ from executor_service.serving.network_channels import (
     peer_gone,
 )
 from executor_service.serving.regions import HeldRegion, HostPinning, RegionInfo, SharedRegions
+from executor_service.serving.spin_poller import SpinEntry, SpinPoller
 from moelora.client import network_group
 from moelora.client.cuda_ipc import CudaError, register_host, unregister_host
 from moelora.client.engine_wire import (
@@ -75,6 +76,7 @@ from moelora.client.errors import (
 )
 from moelora.client.logs import log_event
 from moelora.client.shared_memory import Segment as ShmSegment
+from moelora.client.spin_block import ANSWER_BYTES
 from moelora.client.tensors import MAX_DIMS, MAX_ELEMENTS, WIRE_TYPES
 from shared.grpc_server import internal_error_message
 from shared.refs import AdapterRef
@@ -108,6 +110,7 @@ class EngineHost:
         send_timeout: float = SEND_TIMEOUT_SECONDS,
         pinned_bytes: int = 0,
         region_pinned_bytes: int = 0,
+        spin_seconds: float = 0.0,
     ) -> None:
         self._send_timeout = send_timeout
         #: How much of each front end's arena to page-lock on a GPU (its requests' rows are
@@ -131,6 +134,10 @@ class EngineHost:
         self._network: NetworkChannels | None = None
         #: Digests held in GPU slots by channels' leases (a count per lease holding each).
         self._leased: collections.Counter[str] = collections.Counter()
+        #: Channels' spin blocks, polled by the launch loop (None: channels do not spin).
+        self._spin: SpinPoller[_Link] | None = (
+            SpinPoller(spin_seconds, self._spun) if spin_seconds > 0 else None
+        )
 
     @property
     def runtime(self) -> ExecutorRuntime | None:
@@ -141,6 +148,8 @@ class EngineHost:
         if device.type == "cuda" and self._region_pinned_bytes:
             self.region_pinning = HostPinning(device, self._region_pinned_bytes)
         self._runtime = runtime
+        if self._spin is not None:
+            runtime.scheduler.poll_while_idle(self._spin)
         self._count_channels()  # both kinds' series from the start, at 0
         with self._lock:
             links = list(self._links)
@@ -332,15 +341,19 @@ class EngineHost:
             return
         with self._lock:
             network = sum(link.network for link in self._links)
-            direct = sum(link.channel for link in self._links) - network
+            spin = sum(link.spin is not None for link in self._links)
+            direct = sum(link.channel for link in self._links) - network - spin
         runtime.metrics.channels_open.labels("direct").set(direct)
+        runtime.metrics.channels_open.labels("spin").set(spin)
         runtime.metrics.channels_open.labels("network").set(network)
 
     def _read(self, link: _Link) -> None:
         try:
             while True:
                 kind, payload = link.connection.recv(link.max_frame)
-                if kind is Kind.FORWARD and link.ready:
+                if kind is Kind.BELL and link.spin is not None:
+                    self._ring()
+                elif kind is Kind.FORWARD and link.ready and link.spin is None:
                     received = time.perf_counter()
                     if link.data is not None:  # its input arrives over the channel's group
                         payload = link.data.receive(payload)
@@ -375,6 +388,8 @@ class EngineHost:
                 self._links.discard(link)
             if link.channel:
                 self._count_channels()
+            if link.spin is not None and self._spin is not None:
+                self._spin.remove(link.spin)
             link.close()
             if link.held is not None:
                 self._release(link.held)
@@ -403,8 +418,32 @@ class EngineHost:
             link.data = network.data_link(ticket, runtime.placement.device)
             link.data.connect(peer_gone(link.connection.sock))
             max_in_flight = 1
+        elif hello.get("spin"):  # answered either way: with its block, or without (no spin)
+            if self._spin is not None:
+                link.spin = self._spin.add(link)
+                max_in_flight = 1
+            link.send_state(self._serving, self._reason, admitted=True, spin=link.spin)
         link.admit(scope, int(hello.get("pid", 0)), max_in_flight)
+        if link.spin is not None:
+            self._count_channels()
         return True
+
+    def _ring(self) -> None:
+        """A spin channel's BELL: wakes the launch loop, which then polls the blocks."""
+        runtime = self._runtime
+        if runtime is not None:
+            with contextlib.suppress(MoeLoraError):  # stopping: the block is answered so
+                runtime.scheduler.post(_nothing)
+
+    def _spun(
+        self, entry: SpinEntry[_Link], request_id: int, payload: bytes, received: float
+    ) -> None:
+        """On the launch loop's thread: a request found in a channel's spin block."""
+        link = entry.link
+        if not link.enter():  # its client posted again before the answer came
+            self._finish(link, _Borrowed(), self._overloaded(link, payload))
+            return
+        self._forward(link, payload, received)
 
     def _overloaded(self, link: _Link, payload: bytes) -> ForwardResult:
         limit = self._channels.max_in_flight if self._channels is not None else 0
@@ -674,7 +713,9 @@ class EngineHost:
             except Exception as exc:  # an aborted group: the channel is over
                 link.fail(exc)
         link.leave()
-        if later:
+        if link.spin is not None and self._spin is not None:
+            self._spin.reply(link.spin, result.request_id, _spin_answer(result))
+        elif later:
             link.queue(Kind.RESULT, result.encode())
         else:
             link.send(Kind.RESULT, result.encode())
@@ -706,6 +747,25 @@ class EngineHost:
 
 
 _U64 = struct.Struct("<Q")
+
+
+def _nothing() -> None:
+    """A posted task that only wakes the launch loop."""
+
+
+def _spin_answer(result: ForwardResult) -> bytes:
+    """``result`` encoded for a spin block, or an error saying why it does not fit."""
+    encoded = result.encode()
+    if len(encoded) <= ANSWER_BYTES:
+        return encoded
+    return _failure(
+        result.request_id,
+        InvalidArgument(
+            f"segments: the answer's {len(result.resolved_adapters)} resolved adapters do not "
+            "fit a spin channel's block; send fewer segments per request",
+            "segments",
+        ),
+    ).encode()
 
 
 class _Borrowed:
@@ -801,6 +861,8 @@ class _Link:
         #: A network channel: its tensors travel over ``data``, made at its HELLO.
         self.network = network
         self.data: DataLink | None = None
+        #: A direct channel's spin block (its requests and answers go there, not the socket).
+        self.spin: SpinEntry[_Link] | None = None
         self.scope = ""
         #: A channel's lease, released when the channel ends.
         self.held: HeldAdapters | None = None
@@ -922,13 +984,29 @@ class _Link:
         except OSError as exc:
             self._give_up(exc)
 
-    def send_state(self, serving: bool, reason: str, admitted: bool = False) -> None:
-        """The engine's state; ``admitted``: a network channel's ticket was taken (its client
-        joins the channel's group next)."""
+    def send_state(
+        self,
+        serving: bool,
+        reason: str,
+        admitted: bool = False,
+        spin: SpinEntry[_Link] | None = None,
+    ) -> None:
+        """The engine's state; ``admitted``: a channel's ticket was taken (a network channel's
+        client joins the channel's group next; ``spin``: the block goes with the frame)."""
         state: dict[str, Any] = {"serving": serving, "reason": reason}
         if admitted:
             state["admitted"] = True
-        self.send(Kind.STATE, json.dumps(state).encode())
+        payload = json.dumps(state).encode()
+        if spin is None:
+            self.send(Kind.STATE, payload)
+            return
+        state["spin"] = True
+        try:
+            self.connection.send_fd(Kind.STATE, json.dumps(state).encode(), spin.block.fd)
+        except OSError as exc:
+            self._give_up(exc)
+        finally:
+            spin.block.sent()
 
     def fail(self, exc: BaseException) -> None:
         """Ends a network channel whose group failed (its reader sees the socket close)."""

@@ -10,6 +10,11 @@ at a time (a channel is a pipe, not a pool: open one per thread; the asyncio cha
 ``moelora.client.channel_aio``, multiplexes); the engine answers RESOURCE_EXHAUSTED past its
 per-channel limit.
 
+A channel opened with ``spin=True`` asks for a spin block (``moelora.client.spin_block``):
+its descriptors and answers then go through memory shared with the engine, which the launch
+loop polls and the client polls back — no system call and no thread wake-up per call, for a
+client that calls once per layer and can spare a core while it waits.
+
 A client in another language speaks the same frames (docs/api.md): HELLO {"ticket", "pid"} as
 JSON, then FORWARD descriptors, reading RESULT and STATE frames.
 """
@@ -21,8 +26,10 @@ import itertools
 import json
 import math
 import os
+import select
 import socket
 import threading
+import time
 from typing import Any
 
 from moelora.client.engine_wire import (
@@ -35,11 +42,18 @@ from moelora.client.engine_wire import (
 )
 from moelora.client.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from moelora.client.shared_memory import Array, ForwardRing, Slot
+from moelora.client.spin_block import SpinBlock
 from moelora.client.tensors import WIRE_TYPES
 from moelora.v1 import executor_pb2
 
 #: (num_tokens, adapter reference or None for the base model), in token order.
 Segments = list[tuple[int, str | None]]
+
+#: How long a spin channel's caller polls for its answer without pause, and then how long it
+#: sleeps between looks (a long wait: adapters loading) and between looks at the socket.
+SPIN_SECONDS = 0.005
+NAP_SECONDS = 0.0001
+SOCKET_CHECK_SECONDS = 0.005
 
 
 class ForwardChannel:
@@ -52,6 +66,7 @@ class ForwardChannel:
         opened: executor_pb2.OpenChannelResponse,
         timeout: float = 30.0,
         slot_wait: float = 10.0,
+        spin: bool = False,
     ) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -65,16 +80,43 @@ class ForwardChannel:
             ) from None
         sock.settimeout(timeout)
         self._connection = Connection(sock)
-        self._connection.send_json(Kind.HELLO, {"ticket": opened.ticket, "pid": os.getpid()})
-        self.max_in_flight = opened.max_in_flight
+        self.timeout = timeout
+        hello: dict[str, Any] = {"ticket": opened.ticket, "pid": os.getpid()}
+        if spin:
+            hello["spin"] = True
+        self._connection.send_json(Kind.HELLO, hello)
+        self.serving = True
+        self.reason = ""
+        #: The spin block, where the engine gave one (``spin``; else the socket carries all).
+        self.block = self._admitted() if spin else None
+        self.max_in_flight = 1 if self.block is not None else opened.max_in_flight
         #: The versions leased for the channel's life ("name:VERSION", as asked); a request
         #: on the channel may name the i-th as "#i" (resolved once, at the lease).
         self.leased = list(opened.leased)
         self.slot_wait = slot_wait
-        self.serving = True
-        self.reason = ""
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+
+    def _admitted(self) -> SpinBlock | None:
+        """Reads the engine's frames up to its admission and maps the block sent with it."""
+        try:
+            while True:
+                kind, payload, fd = self._connection.recv_fd()
+                block = None if fd is None else SpinBlock(fd)
+                if kind is not Kind.STATE:
+                    raise ValueError(f"unexpected frame {kind.name} before admission")
+                state: dict[str, Any] = json.loads(payload)
+                self.serving, self.reason = bool(state["serving"]), str(state["reason"])
+                if state.get("admitted"):
+                    return block
+                if block is not None:
+                    block.close()
+        except TimeoutError:
+            self.close()
+            raise DeadlineExceeded("channel: the engine did not admit it in time") from None
+        except (EOFError, OSError, ValueError):
+            self.close()
+            raise Unavailable(f"channel: the engine refused it ({self.reason})") from None
 
     def forward(
         self,
@@ -99,6 +141,8 @@ class ForwardChannel:
 
     def send(self, descriptor: ForwardDescriptor) -> ForwardResult:
         """Sends one descriptor and waits for its result (any status)."""
+        if self.block is not None:
+            return self._spin(self.block, descriptor)
         with self._lock:
             try:
                 self._connection.send(Kind.FORWARD, descriptor.encode())
@@ -120,6 +164,48 @@ class ForwardChannel:
                     f"channel: the engine closed it ({self.reason or 'it stopped'}); open another"
                 ) from None
 
+    def _spin(self, block: SpinBlock, descriptor: ForwardDescriptor) -> ForwardResult:
+        """One request through the spin block: posted, the engine woken if it sleeps, the
+        answer polled for (ValueError: a descriptor too large for the block)."""
+        request_id = descriptor.request_id
+        with self._lock:
+            block.post(request_id, descriptor.encode())
+            try:
+                if not block.engine_polling:
+                    self._connection.send(Kind.BELL, b"")
+                start = time.perf_counter()
+                look = start + SOCKET_CHECK_SECONDS
+                while True:
+                    answer = block.answer(request_id)
+                    if answer is not None:
+                        return ForwardResult.decode(answer)
+                    now = time.perf_counter()
+                    if now - start < SPIN_SECONDS:
+                        time.sleep(0)
+                        continue
+                    if now >= look:
+                        self._look_at_socket()
+                        look = now + SOCKET_CHECK_SECONDS
+                    if now - start > self.timeout:
+                        self.close()  # its answer may yet come: the block is no longer ours
+                        raise DeadlineExceeded("channel: no answer within the channel's timeout")
+                    time.sleep(NAP_SECONDS)
+            except (EOFError, OSError):
+                self._last_words()
+                self.close()
+                raise Unavailable(
+                    f"channel: the engine closed it ({self.reason or 'it stopped'}); open another"
+                ) from None
+
+    def _look_at_socket(self) -> None:
+        """Takes the engine's STATE frames; EOFError once it hung up."""
+        sock = self._connection.sock
+        while select.select([sock], [], [], 0)[0]:
+            kind, payload = self._connection.recv()
+            if kind is Kind.STATE:
+                state: dict[str, Any] = json.loads(payload)
+                self.serving, self.reason = bool(state["serving"]), str(state["reason"])
+
     def _last_words(self) -> None:
         last = last_words(self._connection)
         if last is not None:
@@ -128,6 +214,9 @@ class ForwardChannel:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._connection.close()
+        block, self.block = self.block, None
+        if block is not None:
+            block.close()
 
     def __enter__(self) -> ForwardChannel:
         return self

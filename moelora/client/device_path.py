@@ -3,8 +3,9 @@ use.
 
 - Where the executor can read this process's CUDA memory in place (the same host and a GPU it
   reaches): a ring in CUDA memory registered once (``cuda_ring``) and a direct channel per
-  calling thread (``channel``), so a call moves no tensor bytes through the host and makes no
-  gRPC call.
+  calling thread (``channel``) with a spin block where the executor gives one, so a call
+  moves no tensor bytes through the host, makes no gRPC call and, while the calls come
+  often, no system call either.
 - Where it cannot (another host, or a GPU it cannot map): a network channel per calling thread
   (``network_channel``), the tensors GPU to GPU over NCCL, if the executor takes them.
 - Else, and for calls neither can hold (more tokens than a ring slot, every slot busy, routing
@@ -144,7 +145,7 @@ class DevicePath:
         if channel is not None or self._channel_refused:
             return channel
         try:
-            channel = self._client.open_channel(timeout)
+            channel = self._client.open_channel(timeout, spin=True)
         except MoeLoraError as exc:
             with self._lock:
                 self._channel_refused = True

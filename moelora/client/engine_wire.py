@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import struct
 import threading
@@ -35,6 +36,7 @@ class Kind(IntEnum):
     REPLY = 5  # engine -> front end, JSON: {"id": n, "code": int, "message": str, "value": ...}
     STATE = 6  # engine -> front end, JSON: {"serving": bool, "reason": str}
     WAITING = 7  # engine -> front end: u64 request id of a descriptor waiting for adapter loads
+    BELL = 8  # channel -> engine, empty: a request is in the spin block (``spin_block``)
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,29 @@ class Connection:
 
     def send_json(self, kind: Kind, value: object) -> None:
         self.send(kind, json.dumps(value).encode())
+
+    def send_fd(self, kind: Kind, payload: bytes, fd: int) -> None:
+        """A frame with a file descriptor attached (a Unix socket's SCM_RIGHTS)."""
+        with self._send_lock:
+            data = frame(kind, payload)
+            sent = socket.send_fds(self.sock, [data], [fd])
+            self.sock.sendall(data[sent:])
+
+    def recv_fd(self, max_frame: int = MAX_FRAME) -> tuple[Kind, bytes, int | None]:
+        """The next frame and the file descriptor sent with it (``send_fd``), if any."""
+        head, fds, _flags, _addr = socket.recv_fds(self.sock, FRAME_HEAD.size, 1)
+        if not head:
+            raise EOFError("the other end closed the connection")
+        fd = fds[0] if fds else None
+        try:
+            length, kind = FRAME_HEAD.unpack(head + self._exact(FRAME_HEAD.size - len(head)))
+            if length > max_frame:
+                raise ValueError(f"frame of {length} bytes (at most {max_frame})")
+            return Kind(kind), self._exact(length), fd
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
 
     def recv(self, max_frame: int = MAX_FRAME) -> tuple[Kind, bytes]:
         """The next frame; EOFError once the other end is gone, ValueError for a frame

@@ -404,12 +404,15 @@ class ExecutorClient:
         timeout: float | None = None,
         slot_wait: float = 10.0,
         adapters: Sequence[str] = (),
+        spin: bool = False,
     ) -> ForwardChannel:
         """A direct channel to the executor's engine (same host; see
         ``moelora.client.channel``): Forward through a registered ring with no gRPC call
         each. ``timeout`` bounds this call and each of the channel's. ``adapters`` are leased
         for the channel's life: in GPU slots until it closes (``channel.leased`` says which
-        versions)."""
+        versions). ``spin``: descriptors and answers through memory shared with the engine,
+        polled by both (one call in flight; the caller's core busy while it waits), where
+        the executor spins (``--channel-spin-us``)."""
         from moelora.client.channel import ForwardChannel
 
         request = executor_pb2.OpenChannelRequest(adapters=list(adapters))
@@ -418,7 +421,7 @@ class ExecutorClient:
         opened: executor_pb2.OpenChannelResponse = self._call(
             self._stub.OpenChannel, request, timeout, idempotent=not adapters
         )
-        return ForwardChannel(opened, timeout or self.timeout, slot_wait)
+        return ForwardChannel(opened, timeout or self.timeout, slot_wait, spin)
 
     def open_network_channel(
         self,

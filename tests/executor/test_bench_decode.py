@@ -18,7 +18,12 @@ def test_tiny_cpu_decode_bench_prints_every_variant(capsys: pytest.CaptureFixtur
         match = re.match(r"^\| ([^|]+?) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| (\d+)/(\d+) \|$", line)
         if match:
             rows[(match[1], int(match[2]))] = (float(match[3]), int(match[5]), int(match[6]))
-    variants = {"kernels, in process", "transformers", "remote, message (message)"}
+    variants = {
+        "kernels, in process",
+        "transformers",
+        "remote, message (message)",
+        "remote, network channel (network_channel)",  # Gloo on the CPU
+    }
     assert {name for name, _ in rows} == variants, out
     for (name, batch), (ms, same, total) in rows.items():
         assert ms > 0 and total == batch, (name, batch)

@@ -258,7 +258,9 @@ def _unasked(address: str, layer: int, hidden: torch.Tensor) -> dict[str, Any]:
             result = client.forward(layer, hidden[:tokens].to(device, torch.bfloat16), segments)
             assert result.output.is_cuda
             outputs.append(_portable(result.output))
-        return {"before": before, "after": client.transport, "outputs": outputs}
+        channels = client._device_path._channels if client._device_path is not None else []
+        spun = [getattr(c, "block", None) is not None for c in channels]
+        return {"before": before, "after": client.transport, "outputs": outputs, "spun": spun}
 
 
 def _unasked_async(address: str, layer: int, hidden: torch.Tensor) -> dict[str, Any]:
@@ -423,12 +425,14 @@ def test_an_asyncio_client_takes_the_device_path_by_itself(world: World) -> None
 @needs_gpu
 @pytest.mark.gpu
 def test_a_client_takes_the_device_path_by_itself_where_it_can(world: World) -> None:
-    """Another process: CUDA memory and a direct channel, answers as with bytes. The same
-    process as the executor (a handle cannot be opened there): bytes, answers the same."""
+    """Another process: CUDA memory and a direct channel with a spin block, answers as with
+    bytes. The same process as the executor (a handle cannot be opened there): bytes, answers
+    the same."""
     hidden = _long_input(world)
     with _running(world, batch_window_us=0) as running:
         got = _run_client(running.app.address, world.layer, hidden, "unasked")
         assert (got["before"], got["after"]) == ("message", "cuda_memory+channel")
+        assert got["spun"] == [True]  # its channel polled a spin block
         assert running.metric(
             "moelora_executor_forward_requests_by_transport_total", transport="cuda_memory"
         ) == len(CASES)
