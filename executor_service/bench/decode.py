@@ -13,7 +13,9 @@ with the model's MoE blocks computed by:
   adapter) — the fastest local path, what remote blocks are measured against;
 - ``remote, message``: the executor, through an ``ExecutorClient`` that sends bytes;
 - ``remote, device path``: the executor through the client's device path (a CUDA ring and a
-  direct channel: ``moelora.client.device_path``), where the executor can map its memory;
+  direct channel with a spin block: ``moelora.client.device_path``), where the executor can
+  map its memory; ``remote, device path, socket``: the same with the channel's socket
+  carrying the descriptors (``spin_channels=False``);
 - ``remote, network channel``: the executor through a network channel (NCCL between two GPUs,
   Gloo on the CPU), when the model runs on another device than the executor
   (``--client-device``, e.g. ``cuda:1`` beside ``--device cuda:0``) or on the CPU.
@@ -204,6 +206,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             child_process(executor, env),
             ExecutorClient(address, timeout=600, device_path=False) as message,
             ExecutorClient(address, timeout=600) as fast,
+            ExecutorClient(address, timeout=600, spin_channels=False) as socket_path,
             contextlib.ExitStack() as stack,
         ):
             message.wait_until_serving(timeout=600)
@@ -219,11 +222,16 @@ def run(args: argparse.Namespace) -> list[Row]:
                 ("transformers", lambda: own, str),
                 ("remote, message", lambda: _remote(model, message), lambda: message.transport),
                 ("remote, device path", lambda: _remote(model, fast), lambda: fast.transport),
+                (
+                    "remote, device path, socket",
+                    lambda: _remote(model, socket_path),
+                    lambda: socket_path.transport,
+                ),
                 ("remote, network channel", over_network, lambda: "network_channel"),
             ]
             expected: dict[int, torch.Tensor] = {}
             for name, blocks, transport in variants:
-                if name == "remote, device path" and device.type != "cuda":
+                if name.startswith("remote, device path") and device.type != "cuda":
                     continue  # CUDA memory needs a GPU
                 if name == "remote, network channel" and not network:
                     continue

@@ -45,10 +45,14 @@ NETWORK_CHANNEL = "network_channel"
 
 class DevicePath:
     """The CUDA ring and channels of one client (see the module doc). ``max_tokens``: the
-    largest T a slot holds; ``slots``: calls in flight at once through the ring."""
+    largest T a slot holds; ``slots``: calls in flight at once through the ring; ``spin``:
+    direct channels ask for spin blocks."""
 
-    def __init__(self, client: ExecutorClient, max_tokens: int, slots: int) -> None:
+    def __init__(
+        self, client: ExecutorClient, max_tokens: int, slots: int, spin: bool = True
+    ) -> None:
         self._client = client
+        self._spin = spin
         self._max_tokens = max_tokens
         self._slots = slots
         self._lock = threading.Lock()
@@ -145,7 +149,7 @@ class DevicePath:
         if channel is not None or self._channel_refused:
             return channel
         try:
-            channel = self._client.open_channel(timeout, spin=True)
+            channel = self._client.open_channel(timeout, spin=self._spin)
         except MoeLoraError as exc:
             with self._lock:
                 self._channel_refused = True

@@ -225,6 +225,7 @@ class ExecutorClient:
         device_path: bool = True,
         device_ring_tokens: int = 1024,
         device_ring_slots: int = 8,
+        spin_channels: bool = True,
     ) -> None:
         """``token``: the bearer token every call carries (an executor with auth on wants
         read for Forward and the listings, admin for Load/Unload/Pin/Unpin); ``tls`` with the
@@ -235,7 +236,9 @@ class ExecutorClient:
         through a registered CUDA ring and a direct channel when the executor is on this host
         and can map them (``moelora.client.device_path``; ``device_ring_tokens`` rows per slot,
         ``device_ring_slots`` calls at once), else over a network channel where the executor
-        takes them, else as bytes."""
+        takes them, else as bytes. ``spin_channels``: the device path's direct channels ask
+        for spin blocks (no system call per call; a core busy while a call waits): turn it off
+        on a host short of cores."""
         self._channel = open_channel(
             address,
             token=token,
@@ -248,7 +251,9 @@ class ExecutorClient:
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self._device_path = (
-            DevicePath(self, device_ring_tokens, device_ring_slots) if device_path else None
+            DevicePath(self, device_ring_tokens, device_ring_slots, spin_channels)
+            if device_path
+            else None
         )
 
     @property
