@@ -418,13 +418,12 @@ class EngineHost:
             link.data = network.data_link(ticket, runtime.placement.device)
             link.data.connect(peer_gone(link.connection.sock))
             max_in_flight = 1
-        elif hello.get("spin"):  # answered either way: with its block, or without (no spin)
-            if self._spin is not None:
-                link.spin = self._spin.add(link)
-                max_in_flight = 1
-            link.send_state(self._serving, self._reason, admitted=True, spin=link.spin)
+        elif hello.get("spin") and self._spin is not None:
+            link.spin = self._spin.add(link)  # polled once its client has it: after admit
+            max_in_flight = 1
         link.admit(scope, int(hello.get("pid", 0)), max_in_flight)
-        if link.spin is not None:
+        if hello.get("spin") and not link.network:  # answered with its block, or without
+            link.send_state(self._serving, self._reason, admitted=True, spin=link.spin)
             self._count_channels()
         return True
 
@@ -435,9 +434,7 @@ class EngineHost:
             with contextlib.suppress(MoeLoraError):  # stopping: the block is answered so
                 runtime.scheduler.post(_nothing)
 
-    def _spun(
-        self, entry: SpinEntry[_Link], request_id: int, payload: bytes, received: float
-    ) -> None:
+    def _spun(self, entry: SpinEntry[_Link], payload: bytes, received: float) -> None:
         """On the launch loop's thread: a request found in a channel's spin block."""
         link = entry.link
         if not link.enter():  # its client posted again before the answer came
@@ -996,9 +993,8 @@ class _Link:
         state: dict[str, Any] = {"serving": serving, "reason": reason}
         if admitted:
             state["admitted"] = True
-        payload = json.dumps(state).encode()
         if spin is None:
-            self.send(Kind.STATE, payload)
+            self.send(Kind.STATE, json.dumps(state).encode())
             return
         state["spin"] = True
         try:

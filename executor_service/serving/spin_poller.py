@@ -40,11 +40,11 @@ class SpinEntry(Generic[L]):
 
 
 class SpinPoller(Generic[L]):
-    """The open blocks. ``handle(entry, request_id, payload, received)`` is called on the
-    launch loop's thread for each request found (``received``: ``time.perf_counter()``)."""
+    """The open blocks. ``handle(entry, payload, received)`` is called on the launch loop's
+    thread for each request found (``received``: ``time.perf_counter()``)."""
 
     def __init__(
-        self, spin_seconds: float, handle: Callable[[SpinEntry[L], int, bytes, float], None]
+        self, spin_seconds: float, handle: Callable[[SpinEntry[L], bytes, float], None]
     ) -> None:
         self.spin_seconds = spin_seconds
         self._handle = handle
@@ -90,7 +90,7 @@ class SpinPoller(Generic[L]):
                     entry.last = taken[0]
             if taken is not None:
                 found = True
-                self._handle(entry, taken[0], taken[1], time.perf_counter())
+                self._handle(entry, taken[1], time.perf_counter())
         if found:
             self._active = time.perf_counter()
         return found
