@@ -235,6 +235,8 @@ def run(args: argparse.Namespace) -> list[Row]:
                     continue  # CUDA memory needs a GPU
                 if name == "remote, network channel" and not network:
                     continue
+                if args.only and name not in args.only.split(";") and name != "kernels, in process":
+                    continue  # the in-process row stays: the others' tokens are checked on it
                 _swap(model, blocks())
                 for batch in batches:
                     prompt = prompts[batch].to(device)
@@ -296,6 +298,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--batch", default="1,64")
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument(
+        "--only",
+        default="",
+        help="the variants to run besides the in-process kernels, separated by ';' "
+        '(e.g. "remote, device path;remote, message"); default: all',
+    )
     args = parser.parse_args(argv)
     rows = run(args)
     device = torch.device(args.client_device or args.device)
