@@ -423,8 +423,8 @@ class EngineHost:
             max_in_flight = 1
         link.admit(scope, int(hello.get("pid", 0)), max_in_flight)
         if hello.get("spin") and not link.network:  # answered with its block, or without
+            self._count_channels()  # before its client can see it open
             link.send_state(self._serving, self._reason, admitted=True, spin=link.spin)
-            self._count_channels()
         return True
 
     def _ring(self) -> None:

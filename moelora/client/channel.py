@@ -199,8 +199,9 @@ class ForwardChannel:
 
     def _look_at_socket(self) -> None:
         """Takes the engine's STATE frames; EOFError once it hung up."""
-        sock = self._connection.sock
-        while select.select([sock], [], [], 0)[0]:
+        readable = select.poll()  # not select(): descriptors past 1,024 are common in servers
+        readable.register(self._connection.sock, select.POLLIN)
+        while readable.poll(0):
             kind, payload = self._connection.recv()
             if kind is Kind.STATE:
                 state: dict[str, Any] = json.loads(payload)
