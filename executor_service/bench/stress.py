@@ -16,8 +16,8 @@ attention tier does and checks every single answer:
   ``seconds`` and compare every answer row by row (``answers.worst_row_error`` against
   ``answers.row_tolerance``). They take the ``modes`` in turn: bytes in unary ``Forward`` and
   in ``ForwardStream``, a shared-memory ring, CUDA tensors through the client's own device
-  path, and asyncio direct channels with calls overlapping and leases churning
-  (``stress_client.MODES``).
+  path, asyncio direct channels with calls overlapping and leases churning, blocking channels
+  through their spin blocks, and network channels (``stress_client.MODES``).
 
 It fails on any status other than OK (RESOURCE_EXHAUSTED, a busy executor's answer, is allowed
 up to ``MAX_EXHAUSTED_SHARE`` of the calls), on any mismatch, on a broken stream, and if the
@@ -156,6 +156,7 @@ class StressReport:
             "shm": "shared_memory",
             "device": "cuda_memory",
             "channel": "cuda_memory" if on_gpu else "shared_memory",
+            "spin": "cuda_memory" if on_gpu else "shared_memory",
             "network": "network_channel",
         }
         return {label[m] for m in self.by_mode}

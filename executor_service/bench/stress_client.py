@@ -11,6 +11,7 @@ the others go through the client library as a same-host user would
 (``bench.stress_transports``): ``shm`` a registered shared-memory ring, ``device`` CUDA tensors
 through ``ExecutorClient``'s own device path (a CUDA ring and a direct channel), ``channel``
 an asyncio channel with several calls in flight, reopened now and then with a lease;
+``spin`` a blocking channel through its spin block, reopened now and then with a lease;
 ``network`` a network channel (Gloo from the CPU to a CPU executor, NCCL from a second GPU),
 reopened now and then with a lease.
 """
@@ -41,7 +42,7 @@ _OPTIONS = [
 _DETAILED = 5
 _CODES = {code.value[0]: code.name for code in grpc.StatusCode}
 #: How a client sends its requests (see the module's docstring).
-MODES = ("unary", "stream", "shm", "device", "channel", "network")
+MODES = ("unary", "stream", "shm", "device", "channel", "spin", "network")
 
 
 @dataclass(frozen=True)

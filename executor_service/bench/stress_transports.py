@@ -1,5 +1,5 @@
 """The stress client's same-host transports, through the client library as a user calls it
-(``bench.stress_client --mode shm|device|channel|network``).
+(``bench.stress_client --mode shm|device|channel|spin|network``).
 
 * ``shm``: ``ExecutorClient.shared_memory`` — a registered ring, descriptors over gRPC;
 * ``device``: CUDA tensors into a plain ``ExecutorClient``, which takes its own CUDA ring and
@@ -9,6 +9,9 @@
   channel is closed and reopened every ``CALLS_PER_CHANNEL`` calls, leasing an adapter the
   driver names (its segments then name it by the channel's handle, "#0"), so that tickets,
   leases and their release churn with the traffic;
+* ``spin``: ``ExecutorClient.open_channel(spin=True)``, one call at a time through the
+  channel's spin block and a ring (CUDA memory where this process has a GPU, shared memory
+  otherwise), closed and reopened with a lease every ``CALLS_PER_CHANNEL`` calls;
 * ``network``: ``ExecutorClient.open_network_channel`` from ``network_device`` (the CPU with
   Gloo for a CPU executor, another GPU with NCCL for a GPU executor), closed and reopened with
   a lease every ``CALLS_PER_CHANNEL`` calls as ``channel`` is.
@@ -88,6 +91,8 @@ def run(
         return asyncio.run(_channel(address, pool, deadline, rng, check, lease, ring_shape))
     if mode == "network":
         return _network(address, pool, deadline, rng, check, lease, torch.device(network_device))
+    if mode == "spin":
+        return _spin(address, pool, deadline, rng, check, lease, (hidden_size, max_tokens))
     gpu = mode == "device"
     with ExecutorClient(
         address, timeout=120, device_path=gpu, device_ring_tokens=max_tokens, device_ring_slots=1
@@ -151,6 +156,51 @@ def _network(
                     _answered(check, item, begin, output)
                 if not channel.serving:
                     return [f"network channel says not serving: {channel.reason}"]
+    return []
+
+
+def _spin(
+    address: str,
+    pool: list[PoolRequest],
+    deadline: float,
+    rng: random.Random,
+    check: Check,
+    lease: Sequence[str],
+    ring_shape: tuple[int, int],
+) -> list[str]:
+    """``ring_shape``: (hidden size, largest T) of the ring's slots."""
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    hidden_size, max_tokens = ring_shape
+    with ExecutorClient(address, timeout=120, device_path=False) as client:
+        ring_context = (
+            client.cuda_memory(hidden_size, max_tokens, slots=1)
+            if gpu
+            else client.shared_memory(hidden_size, max_tokens, slots=1)
+        )
+        with ring_context as ring:
+            while time.monotonic() < deadline:
+                leased = [rng.choice(lease)] if lease else []
+                handles = {adapter: f"#{i}" for i, adapter in enumerate(leased)}
+                with client.open_channel(adapters=leased, spin=True) as channel:
+                    if channel.block is None:
+                        return ["the executor gave the channel no spin block"]
+                    for _ in range(CALLS_PER_CHANNEL):
+                        if time.monotonic() >= deadline:
+                            break
+                        item = rng.choice(pool)
+                        hidden = _hidden(item, device)
+                        begin = time.perf_counter()
+                        output: torch.Tensor | MoeLoraError
+                        try:
+                            output, _ = channel.forward(
+                                item.layer, hidden, ring, _segments(item, handles)
+                            )
+                        except MoeLoraError as exc:
+                            output = exc
+                        _answered(check, item, begin, output)
+                    if not channel.serving:
+                        return [f"spin channel says not serving: {channel.reason}"]
     return []
 
 
