@@ -429,8 +429,8 @@ class EngineHost:
 
     def _ring(self) -> None:
         """A spin channel's BELL: wakes the launch loop, which then polls the blocks."""
-        runtime = self._runtime
-        if runtime is not None:
+        runtime, spin = self._runtime, self._spin
+        if runtime is not None and spin is not None and spin.ring():
             with contextlib.suppress(MoeLoraError):  # stopping: the block is answered so
                 runtime.scheduler.post(_nothing)
 

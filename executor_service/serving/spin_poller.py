@@ -52,6 +52,7 @@ class SpinPoller(Generic[L]):
         self._entries: tuple[SpinEntry[L], ...] = ()  # replaced whole: the loop reads it bare
         self._polling = False
         self._active = 0.0  # when the last request was found
+        self._woken = False  # a wake-up is on its way to the loop (``ring``)
 
     def add(self, link: L) -> SpinEntry[L]:
         """A new block for ``link`` (the caller sends its ``block.fd`` and calls
@@ -95,9 +96,18 @@ class SpinPoller(Generic[L]):
             self._active = time.perf_counter()
         return found
 
+    def ring(self) -> bool:
+        """A client rang: whether to wake the loop. Bells while a wake-up is on its way, or
+        while the loop polls, need none (a client ringing in a loop costs the loop nothing)."""
+        if self._polling or self._woken:
+            return False
+        self._woken = True
+        return True
+
     def idle(self, work_waiting: Callable[[], bool]) -> bool:
         """The loop has nothing to do: polls while the blocks were busy lately (until
         ``work_waiting()`` or a request), else looks once. True if it handed one over."""
+        self._woken = False  # looked at from here on: a later bell wakes the loop again
         if not self._entries:
             return False
         if time.perf_counter() - self._active > self.spin_seconds:

@@ -17,8 +17,16 @@ import time
 import numpy as np
 import pytest
 
+from executor_service.serving.spin_poller import SpinPoller
 from executor_service.sources import LocalFolderSource
-from moelora.client.engine_wire import Connection, ForwardDescriptor, ForwardResult, Kind, TensorRef
+from moelora.client.engine_wire import (
+    Connection,
+    ForwardDescriptor,
+    ForwardResult,
+    Kind,
+    TensorRef,
+    frame,
+)
 from moelora.client.errors import NotFound
 from moelora.client.spin_block import SpinBlock
 from moelora.v1 import executor_pb2 as ex
@@ -166,8 +174,14 @@ def test_a_hostile_spin_client_ends_only_its_own_channel(
             ring.output(slot, hidden), client.forward(layer, hidden, [(TOKENS, "alpha")]).output
         )
 
+        # Bells rung in a loop: the engine serves on.
+        connection.send_frames([frame(Kind.BELL, b"")] * 20_000)
+        block.post(12, descriptor(12))
+        connection.send(Kind.BELL, b"")
+        assert _answer(block, 12).code == 0
+
         # A FORWARD frame on a spin channel's socket breaks the protocol: the channel ends.
-        connection.send(Kind.FORWARD, descriptor(12))
+        connection.send(Kind.FORWARD, descriptor(13))
         reasons = []
         with pytest.raises((EOFError, OSError)):
             while True:
@@ -217,3 +231,18 @@ with client.shared_memory({hidden.shape[1]}, {TOKENS}, slots=1, dtype="float32")
         assert np.array_equal(output, client.forward(layer, hidden, [(TOKENS, "alpha")]).output)
     opened = "moelora_executor_channels_open"
     wait_for(lambda: running.metric(opened, kind="spin") == 0, timeout=10)
+
+
+def test_bells_wake_the_loop_once_per_sleep() -> None:
+    """A bell wakes the sleeping loop; more bells before it has looked at the blocks, or
+    while it polls, wake it no more (a client ringing in a loop costs the loop nothing)."""
+    poller: SpinPoller[str] = SpinPoller(0.001, lambda entry, payload, received: None)
+    entry = poller.add("link")
+    try:
+        assert poller.ring()
+        assert not any(poller.ring() for _ in range(1000))
+        assert not poller.idle(lambda: False)  # it looked (nothing posted): bells wake again
+        assert poller.ring()
+        entry.block.sent()
+    finally:
+        poller.remove(entry)
