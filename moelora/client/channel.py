@@ -41,7 +41,7 @@ from moelora.client.engine_wire import (
     raise_for,
 )
 from moelora.client.errors import DeadlineExceeded, FailedPrecondition, Unavailable
-from moelora.client.shared_memory import Array, ForwardRing, Slot
+from moelora.client.shared_memory import Array, ForwardRing, Slot, settle
 from moelora.client.spin_block import SpinBlock
 from moelora.client.tensors import WIRE_TYPES
 from moelora.v1 import executor_pb2
@@ -129,6 +129,7 @@ class ForwardChannel:
         it): the output (a copy, as ``ring.output`` makes it) and the engine's result (its
         resolved adapters, adapters loaded, server time). Errors raise as for Forward."""
         slot = take_slot(ring, hidden)
+        failure: BaseException | None = None
         try:
             descriptor = ring_descriptor(
                 ring, slot, hidden, layer, segments, next(self._ids), self.slot_wait
@@ -136,8 +137,11 @@ class ForwardChannel:
             result = self.send(descriptor)
             raise_for(result.code, result.message, result.retry_after_ms)
             return ring.output(slot, hidden), result
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
-            ring.give_back(slot)
+            settle(ring, slot, failure)
 
     def send(self, descriptor: ForwardDescriptor) -> ForwardResult:
         """Sends one descriptor and waits for its result (any status)."""

@@ -22,7 +22,7 @@ from moelora.client.engine_wire import (
     raise_for,
 )
 from moelora.client.errors import DeadlineExceeded, FailedPrecondition, Unavailable
-from moelora.client.shared_memory import Array, ForwardRing
+from moelora.client.shared_memory import Array, ForwardRing, settle
 from moelora.v1 import executor_pb2
 
 
@@ -74,6 +74,7 @@ class AsyncForwardChannel:
     ) -> tuple[Array, ForwardResult]:
         """As ``ForwardChannel.forward``; calls may overlap."""
         slot = take_slot(ring, hidden)
+        failure: BaseException | None = None
         try:
             descriptor = ring_descriptor(
                 ring, slot, hidden, layer, segments, next(self._ids), self.slot_wait
@@ -81,8 +82,11 @@ class AsyncForwardChannel:
             result = await self.send(descriptor)
             raise_for(result.code, result.message, result.retry_after_ms)
             return ring.output(slot, hidden), result
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
-            ring.give_back(slot)
+            settle(ring, slot, failure)
 
     async def send(self, descriptor: ForwardDescriptor) -> ForwardResult:
         """Sends one descriptor and waits for its result (any status)."""

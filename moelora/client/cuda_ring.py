@@ -72,6 +72,9 @@ class CudaMemoryRing:
     def give_back(self, slot: Slot) -> None:
         self._slots.give_back(slot)
 
+    def retire(self, slot: Slot) -> None:
+        self._slots.retire(slot)
+
     def request(
         self, slot: Slot, hidden: torch.Tensor, layer: int, segments: list[executor_pb2.Segment]
     ) -> executor_pb2.ForwardRequest:

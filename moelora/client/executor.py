@@ -38,7 +38,7 @@ from moelora.client.cuda_ring import CudaMemoryRing
 from moelora.client.device_path import MESSAGE, DevicePath
 from moelora.client.errors import MoeLoraError, Overloaded, error_for_code, from_rpc_error
 from moelora.client.health import wait_until_serving
-from moelora.client.shared_memory import ForwardRing, SharedMemoryRing, Slot
+from moelora.client.shared_memory import ForwardRing, SharedMemoryRing, Slot, settle
 from moelora.v1 import executor_pb2, executor_pb2_grpc, tensor_pb2
 
 if TYPE_CHECKING:
@@ -312,12 +312,16 @@ class ExecutorClient:
                 self._stub.Forward, request, timeout, idempotent=True
             )
             return forward_result(response, hidden)
+        failure: BaseException | None = None
         try:
             shared = shared_forward_request(ring, slot, layer, hidden, segments, routing)
             response = self._call(self._stub.Forward, shared, timeout, idempotent=True)
             return forward_result(response, hidden, ring.output(slot, hidden))
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
-            ring.give_back(slot)
+            settle(ring, slot, failure)
 
     @contextlib.contextmanager
     def shared_memory(

@@ -46,7 +46,7 @@ from moelora.client.executor import (
     shared_region_name,
     stream_error,
 )
-from moelora.client.shared_memory import ForwardRing, SharedMemoryRing
+from moelora.client.shared_memory import ForwardRing, SharedMemoryRing, settle
 from moelora.v1 import executor_pb2, executor_pb2_grpc
 
 if TYPE_CHECKING:
@@ -151,12 +151,16 @@ class AsyncExecutorClient:
                 self._stub.Forward, request, timeout, idempotent=True
             )
             return forward_result(response, hidden)
+        failure: BaseException | None = None
         try:
             shared = shared_forward_request(ring, slot, layer, hidden, segments, routing)
             response = await self._call(self._stub.Forward, shared, timeout, idempotent=True)
             return forward_result(response, hidden, ring.output(slot, hidden))
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
-            ring.give_back(slot)
+            settle(ring, slot, failure)
 
     @contextlib.asynccontextmanager
     async def shared_memory(

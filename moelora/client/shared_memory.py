@@ -17,6 +17,7 @@ unlinks them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import re
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import numpy as np
 
+from moelora.client.errors import DeadlineExceeded, MoeLoraError, Unavailable
+from moelora.client.logs import log_event
 from moelora.client.tensors import WIRE_TYPES, dtype_from_name
 from moelora.v1 import executor_pb2
 
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
 
 #: What a ring takes and gives back: numpy arrays, or torch tensors (bfloat16 too).
 Array = TypeVar("Array", bound="np.ndarray[Any, Any] | torch.Tensor")
+
+log = logging.getLogger(__name__)
 
 #: Where POSIX shared-memory objects live on Linux.
 SHM_ROOT = Path("/dev/shm")
@@ -129,6 +134,8 @@ class SlotPool:
         self.area = area
         self._lock = threading.Lock()
         self._free = list(range(slots))
+        #: Slots taken out of use (``retire``).
+        self.retired = 0
 
     def take(self, shape: tuple[int, ...]) -> Slot | None:
         """A free slot for a (T, H) tensor of ``shape``; None if it does not fit one or every
@@ -145,6 +152,11 @@ class SlotPool:
     def give_back(self, slot: Slot) -> None:
         with self._lock:
             self._free.append(slot.index)
+
+    def retire(self, slot: Slot) -> None:
+        """Never hands ``slot`` out again (``settle``)."""
+        with self._lock:
+            self.retired += 1
 
 
 def slot_request(
@@ -179,11 +191,35 @@ class ForwardRing(Protocol):
 
     def give_back(self, slot: Slot) -> None: ...
 
+    def retire(self, slot: Slot) -> None: ...
+
     def request(
         self, slot: Slot, hidden: Any, layer: int, segments: list[executor_pb2.Segment]
     ) -> executor_pb2.ForwardRequest: ...
 
     def output(self, slot: Slot, like: Array) -> Array: ...
+
+
+def settle(ring: ForwardRing, slot: Slot, failure: BaseException | None) -> None:
+    """Ends a call's use of ``slot``: given back once the executor answered (``failure`` is
+    None or the executor's own error), retired when the call ended without its answer (a
+    deadline, a lost connection, a cancelled caller): the executor may still read the input
+    there and write the output later, over a later call's."""
+    if failure is None or (
+        isinstance(failure, MoeLoraError)
+        and not isinstance(failure, DeadlineExceeded | Unavailable)
+    ):
+        ring.give_back(slot)
+        return
+    ring.retire(slot)
+    log_event(
+        log,
+        "ring_slot_retired",
+        logging.WARNING,
+        region=ring.region,
+        slot=slot.index,
+        reason=type(failure).__name__,
+    )
 
 
 class SharedMemoryRing:
@@ -227,6 +263,9 @@ class SharedMemoryRing:
 
     def give_back(self, slot: Slot) -> None:
         self._slots.give_back(slot)
+
+    def retire(self, slot: Slot) -> None:
+        self._slots.retire(slot)
 
     def request(
         self, slot: Slot, hidden: Array, layer: int, segments: list[executor_pb2.Segment]

@@ -18,13 +18,16 @@ import pytest
 import torch
 
 from executor_service.server import _on_this_host
+from executor_service.sources import LocalFolderSource
 from kernels import LoRAContext, MoELayerWeights, Routing, moe_forward
 from moelora.client import AsyncExecutorClient
+from moelora.client.errors import DeadlineExceeded, NotFound
+from moelora.client.executor import ExecutorClient, RetryPolicy
 from moelora.client.shared_memory import SHM_ROOT, Segment
 from moelora.client.tensors import from_numpy
 from moelora.v1 import executor_pb2 as ex
 from moelora.v1 import executor_pb2_grpc, tensor_pb2
-from tests.executor.conftest import Running, StartExecutor
+from tests.executor.conftest import GatedSource, Running, StartExecutor
 from tests.executor.worlds import TOKENS, World
 
 F32 = tensor_pb2.DATA_TYPE_FLOAT32
@@ -336,3 +339,33 @@ def test_the_async_client_ring(qwen_world: World, start_executor: StartExecutor)
 
     outputs = asyncio.run(calls())
     assert len(outputs) == 6 and all(np.array_equal(out, expected) for out in outputs)
+
+
+def test_a_slot_whose_call_ended_without_its_answer_is_not_used_again(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """A call that timed out may still be computed, its output written into its slot later:
+    that slot is retired, not handed to a later call (which then sends bytes, answered
+    right). A call the executor answered, even with an error, gives its slot back."""
+    gate = threading.Event()  # adapter fetches wait here
+    source = GatedSource(LocalFolderSource(qwen_world.adapter_dir), gate)
+    running = start_executor(qwen_world, source=source)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+    hidden_size = int(hidden.shape[1])
+    with ExecutorClient(running.app.address, retry=RetryPolicy(attempts=1)) as client:
+        expected = client.forward(layer, hidden).output
+        with (
+            client.shared_memory(hidden_size, TOKENS, slots=1, dtype="float32") as ring,
+            client.shared_memory(hidden_size, TOKENS, slots=1, dtype="float32") as answered,
+        ):
+            with pytest.raises(DeadlineExceeded):
+                client.forward(layer, hidden, [(TOKENS, "alpha")], ring=ring, timeout=0.5)
+            assert ring.take(hidden) is None  # retired: the engine still holds the request
+            assert np.array_equal(client.forward(layer, hidden, ring=ring).output, expected)
+            with pytest.raises(NotFound):
+                client.forward(layer, hidden, [(TOKENS, "no-such-adapter")], ring=answered)
+            slot = answered.take(hidden)
+            assert slot is not None  # answered: given back
+            answered.give_back(slot)
+            gate.set()
