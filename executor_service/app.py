@@ -85,6 +85,7 @@ class ExecutorApp:
             pinned_bytes=settings.frontend_arena_pinned_bytes,
             region_pinned_bytes=settings.shared_memory_pinned_bytes,
             spin_seconds=settings.channel_spin_us / 1e6,
+            max_spin_channels=settings.max_spin_channels,
         )
         engine_end, front_end = socket.socketpair()
         self._arena = Arena.create("moelora-frontend", settings.frontend_arena_bytes)

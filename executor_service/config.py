@@ -196,6 +196,13 @@ class ExecutorSettings(ServerSettings):
         "in shared memory, no socket or thread wake-up per call; the loop's core is busy "
         "meanwhile); 0: channels do not spin",
     )
+    max_spin_channels: int = Field(
+        64,
+        ge=0,
+        le=1024,
+        description="direct channels with a spin block at once (the launch loop reads every "
+        "block each time it looks); a channel asking past it works over its socket",
+    )
     network_channel_port: int | None = Field(
         None,
         ge=0,

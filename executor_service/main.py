@@ -120,6 +120,7 @@ def _serve_with_front_ends(settings: ExecutorSettings, kernel: KernelFn | None, 
         pinned_bytes=settings.frontend_arena_pinned_bytes,
         region_pinned_bytes=settings.shared_memory_pinned_bytes,
         spin_seconds=settings.channel_spin_us / 1e6,
+        max_spin_channels=settings.max_spin_channels,
     )
     host.listen(workdir / "engine.sock")
     host.listen_channels(settings.channel_dir, settings.max_channel_in_flight)

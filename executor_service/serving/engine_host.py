@@ -111,6 +111,7 @@ class EngineHost:
         pinned_bytes: int = 0,
         region_pinned_bytes: int = 0,
         spin_seconds: float = 0.0,
+        max_spin_channels: int = 64,
     ) -> None:
         self._send_timeout = send_timeout
         #: How much of each front end's arena to page-lock on a GPU (its requests' rows are
@@ -136,7 +137,9 @@ class EngineHost:
         self._leased: collections.Counter[str] = collections.Counter()
         #: Channels' spin blocks, polled by the launch loop (None: channels do not spin).
         self._spin: SpinPoller[_Link] | None = (
-            SpinPoller(spin_seconds, self._spun) if spin_seconds > 0 else None
+            SpinPoller(spin_seconds, self._spun, max_spin_channels)
+            if spin_seconds > 0 and max_spin_channels > 0
+            else None
         )
 
     @property
@@ -420,7 +423,8 @@ class EngineHost:
             max_in_flight = 1
         elif hello.get("spin") and self._spin is not None:
             link.spin = self._spin.add(link)  # polled once its client has it: after admit
-            max_in_flight = 1
+            if link.spin is not None:  # else --max-spin-channels are open: its socket
+                max_in_flight = 1
         link.admit(scope, int(hello.get("pid", 0)), max_in_flight)
         if hello.get("spin") and not link.network:  # answered with its block, or without
             self._count_channels()  # before its client can see it open

@@ -44,9 +44,13 @@ class SpinPoller(Generic[L]):
     thread for each request found (``received``: ``time.perf_counter()``)."""
 
     def __init__(
-        self, spin_seconds: float, handle: Callable[[SpinEntry[L], bytes, float], None]
+        self,
+        spin_seconds: float,
+        handle: Callable[[SpinEntry[L], bytes, float], None],
+        max_blocks: int = 64,
     ) -> None:
         self.spin_seconds = spin_seconds
+        self.max_blocks = max_blocks
         self._handle = handle
         self._lock = threading.Lock()
         self._entries: tuple[SpinEntry[L], ...] = ()  # replaced whole: the loop reads it bare
@@ -54,11 +58,13 @@ class SpinPoller(Generic[L]):
         self._active = 0.0  # when the last request was found
         self._woken = False  # a wake-up is on its way to the loop (``ring``)
 
-    def add(self, link: L) -> SpinEntry[L]:
+    def add(self, link: L) -> SpinEntry[L] | None:
         """A new block for ``link`` (the caller sends its ``block.fd`` and calls
-        ``block.sent``)."""
-        entry = SpinEntry(link, SpinBlock.create())
+        ``block.sent``), or None if ``max_blocks`` are open."""
         with self._lock:
+            if len(self._entries) >= self.max_blocks:
+                return None
+            entry = SpinEntry(link, SpinBlock.create())
             entry.block.set_polling(self._polling)
             self._entries = (*self._entries, entry)
         return entry

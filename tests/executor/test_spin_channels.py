@@ -91,6 +91,25 @@ def test_where_the_executor_does_not_spin_the_channel_uses_its_socket(
         assert np.array_equal(output, client.forward(layer, hidden, [(TOKENS, "alpha")]).output)
 
 
+def test_past_the_spin_channel_limit_a_channel_uses_its_socket(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    running = start_executor(qwen_world, max_spin_channels=1)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+    client = running.client
+    expected = client.forward(layer, hidden, [(TOKENS, "alpha")]).output
+    with client.shared_memory(hidden.shape[1], TOKENS, slots=1, dtype="float32") as ring:
+        with client.open_channel(spin=True) as first, client.open_channel(spin=True) as second:
+            assert first.block is not None and second.block is None
+            for channel in (first, second):
+                output, _ = channel.forward(layer, hidden, ring, [(TOKENS, "alpha")])
+                assert np.array_equal(output, expected)
+        wait_for(lambda: running.metric("moelora_executor_channels_open", kind="spin") == 0)
+        with client.open_channel(spin=True) as third:  # the first's place is free again
+            assert third.block is not None
+
+
 def _admitted(opened: ex.OpenChannelResponse) -> tuple[Connection, SpinBlock, int]:
     """A raw spin channel: the connection, the block the engine sent and a descriptor of
     the block's memory."""
@@ -238,6 +257,7 @@ def test_bells_wake_the_loop_once_per_sleep() -> None:
     while it polls, wake it no more (a client ringing in a loop costs the loop nothing)."""
     poller: SpinPoller[str] = SpinPoller(0.001, lambda entry, payload, received: None)
     entry = poller.add("link")
+    assert entry is not None
     try:
         assert poller.ring()
         assert not any(poller.ring() for _ in range(1000))
