@@ -59,6 +59,8 @@ class IdlePoller(Protocol):
 
     def idle(self, work_waiting: Callable[[], bool]) -> bool: ...
 
+    def take_busy(self) -> float: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +222,7 @@ class Scheduler:
         finally:
             self._cond.acquire()
             self._busy_since = time.perf_counter()
+        self._metrics.launch_loop_busy.inc(poller.take_busy())  # polling alone is idle
         return found or self._work_waiting()
 
     def _meanwhile(self) -> None:
@@ -227,6 +230,7 @@ class Scheduler:
         poller = self._poller
         if poller is not None:
             poller.poll()
+            poller.take_busy()  # inside a launch, counted busy already
         self._run_posted()
 
     def _wait(self, timeout: float | None) -> None:

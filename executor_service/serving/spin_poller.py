@@ -57,6 +57,7 @@ class SpinPoller(Generic[L]):
         self._polling = False
         self._active = 0.0  # when the last request was found
         self._woken = False  # a wake-up is on its way to the loop (``ring``)
+        self._busy = 0.0  # seconds spent handing requests over since ``take_busy``
 
     def add(self, link: L) -> SpinEntry[L] | None:
         """A new block for ``link`` (the caller sends its ``block.fd`` and calls
@@ -97,10 +98,17 @@ class SpinPoller(Generic[L]):
                     entry.last = taken[0]
             if taken is not None:
                 found = True
-                self._handle(entry, taken[1], time.perf_counter())
+                received = time.perf_counter()
+                self._handle(entry, taken[1], received)
+                self._busy += time.perf_counter() - received
         if found:
             self._active = time.perf_counter()
         return found
+
+    def take_busy(self) -> float:
+        """Seconds spent handing requests over (work, not polling) since the last call."""
+        busy, self._busy = self._busy, 0.0
+        return busy
 
     def ring(self) -> bool:
         """A client rang: whether to wake the loop. Bells while a wake-up is on its way, or
