@@ -25,12 +25,14 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 
 from executor_service.bench.stress_client import PoolRequest
+from moelora.client.channel import ForwardChannel
 from moelora.client.channel_aio import AsyncForwardChannel
 from moelora.client.errors import MoeLoraError
 from moelora.client.executor import ExecutorClient
@@ -128,6 +130,45 @@ def _calls(
         _answered(check, item, begin, output)
 
 
+#: Opens a channel leasing the adapters given (a context manager yielding it).
+OpenChannel = Callable[[list[str]], AbstractContextManager[Any]]
+#: One call over a channel: (channel, layer, hidden, segments) -> output.
+ChannelCall = Callable[[Any, int, torch.Tensor, list[tuple[int, str | None]]], torch.Tensor]
+
+
+def _reopened(
+    open_channel: OpenChannel,
+    call: ChannelCall,
+    pool: list[PoolRequest],
+    deadline: float,
+    rng: random.Random,
+    check: Check,
+    lease: Sequence[str],
+    device: str,
+) -> list[str]:
+    """Calls over a channel that is closed and reopened, leasing an adapter of ``lease``
+    (named by its handle), every ``CALLS_PER_CHANNEL`` calls."""
+    while time.monotonic() < deadline:
+        leased = [rng.choice(lease)] if lease else []
+        handles = {adapter: f"#{i}" for i, adapter in enumerate(leased)}
+        with open_channel(leased) as channel:
+            for _ in range(CALLS_PER_CHANNEL):
+                if time.monotonic() >= deadline:
+                    break
+                item = rng.choice(pool)
+                hidden = _hidden(item, device)
+                begin = time.perf_counter()
+                output: torch.Tensor | MoeLoraError
+                try:
+                    output = call(channel, item.layer, hidden, _segments(item, handles))
+                except MoeLoraError as exc:
+                    output = exc
+                _answered(check, item, begin, output)
+            if not channel.serving:
+                return [f"{type(channel).__name__} says not serving: {channel.reason}"]
+    return []
+
+
 def _network(
     address: str,
     pool: list[PoolRequest],
@@ -138,25 +179,11 @@ def _network(
     device: torch.device,
 ) -> list[str]:
     with ExecutorClient(address, timeout=120, device_path=False) as client:
-        while time.monotonic() < deadline:
-            leased = [rng.choice(lease)] if lease else []
-            handles = {adapter: f"#{i}" for i, adapter in enumerate(leased)}
-            with client.open_network_channel(device, adapters=leased) as channel:
-                for _ in range(CALLS_PER_CHANNEL):
-                    if time.monotonic() >= deadline:
-                        break
-                    item = rng.choice(pool)
-                    hidden = _hidden(item, str(device))
-                    begin = time.perf_counter()
-                    output: torch.Tensor | MoeLoraError
-                    try:
-                        output, _ = channel.forward(item.layer, hidden, _segments(item, handles))
-                    except MoeLoraError as exc:
-                        output = exc
-                    _answered(check, item, begin, output)
-                if not channel.serving:
-                    return [f"network channel says not serving: {channel.reason}"]
-    return []
+        return _reopened(
+            lambda leased: client.open_network_channel(device, adapters=leased),
+            lambda channel, layer, hidden, segments: channel.forward(layer, hidden, segments)[0],
+            pool, deadline, rng, check, lease, str(device),
+        )  # fmt: skip
 
 
 def _spin(
@@ -179,29 +206,21 @@ def _spin(
             else client.shared_memory(hidden_size, max_tokens, slots=1)
         )
         with ring_context as ring:
-            while time.monotonic() < deadline:
-                leased = [rng.choice(lease)] if lease else []
-                handles = {adapter: f"#{i}" for i, adapter in enumerate(leased)}
-                with client.open_channel(adapters=leased, spin=True) as channel:
-                    if channel.block is None:
-                        return ["the executor gave the channel no spin block"]
-                    for _ in range(CALLS_PER_CHANNEL):
-                        if time.monotonic() >= deadline:
-                            break
-                        item = rng.choice(pool)
-                        hidden = _hidden(item, device)
-                        begin = time.perf_counter()
-                        output: torch.Tensor | MoeLoraError
-                        try:
-                            output, _ = channel.forward(
-                                item.layer, hidden, ring, _segments(item, handles)
-                            )
-                        except MoeLoraError as exc:
-                            output = exc
-                        _answered(check, item, begin, output)
-                    if not channel.serving:
-                        return [f"spin channel says not serving: {channel.reason}"]
-    return []
+
+            def open_channel(leased: list[str]) -> ForwardChannel:
+                channel = client.open_channel(adapters=leased, spin=True)
+                if channel.block is None:
+                    channel.close()
+                    raise RuntimeError("the executor gave the channel no spin block")
+                return channel
+
+            return _reopened(
+                open_channel,
+                lambda channel, layer, hidden, segments: channel.forward(
+                    layer, hidden, ring, segments
+                )[0],
+                pool, deadline, rng, check, lease, device,
+            )  # fmt: skip
 
 
 async def _channel(
