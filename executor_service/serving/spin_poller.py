@@ -123,6 +123,7 @@ class SpinPoller(Generic[L]):
         ``work_waiting()`` or a request), else looks once. True if it handed one over."""
         self._woken = False  # looked at from here on: a later bell wakes the loop again
         if not self._entries:
+            self._set_polling(False)  # a block opened while the loop sleeps must ring
             return False
         if time.perf_counter() - self._active > self.spin_seconds:
             self._set_polling(False)  # clients ring from now on

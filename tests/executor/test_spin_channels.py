@@ -110,6 +110,28 @@ def test_past_the_spin_channel_limit_a_channel_uses_its_socket(
             assert third.block is not None
 
 
+def test_a_block_opened_while_the_loop_sleeps_is_woken_for(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """The last block closes while the loop polls, other work interrupts the polling, and the
+    loop then sleeps with no block open: a block opened afterwards must say the loop is not
+    polling, so that its client rings."""
+    running = start_executor(qwen_world, channel_spin_us=500_000)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+    client = running.client
+    expected = client.forward(layer, hidden).output
+    with client.shared_memory(hidden.shape[1], TOKENS, slots=1, dtype="float32") as ring:
+        with client.open_channel(spin=True) as first:
+            first.forward(layer, hidden, ring)  # the loop polls for the next 0.5 s
+        client.forward(layer, hidden)  # work that interrupts the polling, no block open
+        time.sleep(0.1)
+        with client.open_channel(spin=True, timeout=5) as second:
+            assert second.block is not None
+            output, _ = second.forward(layer, hidden, ring)
+            assert np.array_equal(output, expected)
+
+
 def _admitted(opened: ex.OpenChannelResponse) -> tuple[Connection, SpinBlock, int]:
     """A raw spin channel: the connection, the block the engine sent and a descriptor of
     the block's memory."""
