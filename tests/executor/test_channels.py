@@ -87,7 +87,8 @@ def test_a_ticket_works_once_and_only_for_its_callers_regions(
     with (
         client("read") as owner,
         client("admin") as other,
-        owner.shared_memory(hidden.shape[1], TOKENS, slots=1, dtype="float32") as ring,
+        # Two slots: the refused channel's call ends without an answer, which retires its slot.
+        owner.shared_memory(hidden.shape[1], TOKENS, slots=2, dtype="float32") as ring,
     ):
         opened = owner._stub.OpenChannel(
             ex.OpenChannelRequest(), metadata=[("authorization", f"Bearer {secret['read']}")]
