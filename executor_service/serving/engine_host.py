@@ -447,12 +447,12 @@ class EngineHost:
         self._forward(link, payload, received)
 
     def _overloaded(self, link: _Link, payload: bytes) -> ForwardResult:
-        limit = self._channels.max_in_flight if self._channels is not None else 0
+        why = "a spin channel's one" if link.spin is not None else "--max-channel-in-flight"
         return _failure(
             ForwardDescriptor.peek_id(payload),
             Overloaded(
-                f"{limit} requests of this channel are in flight, the most one may have "
-                "(--max-channel-in-flight); wait for answers or open another channel",
+                f"{link.max_in_flight} requests of this channel are in flight, the most one may "
+                f"have ({why}); wait for answers or open another channel",
                 retry_after_ms=1,
             ),
         )
@@ -889,6 +889,11 @@ class _Link:
         self._open = True
         #: Answers kept for one write after the launch (``queue``, ``flush``).
         self._outbox: list[bytes] = []
+
+    @property
+    def max_in_flight(self) -> int:
+        """A channel's limit on requests in flight (0: none, a front end)."""
+        return self._max_in_flight
 
     @property
     def ready(self) -> bool:

@@ -102,15 +102,13 @@ class ForwardChannel:
         try:
             while True:
                 kind, payload, fd = self._connection.recv_fd()
-                block = None if fd is None else SpinBlock(fd)
+                admitted = kind is Kind.STATE and self._take_state(payload).get("admitted")
+                if admitted:
+                    return None if fd is None else SpinBlock(fd)
+                if fd is not None:  # a block that came with any other frame is not taken
+                    os.close(fd)
                 if kind is not Kind.STATE:
                     raise ValueError(f"unexpected frame {kind.name} before admission")
-                state: dict[str, Any] = json.loads(payload)
-                self.serving, self.reason = bool(state["serving"]), str(state["reason"])
-                if state.get("admitted"):
-                    return block
-                if block is not None:
-                    block.close()
         except TimeoutError:
             self.close()
             raise DeadlineExceeded("channel: the engine did not admit it in time") from None
@@ -158,8 +156,7 @@ class ForwardChannel:
                             return result
                         continue  # a late answer to a call that timed out
                     if kind is Kind.STATE:
-                        state: dict[str, Any] = json.loads(payload)
-                        self.serving, self.reason = bool(state["serving"]), str(state["reason"])
+                        self._take_state(payload)
             except TimeoutError:
                 raise DeadlineExceeded("channel: no answer within the channel's timeout") from None
             except (EOFError, OSError):
@@ -208,8 +205,13 @@ class ForwardChannel:
         while readable.poll(0):
             kind, payload = self._connection.recv()
             if kind is Kind.STATE:
-                state: dict[str, Any] = json.loads(payload)
-                self.serving, self.reason = bool(state["serving"]), str(state["reason"])
+                self._take_state(payload)
+
+    def _take_state(self, payload: bytes) -> dict[str, Any]:
+        """A STATE frame: whether the engine serves (and why not); its fields."""
+        state: dict[str, Any] = json.loads(payload)
+        self.serving, self.reason = bool(state["serving"]), str(state["reason"])
+        return state
 
     def _last_words(self) -> None:
         last = last_words(self._connection)
