@@ -113,7 +113,12 @@ def moe_forward(
     rank = 0 if lora is None else lora.slots.max_rank
     selector = configs if configs is not None else selector_for(hidden.device)
     config = selector.select(hidden.shape[0], layer_shape(layer), rank, hidden.dtype).config
-    return fused_moe(hidden, layer, lora, routing, config)
+    if hidden.device.type != "cuda":
+        return fused_moe(hidden, layer, lora, routing, config)
+    # Triton launches on the current device's stream and context: tensors on another GPU
+    # (a model placed on cuda:1) would be pointers it cannot read.
+    with torch.cuda.device(hidden.device):
+        return fused_moe(hidden, layer, lora, routing, config)
 
 
 def layer_shape(layer: MoELayerWeights) -> LayerShape:

@@ -246,7 +246,7 @@ def test_requests_in_pinned_shared_memory_are_read_and_written_in_place(world: W
                 running.client.forward(world.layer, x, seg, ring=ring).output for x, seg in calls
             ]
 
-    with _running(world, frontend_arena_pinned_bytes=0) as plain:
+    with _running(world, frontend_arena_pinned_bytes=0, shared_memory_pinned_bytes=0) as plain:
         expected = through_ring(plain)
         assert plain.metric(io, io="mapped") == 0
     with _running(

@@ -71,6 +71,21 @@ def test_real_shapes_bf16(shape: str, tokens: int) -> None:
         )
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_tensors_on_a_gpu_other_than_the_current_one() -> None:
+    """A model placed on cuda:1 calls the kernels while cuda:0 is current: they launch on
+    the tensors' GPU (Triton takes the current device's context otherwise) and answer as there."""
+    e, h, i, k = SHAPES["qwen3"]
+    layer = random_layer(e, h, i, k, dtype=torch.bfloat16, device="cuda:1")
+    hidden = random_hidden(37, h, dtype=torch.bfloat16, device="cuda:1")
+    lora = _lora(layer, 37)
+    routing = random_routing(37, e, k, device="cuda:1")
+    with torch.cuda.device(0):
+        out = moe_forward(hidden, layer, lora, routing)
+    assert out.device == torch.device("cuda:1")
+    assert_rows_close(out, moe_forward_reference(hidden, layer, lora, routing), "on cuda:1")
+
+
 @pytest.mark.parametrize("tokens", [1, 4])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_decode_real_shapes_bf16(shape: str, tokens: int) -> None:
