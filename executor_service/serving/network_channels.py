@@ -63,7 +63,6 @@ class NetworkChannels:
     def __init__(
         self, bind_host: str, port: int, advertise_host: str, max_channels: int, buffer_bytes: int
     ) -> None:
-        network_group.configure_nccl()
         self.listener = socket.create_server((bind_host, port), backlog=64)
         self.max_channels = max_channels
         self._buffer_bytes = buffer_bytes

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol, cast
 
 if TYPE_CHECKING:
@@ -43,15 +45,34 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def configure_nccl() -> None:
-    """Keeps a failed or timed-out channel from taking the engine's process down: torch's
-    default for NCCL errors tears the process down, and its heartbeat monitor kills a process
-    whose watchdog is stuck; a channel's peer is another host's client, not a training job's
-    rank. For the engine alone (a client's process keeps its own settings for its own groups);
-    operators' settings win (read when a group is made)."""
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the comm alone
-    os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+#: What a channel's NCCL group is made with where the process's environment does not say
+#: otherwise. torch's default (3) tears the whole process down when its watchdog sees a
+#: communicator error, and the end of a channel is one: a client's process would die with an
+#: executor that restarts or ends its channel, the engine with a client that closes its own.
+#: Here an error aborts that group's communicator alone, and no heartbeat monitor kills the
+#: process over a watchdog stuck on a peer that is gone.
+NCCL_GROUP_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+_ENVIRONMENT = threading.Lock()
+
+
+@contextlib.contextmanager
+def nccl_group_defaults() -> Iterator[None]:
+    """``NCCL_GROUP_DEFAULTS`` in the environment, for the variables it lacks, while a group is
+    made (torch reads them in the group's constructor), and gone after: the process's own
+    groups keep torch's defaults, and an operator's settings win."""
+    with _ENVIRONMENT:
+        added = [name for name in NCCL_GROUP_DEFAULTS if name not in os.environ]
+        for name in added:
+            os.environ[name] = NCCL_GROUP_DEFAULTS[name]
+        try:
+            yield
+        finally:
+            for name in added:
+                os.environ.pop(name, None)
 
 
 def store_client(address: str, timeout: datetime.timedelta = GROUP_TIMEOUT) -> Store:
@@ -78,7 +99,8 @@ def channel_group(
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return cast(Group, dist.ProcessGroupNCCL(prefixed, rank, 2, options))
+        with nccl_group_defaults():
+            return cast(Group, dist.ProcessGroupNCCL(prefixed, rank, 2, options))
     if backend == "gloo":
         return cast(Group, dist.ProcessGroupGloo(prefixed, rank, 2, timeout))
     raise ValueError(f"backend: {backend!r} is not nccl or gloo")

@@ -315,6 +315,22 @@ def test_between_two_gpus_nccl_answers_as_the_reference(
     wait_for(lambda: running.app.host.network_channels_open() == 0, timeout=60)
 
 
+def test_nccl_groups_are_made_to_abort_alone_and_leave_the_environment_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch reads its NCCL error handling as it constructs a group: while a channel's group is
+    made the environment says "abort this communicator alone" (its default tears the process
+    down), unless the process set it; after, the process's own groups see what they saw."""
+    handling, monitoring = "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ENABLE_MONITORING"
+    monkeypatch.delenv(handling, raising=False)
+    monkeypatch.setenv(monitoring, "1")  # an operator's choice
+    with network_group.nccl_group_defaults():
+        assert os.environ[handling] == "2"
+        assert os.environ[monitoring] == "1"
+    assert handling not in os.environ
+    assert os.environ[monitoring] == "1"
+
+
 def test_the_wait_for_a_tensor_ends_when_its_client_hangs_up() -> None:
     """The engine's wait for an NCCL transfer (polled, ``_poll``) watches the channel's socket:
     bytes from the client are not a hang-up, a closed socket is, and the wait then ends
