@@ -88,8 +88,9 @@ def moe_forward(
 
     routing: precomputed top-k ids/weights, else ``route(hidden, layer)``.
     lora: per-token adapter slots, else no LoRA.
-    backend: "triton" (CUDA tensors, or any under TRITON_INTERPRET=1) or "torch" (the float32
-    reference, for CPUs; FP8 experts are dequantised per expert).
+    backend: "triton" (CUDA tensors, on any GPU whether current or not, or any under
+    TRITON_INTERPRET=1) or "torch" (the float32 reference, for CPUs; FP8 experts are
+    dequantised per expert).
     configs: where launch configurations come from (the executor's, with its autotuned ones);
     default: this GPU's tuned table, else the heuristic.
     check_layer: False for a layer validated once at load (``kernels.validate_layer``).
