@@ -110,7 +110,9 @@ class ExecutorApp:
         self.faulted = threading.Event()
         self.device_fault: DeviceFault | None = None
         self.host.serve(engine_end)
-        self.host.listen_channels(settings.channel_dir, settings.max_channel_in_flight)
+        self.host.listen_channels(
+            settings.channel_dir, settings.max_channel_in_flight, settings.max_channels_per_token
+        )
         self.host.listen_network_channels(
             settings.network_channel_port,
             settings.network_channel_host,

@@ -233,6 +233,14 @@ class ExecutorSettings(ServerSettings):
         description="network channels open at once (each holds a process group, its GPU "
         "buffers and a reader thread); more are turned away",
     )
+    max_channels_per_token: int = Field(
+        256,
+        ge=1,
+        description="direct and network channels one bearer token may hold at once, its "
+        "OpenChannel tickets not yet used counted in, so that one caller cannot take the "
+        "engine's channels from the others; more are RESOURCE_EXHAUSTED (with auth off "
+        "every caller shares one scope and the engine-wide limits alone apply)",
+    )
     frontend_combine_after: int = Field(
         2,
         ge=0,

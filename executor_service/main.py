@@ -123,7 +123,9 @@ def _serve_with_front_ends(settings: ExecutorSettings, kernel: KernelFn | None, 
         max_spin_channels=settings.max_spin_channels,
     )
     host.listen(workdir / "engine.sock")
-    host.listen_channels(settings.channel_dir, settings.max_channel_in_flight)
+    host.listen_channels(
+        settings.channel_dir, settings.max_channel_in_flight, settings.max_channels_per_token
+    )
     host.listen_network_channels(
         settings.network_channel_port,
         settings.network_channel_host,

@@ -186,12 +186,15 @@ class EngineHost:
         self._listener = listener
         threading.Thread(target=self._accept, name="engine-accept", daemon=True).start()
 
-    def listen_channels(self, directory: Path | None, max_in_flight: int) -> Path:
+    def listen_channels(
+        self, directory: Path | None, max_in_flight: int, max_per_token: int
+    ) -> Path:
         """Accepts same-host clients' direct channels on a Unix socket in ``directory`` (a
         private temporary one when None); returns its path. A client gets in with a ticket
         from ``OpenChannel`` (its caller's scope) and may then only send Forward descriptors
-        naming its registered regions, at most ``max_in_flight`` at a time."""
-        channels = _Channels(directory, max_in_flight, self._release)
+        naming its registered regions, at most ``max_in_flight`` at a time. A token's scope
+        holds at most ``max_per_token`` channels and unused tickets (of both kinds)."""
+        channels = _Channels(directory, max_in_flight, max_per_token, self._release)
         self._channels = channels
         threading.Thread(
             target=self._accept, args=(channels.listener, True), name="engine-channels", daemon=True
@@ -247,7 +250,9 @@ class EngineHost:
         held = self._hold(
             [AdapterRef.parse(a, f"adapters[{i}]") for i, a in enumerate(adapters or [])], wait
         )
-        ticket = channels.ticket(scope, held, network)
+        with self._lock:
+            open_now = sum(link.channel and link.scope == scope for link in self._links)
+        ticket = channels.ticket(scope, held, network, open_now)
         ticket["leased"] = [] if held is None else [a.label for a in held.adapters]
         return {**ticket, **extra}
 
@@ -1104,9 +1109,11 @@ class _Channels:
         self,
         directory: Path | None,
         max_in_flight: int,
+        max_per_token: int,
         release: Callable[[HeldAdapters | None], None],
     ) -> None:
         self._release = release
+        self._max_per_token = max_per_token
         self._owned = directory is None
         self.directory = (
             Path(tempfile.mkdtemp(prefix="moelora-channels-")) if directory is None else directory
@@ -1123,15 +1130,27 @@ class _Channels:
         self._tickets: dict[str, tuple[str, HeldAdapters | None, float, bool]] = {}
 
     def ticket(
-        self, scope: str, held: HeldAdapters | None, network: bool = False
+        self, scope: str, held: HeldAdapters | None, network: bool = False, open_now: int = 0
     ) -> dict[str, Any]:
+        """A ticket for ``scope`` (``held``: its lease, released if none is given), which
+        has ``open_now`` channels open."""
         ticket = secrets.token_urlsafe(24)
         self._expire()
         with self._lock:
+            mine = open_now + sum(v[0] == scope for v in self._tickets.values())
+            greedy = bool(scope) and mine >= self._max_per_token  # "": every caller, auth off
             crowded = len(self._tickets) >= self.MAX_TICKETS
-            if not crowded:
+            if not (greedy or crowded):
                 expiry = time.monotonic() + self.TICKET_SECONDS
                 self._tickets[ticket] = (scope, held, expiry, network)
+        if greedy:
+            self._release(held)
+            raise ResourceExhausted(
+                f"this token holds {mine} channels and unused channel tickets, the most one "
+                "token may (--max-channels-per-token); close channels or use the tickets it "
+                "has",
+                "channel",
+            )
         if crowded:
             self._release(held)
             raise Overloaded(

@@ -34,7 +34,7 @@ from moelora.client.executor import ExecutorClient, RetryPolicy
 from moelora.v1 import executor_pb2 as ex
 from moelora.v1 import tensor_pb2
 from tests.conftest import wait_for
-from tests.executor.conftest import StartExecutor, slowed_kernel
+from tests.executor.conftest import Running, StartExecutor, slowed_kernel
 from tests.executor.worlds import TOKENS, World
 
 F32 = tensor_pb2.DATA_TYPE_FLOAT32
@@ -71,6 +71,13 @@ def test_a_channel_answers_as_forward_does(
         assert np.array_equal(output, client.forward(layer, hidden, mixes[0]).output)
 
 
+def _client(running: Running, token: str) -> ExecutorClient:
+    """A client of ``token`` that tries each call once (refusals are what the tests check)."""
+    return ExecutorClient(
+        running.app.address, timeout=30, retry=RetryPolicy(attempts=1), token=token
+    )
+
+
 def test_a_ticket_works_once_and_only_for_its_callers_regions(
     qwen_world: World, start_executor: StartExecutor, tokens: tuple[Path, dict[str, str]]
 ) -> None:
@@ -79,14 +86,9 @@ def test_a_ticket_works_once_and_only_for_its_callers_regions(
     layer = qwen_world.moe_layers[0]
     hidden = qwen_world.inputs[layer].numpy()
 
-    def client(role: str) -> ExecutorClient:
-        return ExecutorClient(
-            running.app.address, timeout=30, retry=RetryPolicy(attempts=1), token=secret[role]
-        )
-
     with (
-        client("read") as owner,
-        client("admin") as other,
+        _client(running, secret["read"]) as owner,
+        _client(running, secret["admin"]) as other,
         # Two slots: the refused channel's call ends without an answer, which retires its slot.
         owner.shared_memory(hidden.shape[1], TOKENS, slots=2, dtype="float32") as ring,
     ):
@@ -99,6 +101,43 @@ def test_a_ticket_works_once_and_only_for_its_callers_regions(
             again.forward(layer, hidden, ring, [(TOKENS, "alpha")])
         with other.open_channel() as stranger, pytest.raises(NotFound, match="region"):
             stranger.forward(layer, hidden, ring, [(TOKENS, "alpha")])
+
+
+def test_one_token_holds_at_most_its_share_of_channels(
+    qwen_world: World, start_executor: StartExecutor, tokens: tuple[Path, dict[str, str]]
+) -> None:
+    """--max-channels-per-token counts a token's open channels and its unused tickets: past
+    it OpenChannel is RESOURCE_EXHAUSTED for that token alone, and a channel it closes gives
+    its place back."""
+    path, secret = tokens
+    running = start_executor(qwen_world, auth="on", auth_tokens_file=path, max_channels_per_token=2)
+    layer = qwen_world.moe_layers[0]
+    hidden = qwen_world.inputs[layer].numpy()
+
+    with (
+        _client(running, secret["read"]) as greedy,
+        _client(running, secret["admin"]) as other,
+        other.shared_memory(hidden.shape[1], TOKENS, slots=1, dtype="float32") as ring,
+    ):
+        first = greedy.open_channel()
+        greedy._stub.OpenChannel(  # a ticket never used counts too
+            ex.OpenChannelRequest(), metadata=[("authorization", f"Bearer {secret['read']}")]
+        )
+        with pytest.raises(ResourceExhausted, match="--max-channels-per-token"):
+            greedy.open_channel()
+        with other.open_channel() as theirs:  # another token is not held back
+            output, _ = theirs.forward(layer, hidden, ring, [(TOKENS, "alpha")])
+            assert np.array_equal(output, other.forward(layer, hidden, [(TOKENS, "alpha")]).output)
+        first.close()
+
+        def reopened() -> bool:
+            try:
+                greedy.open_channel().close()
+            except ResourceExhausted:
+                return False  # the engine has not read the close yet
+            return True
+
+        wait_for(reopened, timeout=10)
 
 
 def test_a_channel_sends_no_bytes_and_makes_no_admin_calls(
