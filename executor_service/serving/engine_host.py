@@ -34,7 +34,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -247,12 +247,14 @@ class EngineHost:
                 "store_address": self._network.store_address,
                 "backend": network_group.backend_for(self._ready().placement.device),
             }
-        held = self._hold(
-            [AdapterRef.parse(a, f"adapters[{i}]") for i, a in enumerate(adapters or [])], wait
-        )
         with self._lock:
             open_now = sum(link.channel and link.scope == scope for link in self._links)
-        ticket = channels.ticket(scope, held, network, open_now)
+        with channels.place(scope, open_now):  # before the lease: a refusal loads nothing
+            held = self._hold(
+                [AdapterRef.parse(a, f"adapters[{i}]") for i, a in enumerate(adapters or [])],
+                wait,
+            )
+            ticket = channels.ticket(scope, held, network)
         ticket["leased"] = [] if held is None else [a.label for a in held.adapters]
         return {**ticket, **extra}
 
@@ -1114,6 +1116,8 @@ class _Channels:
     ) -> None:
         self._release = release
         self._max_per_token = max_per_token
+        #: Per scope, OpenChannel calls between their place and their ticket.
+        self._placing: collections.Counter[str] = collections.Counter()
         self._owned = directory is None
         self.directory = (
             Path(tempfile.mkdtemp(prefix="moelora-channels-")) if directory is None else directory
@@ -1129,28 +1133,43 @@ class _Channels:
         #: ticket -> (scope, lease, expiry, network).
         self._tickets: dict[str, tuple[str, HeldAdapters | None, float, bool]] = {}
 
+    @contextlib.contextmanager
+    def place(self, scope: str, open_now: int) -> Iterator[None]:
+        """Holds one of ``scope``'s places (it has ``open_now`` channels open) while its
+        ticket is made; ResourceExhausted if its channels, unused tickets and tickets being
+        made already take ``--max-channels-per-token`` ("": every caller with auth off, bound
+        by the engine-wide limits alone)."""
+        self._expire()
+        with self._lock:
+            mine = (
+                open_now + self._placing[scope] + sum(v[0] == scope for v in self._tickets.values())
+            )
+            if scope and mine >= self._max_per_token:
+                raise ResourceExhausted(
+                    f"this token holds {mine} channels and unused channel tickets, the most "
+                    "one token may (--max-channels-per-token); close channels or use the "
+                    "tickets it has",
+                    "channel",
+                )
+            self._placing[scope] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._placing[scope] -= 1
+                self._placing = +self._placing  # drop the zeros
+
     def ticket(
-        self, scope: str, held: HeldAdapters | None, network: bool = False, open_now: int = 0
+        self, scope: str, held: HeldAdapters | None, network: bool = False
     ) -> dict[str, Any]:
-        """A ticket for ``scope`` (``held``: its lease, released if none is given), which
-        has ``open_now`` channels open."""
+        """A ticket for ``scope`` (``held``: its lease, released if none is given)."""
         ticket = secrets.token_urlsafe(24)
         self._expire()
         with self._lock:
-            mine = open_now + sum(v[0] == scope for v in self._tickets.values())
-            greedy = bool(scope) and mine >= self._max_per_token  # "": every caller, auth off
             crowded = len(self._tickets) >= self.MAX_TICKETS
-            if not (greedy or crowded):
+            if not crowded:
                 expiry = time.monotonic() + self.TICKET_SECONDS
                 self._tickets[ticket] = (scope, held, expiry, network)
-        if greedy:
-            self._release(held)
-            raise ResourceExhausted(
-                f"this token holds {mine} channels and unused channel tickets, the most one "
-                "token may (--max-channels-per-token); close channels or use the tickets it "
-                "has",
-                "channel",
-            )
         if crowded:
             self._release(held)
             raise Overloaded(
