@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from moelora.client.executor import ExecutorClient, ForwardResult
 from moelora.client.health import wait_until_serving
 from moelora.client.tensors import dtype_name
 from shared.adapter_format import AdapterFormat
+from shared.ports import free_port
 
 BIN = Path(sys.executable).parent
 BASE_NAME = "demo-qwen3-moe"
@@ -80,12 +80,6 @@ class Service:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

@@ -23,6 +23,7 @@ import numpy as np
 from moelora.client.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from moelora.client.health import wait_until_serving
 from moelora.client.model_spec import ModelSpec
+from shared.ports import free_port
 
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -66,12 +67,6 @@ def write_adapter(folder: Path, spec: ModelSpec, rank: int, seed: int = 0) -> in
             f.write(piece)
             left -= len(piece)
     return (folder / CONFIG_FILE).stat().st_size + (folder / WEIGHTS_FILE).stat().st_size
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

@@ -7,7 +7,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from shared.ports import free_port
 
 # Triton picks its interpreter when ``triton.jit`` first runs, i.e. when ``kernels`` is first
 # imported by whichever test folder comes first: decide it here, once, for every folder.
@@ -118,13 +119,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     listing = "\n".join(f"  pid {pid}: {cmd[:200]}" for pid, cmd in left.items())
     print(f"\nprocess hygiene: {len(left)} process(es) outlived the tests:\n{listing}")
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ from moelora.client.executor import ExecutorClient, RetryPolicy
 from moelora.client.health import wait_until_serving
 from moelora.client.model_spec import read_model_spec
 from moelora.client.registry import RegistryClient
-from tests.conftest import ServerProcess, free_port
+from shared.ports import free_port
+from tests.conftest import ServerProcess
 from tests.executor.worlds import World
 
 BIN = Path(sys.executable).parent

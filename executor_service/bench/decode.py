@@ -39,12 +39,13 @@ from typing import Any
 
 import torch
 
-from executor_service.bench.processes import child_process, free_port, progress
+from executor_service.bench.processes import child_process, progress
 from executor_service.model_loader import load_base_model
 from kernels import MoELayerWeights, moe_forward
 from moelora.client.cluster.hf import attach_remote_experts
 from moelora.client.executor import ExecutorClient
 from moelora.client.network_channel import NetworkChannel
+from shared.ports import free_port
 
 PROMPT = 8
 #: transformers qwen3_moe configs: a Qwen3-30B-A3B layer, and a tiny one for the CPU.

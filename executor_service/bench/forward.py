@@ -45,12 +45,7 @@ import torch
 from executor_service.bench import stress, stress_client
 from executor_service.bench.answers import row_tolerance
 from executor_service.bench.clients import forward_request
-from executor_service.bench.processes import (
-    child_process,
-    free_port,
-    progress,
-    tree_cpu_seconds,
-)
+from executor_service.bench.processes import child_process, progress, tree_cpu_seconds
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
 from executor_service.graphs import GraphCache
@@ -61,6 +56,7 @@ from executor_service.synthetic import SyntheticAdapter, write_adapter, write_ba
 from kernels import LoRAContext, LoRASlots, moe_forward
 from kernels.forward import Backend
 from moelora.client.executor import ExecutorClient
+from shared.ports import free_port
 
 #: Adapters per request; the pinned pool every row but the churn row draws from.
 PER_REQUEST = 4

@@ -30,11 +30,12 @@ from executor_service.bench import engine_loop
 from executor_service.bench.clients import forward_request
 from executor_service.bench.engine_loop import doubled, doubling_executor
 from executor_service.bench.forward import ClientsRun, percentile, run_clients
-from executor_service.bench.processes import child_process, free_port, progress, tree_cpu_seconds
+from executor_service.bench.processes import child_process, progress, tree_cpu_seconds
 from executor_service.metrics import ExecutorMetrics
 from executor_service.serving.frontends import FrontEnds
 from executor_service.synthetic import SyntheticBase
 from moelora.client.executor import ExecutorClient
+from shared.ports import free_port
 
 #: Adapters each request spreads its tokens over (all pinned: no loads in the way).
 ADAPTERS = [f"{name}:1" for name in engine_loop.ADAPTERS]

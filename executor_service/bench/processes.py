@@ -1,22 +1,15 @@
-"""What every benchmark does with processes: free ports, child processes stopped on exit,
+"""What every benchmark does with processes: child processes stopped on exit,
 progress lines on stderr, the CPU time a process tree has used."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tree_cpu_seconds(root: int) -> float:

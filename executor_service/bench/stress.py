@@ -46,7 +46,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from executor_service.bench.answers import bf16_bytes, row_tolerance
-from executor_service.bench.processes import free_port, progress
+from executor_service.bench.processes import progress
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
 from executor_service.bench.stress_client import MODES, PoolRequest, write_pool
@@ -54,6 +54,7 @@ from executor_service.graphs import BUCKETS
 from executor_service.synthetic import SyntheticAdapter, write_adapter, write_base_checkpoint
 from moelora.client.executor import ExecutorClient
 from moelora.client.health import health_check
+from shared.ports import free_port
 
 #: RESOURCE_EXHAUSTED answers allowed, as a share of all calls.
 MAX_EXHAUSTED_SHARE = 0.05

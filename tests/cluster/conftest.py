@@ -22,7 +22,7 @@ from executor_service.synthetic import (
     write_base_checkpoint,
 )
 from moelora.client.executor import ExecutorClient
-from tests.conftest import free_port
+from shared.ports import free_port
 
 #: The routing world: a synthetic qwen3_moe base and this many adapters.
 NUM_ADAPTERS = 12

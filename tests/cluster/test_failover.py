@@ -11,8 +11,8 @@ import torch
 
 from moelora.client.cluster import ClusterClient, ClusterSettings
 from moelora.client.executor import ExecutorClient
+from shared.ports import free_port
 from tests.cluster.conftest import RoutingWorld, StartReplicas
-from tests.conftest import free_port
 
 REQUESTS = 500
 THREADS = 4

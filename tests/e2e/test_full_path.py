@@ -24,7 +24,8 @@ from moelora.client.errors import NotFound, Unavailable
 from moelora.client.executor import ExecutorClient, ForwardResult, RetryPolicy
 from moelora.client.health import wait_until_serving
 from moelora.v1 import executor_pb2
-from tests.conftest import ServerProcess, free_port, wait_for
+from shared.ports import free_port
+from tests.conftest import ServerProcess, wait_for
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import Recipe, World, build_world
 

@@ -19,7 +19,8 @@ import pytest
 
 from moelora.client.errors import NotFound, Unavailable
 from moelora.client.executor import ExecutorClient, RetryPolicy
-from tests.conftest import ServerProcess, free_port, wait_for
+from shared.ports import free_port
+from tests.conftest import ServerProcess, wait_for
 from tests.executor.conftest import assert_close
 from tests.executor.worlds import Recipe, World, build_world
 from tests.live_stack import BASE, Stack

@@ -25,7 +25,8 @@ from moelora.client.health import health_check
 from moelora.client.shared_memory import SHM_ROOT, Segment
 from moelora.v1 import executor_pb2 as ex
 from moelora.v1 import executor_pb2_grpc
-from tests.conftest import free_port, wait_for
+from shared.ports import free_port
+from tests.conftest import wait_for
 from tests.executor.conftest import assert_close
 from tests.executor.test_shared_memory import _request as _shared_request
 from tests.executor.worlds import TOKENS, World

@@ -46,9 +46,10 @@ from moelora.client.model_spec import ModelSpec
 from moelora.client.registry import RegistryClient
 from moelora.v1 import registry_pb2
 from shared.bench_servers import registry_server, write_adapter
+from shared.ports import free_port
 from shared.refs import AdapterRef
 from shared.url_ranges import UrlRangeReader
-from tests.conftest import free_port, wait_for
+from tests.conftest import wait_for
 from tests.proxy import CuttingProxy
 from tests.registry.conftest import registry_settings, serve_registry
 

@@ -15,7 +15,8 @@ from executor_service.sources import LocalFolderSource
 from moelora.client.errors import InvalidArgument, MoeLoraError, NotFound, Unavailable
 from moelora.client.executor import ExecutorClient, ForwardCall, RetryPolicy
 from moelora.client.health import health_check, wait_until_serving
-from tests.conftest import free_port, wait_for
+from shared.ports import free_port
+from tests.conftest import wait_for
 from tests.executor.conftest import GatedSource, StartExecutor, assert_close, slowed_kernel
 from tests.executor.worlds import TOKENS, World
 

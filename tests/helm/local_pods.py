@@ -15,7 +15,8 @@ from typing import Any
 import boto3
 import pytest
 
-from tests.conftest import REPO, free_port, wait_for
+from shared.ports import free_port
+from tests.conftest import REPO, wait_for
 
 PROBE = REPO / "docker" / "grpc_health_probe.py"
 BIN = Path(sys.executable).parent

@@ -17,7 +17,8 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from shared.grpc_server import GrpcServer, ServerOptions
-from tests.conftest import REPO, free_port
+from shared.ports import free_port
+from tests.conftest import REPO
 
 PROBE = REPO / "docker" / "grpc_health_probe.py"
 FETCH = REPO / "docker" / "fetch_model.py"

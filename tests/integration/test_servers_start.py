@@ -13,7 +13,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2
 
 from moelora.client.health import health_check, wait_until_serving
-from tests.conftest import free_port
+from shared.ports import free_port
 
 REGISTRY = "moelora.v1.AdapterRegistry"
 EXECUTOR = "moelora.v1.Executor"

@@ -25,7 +25,8 @@ from moelora.client.executor import ExecutorClient, ForwardCall, RetryPolicy
 from moelora.client.health import wait_until_serving
 from moelora.client.model_spec import ModelSpec, read_model_spec
 from moelora.client.registry import RegistryClient
-from tests.conftest import ServerProcess, free_port
+from shared.ports import free_port
+from tests.conftest import ServerProcess
 from tests.helm.chart import CHART_DIR, render
 from tests.observability.prometheus import Prometheus
 from tests.registry.fixtures import write_adapter, write_base_model

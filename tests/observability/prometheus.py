@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO, ServerProcess, free_port
+from shared.ports import free_port
+from tests.conftest import REPO, ServerProcess
 
 BIN = REPO / ".tools" / "prometheus" / "usr" / "bin"
 

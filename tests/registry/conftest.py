@@ -24,7 +24,7 @@ from registry_service.app import RegistryApp, open_registry
 from registry_service.config import RegistrySettings
 from registry_service.server import SERVICE_NAME, create_server
 from shared.grpc_server import GrpcServer
-from tests.conftest import free_port
+from shared.ports import free_port
 from tests.registry.fixtures import write_base_model
 
 AWS_ENV = {

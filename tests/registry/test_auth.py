@@ -15,8 +15,9 @@ import pytest
 
 from moelora.client.auth import bearer_metadata, bearer_token
 from moelora.client.errors import MoeLoraError
+from shared.ports import free_port
 from shared.tokens import Role
-from tests.conftest import free_port, wait_for
+from tests.conftest import wait_for
 from tests.registry.conftest import BASE, Served, register_base
 from tests.registry.fixtures import write_adapter
 
