@@ -21,7 +21,9 @@ twice: "fp8" with the configurations as selected (their W8A16 main loop included
 tries every tile in both), and "fp8 w8a8" with both GEMMs' inputs quantised for the FP8
 tensor cores (``GemmConfig.fp8_activations``, checked against the reference that quantises
 them too), side by side in one run. Their floor counts one byte per expert weight, and the
-summary gives each FP8 time / bf16 time.
+summary gives each FP8 time / bf16 time. ``--hopper`` adds, from M = 512, the bf16 layer with
+its w2 on the warp-specialised Hopper kernel (``kernels.hopper_w2``, blocks of 128 rows); the
+summary gives its time / the bf16 row's.
 
 First every cell is checked against the float32 reference (relative error below
 ``BF16_TOLERANCE``; for FP8 rows the reference of the dequantised weights); a failure stops
@@ -46,6 +48,7 @@ import torch
 import triton
 import triton.testing
 
+from kernels import hopper_w2 as hopper_w2_kernel
 from kernels.align import Alignment, align_pairs
 from kernels.autotune import autotune
 from kernels.config_cache import ConfigCache
@@ -146,6 +149,17 @@ def floor_us(
 
 #: How a row changes the configurations it is given (for variants of one knob side by side).
 ConfigTransform = Callable[[MoEConfig], MoEConfig]
+
+
+#: The label of rows whose w2 runs the warp-specialised Hopper kernel (``--hopper``).
+HOPPER_LABEL = "bf16 hopper w2"
+
+
+def hopper_w2(config: MoEConfig) -> MoEConfig:
+    """w2 on ``kernels.hopper_w2`` (blocks of its 128 rows; w13 keeps its tiles)."""
+    return dataclasses.replace(
+        config, block_m=hopper_w2_kernel.BLOCK_M, w2=dataclasses.replace(config.w2, hopper=True)
+    )
 
 
 def quantising(config: MoEConfig) -> MoEConfig:
@@ -342,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=8, help="compile processes of autotuning")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument("--fp8", action="store_true", help="add FP8-expert rows beside bf16")
+    parser.add_argument(
+        "--hopper", action="store_true",
+        help="add rows with w2 on the warp-specialised Hopper kernel beside bf16 (M >= 512)",
+    )  # fmt: skip
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -387,8 +405,12 @@ def main(argv: list[str] | None = None) -> int:
             fp8_shape, fp8_weights = dataclasses.replace(shape, fp8=True), fp8_layer(layer)
             variants.append((fp8_shape, fp8_weights, "fp8", None))
             variants.append((fp8_shape, fp8_weights, "fp8 w8a8", quantising))
+        if args.hopper:
+            variants.append((shape, layer, HOPPER_LABEL, hopper_w2))
         for tokens in map(int, args.tokens.split(",")):
             for variant, weights, label, transform in variants:
+                if label == HOPPER_LABEL and tokens < 512:  # decode blocks: the Triton kernel
+                    continue
                 row = bench_cell(
                     key, variant, selector, weights, slots, tokens, bandwidth, rate,
                     naive=not args.no_naive, breakdown=args.breakdown, label=label,
@@ -430,8 +452,9 @@ def summary(rows: list[Row]) -> str:
         met = sum(r.of_floor <= bound for r in cells)
         return f"{met}/{len(cells)}"
 
-    fp8_labels = sorted({r.weights for r in rows if r.weights != "bf16"})
-    fp8 = {(r.weights, r.shape, r.tokens): r.lora_us for r in rows if r.weights != "bf16"}
+    fp8_labels = sorted({r.weights for r in rows if r.weights.startswith("fp8")})
+    fp8 = {(r.weights, r.shape, r.tokens): r.lora_us for r in rows if r.weights.startswith("fp8")}
+    hopper = {(r.shape, r.tokens): r for r in rows if r.weights == HOPPER_LABEL}
     rows = [r for r in rows if r.weights == "bf16"]
     mid = [r for r in rows if 8 <= r.tokens <= 512]
     ends = [r for r in rows if r.tokens in (1, 4096)]
@@ -461,6 +484,13 @@ def summary(rows: list[Row]) -> str:
             lines.append(
                 f"{label.replace('fp8', 'FP8')} / bf16 base+LoRA time, M = {tokens}: "
                 f"{min(pairs):.2f}–{max(pairs):.2f} (≤ {target}: {met}/{len(pairs)})"
+            )
+    for r in rows:
+        if (r.shape, r.tokens) in hopper:
+            h = hopper[(r.shape, r.tokens)]
+            lines.append(
+                f"hopper w2 / bf16 time, {r.shape} M = {r.tokens}: "
+                f"base {h.base_us / r.base_us:.2f}, +LoRA {h.lora_us / r.lora_us:.2f}"
             )
     return "\n".join(lines)
 

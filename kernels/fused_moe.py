@@ -21,6 +21,9 @@ Both GEMMs load their weight tiles by pointers or, where the configuration asks
 (``GemmConfig.tma``) and the GPU has a copy engine, through a TMA tensor descriptor
 (``weight_descriptor``; pointer loads remain the portable path). With ``Alignment.pair_blocks``
 (decode) every block is one pair, read straight from topk_ids: no alignment launch.
+On an sm_90 GPU a configuration may hand w2 to a warp-specialised Gluon kernel instead
+(``GemmConfig.hopper``, ``kernels.hopper_w2``: same inputs and outputs, LoRA from the
+separate shrink); everywhere else these kernels run it.
 
 Where the LoRA shrink runs is a launch-configuration choice per GEMM (``GemmConfig.fused_shrink``):
 in the separate launch (one read of the block's rows and A matrices per block) or inside the
@@ -58,6 +61,7 @@ The LoRA dots, biases and the rest stay in the compute dtype.
 # (Triton kernels take untyped pointer and constexpr arguments.)
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -77,6 +81,7 @@ from kernels.configs import (
     segments_per_pass,
 )
 from kernels.fp8_activations import quantize_activations
+from kernels.hopper_w2 import hopper_w2_supported, w2_stage_hopper
 from kernels.types import FP8_BLOCK, Activation
 
 _CLEAR_BLOCK = 1024  # elements each w13 program zeroes per step of the output clear
@@ -1331,6 +1336,16 @@ def w2_stage(
     h, inter = w2.shape[1], w2.shape[2]
     top_k = topk_weights.shape[1]
     cfg = config.w2
+    rank = padded_rank(lora.a2.shape[2]) if lora is not None else 0
+    if cfg.hopper and hopper_w2_supported(act, w2, alignment, w2_scale, rank):
+        separate = dataclasses.replace(cfg, fused_shrink=False)  # it reads x·Aᵀ from memory
+        la = _lora_args(act, "2", False, top_k, alignment, lora, config, separate)
+        w2_stage_hopper(
+            act, w2, b2, topk_weights, alignment,
+            la.xa if lora is not None else None, la.b if lora is not None else None,
+            la.row_slots if lora is not None else None, config.atomic_sum, out,
+        )  # fmt: skip
+        return
     scale, *scale_strides = _scale_args(w2, w2_scale, cfg)
     x, x_scale = _gemm_input(act, w2_scale, cfg)
     la = _lora_args(act, "2", False, top_k, alignment, lora, config, cfg)

@@ -17,4 +17,3 @@ def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
         assert 10_000 <= port < low
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
-
