@@ -22,8 +22,8 @@ tries every tile in both), and "fp8 w8a8" with both GEMMs' inputs quantised for 
 tensor cores (``GemmConfig.fp8_activations``, checked against the reference that quantises
 them too), side by side in one run. Their floor counts one byte per expert weight, and the
 summary gives each FP8 time / bf16 time. ``--hopper`` adds, from M = 512, the bf16 layer with
-its w2 on the warp-specialised Hopper kernel (``kernels.hopper_w2``, blocks of 128 rows); the
-summary gives its time / the bf16 row's.
+both GEMMs on the warp-specialised Hopper kernels (``kernels.hopper_w13``, ``kernels.hopper_w2``,
+blocks of 128 rows); the summary gives its time / the bf16 row's.
 
 First every cell is checked against the float32 reference (relative error below
 ``BF16_TOLERANCE``; for FP8 rows the reference of the dequantised weights); a failure stops
@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.testing
 
-from kernels import hopper_w2 as hopper_w2_kernel
+from kernels import hopper_gemm
 from kernels.align import Alignment, align_pairs
 from kernels.autotune import autotune
 from kernels.config_cache import ConfigCache
@@ -151,14 +151,15 @@ def floor_us(
 ConfigTransform = Callable[[MoEConfig], MoEConfig]
 
 
-#: The label of rows whose w2 runs the warp-specialised Hopper kernel (``--hopper``).
-HOPPER_LABEL = "bf16 hopper w2"
+#: The label of rows whose GEMMs run the warp-specialised Hopper kernels (``--hopper``).
+HOPPER_LABEL = "bf16 hopper"
 
 
-def hopper_w2(config: MoEConfig) -> MoEConfig:
-    """w2 on ``kernels.hopper_w2`` (blocks of its 128 rows; w13 keeps its tiles)."""
+def on_hopper_kernels(config: MoEConfig) -> MoEConfig:
+    """Both GEMMs on ``kernels.hopper_w13`` and ``kernels.hopper_w2`` (blocks of their 128
+    rows, the LoRA shrinks in their own launches)."""
     return dataclasses.replace(
-        config, block_m=hopper_w2_kernel.BLOCK_M, w2=dataclasses.replace(config.w2, hopper=True)
+        config.each_gemm(hopper=True, fused_shrink=False), block_m=hopper_gemm.BLOCK_M
     )
 
 
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8", action="store_true", help="add FP8-expert rows beside bf16")
     parser.add_argument(
         "--hopper", action="store_true",
-        help="add rows with w2 on the warp-specialised Hopper kernel beside bf16 (M >= 512)",
+        help="add rows with both GEMMs on the Hopper kernels beside bf16 (M >= 512)",
     )  # fmt: skip
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             variants.append((fp8_shape, fp8_weights, "fp8", None))
             variants.append((fp8_shape, fp8_weights, "fp8 w8a8", quantising))
         if args.hopper:
-            variants.append((shape, layer, HOPPER_LABEL, hopper_w2))
+            variants.append((shape, layer, HOPPER_LABEL, on_hopper_kernels))
         for tokens in map(int, args.tokens.split(",")):
             for variant, weights, label, transform in variants:
                 if label == HOPPER_LABEL and tokens < 512:  # decode blocks: the Triton kernel
@@ -489,7 +490,7 @@ def summary(rows: list[Row]) -> str:
         if (r.shape, r.tokens) in hopper:
             h = hopper[(r.shape, r.tokens)]
             lines.append(
-                f"hopper w2 / bf16 time, {r.shape} M = {r.tokens}: "
+                f"hopper / bf16 time, {r.shape} M = {r.tokens}: "
                 f"base {h.base_us / r.base_us:.2f}, +LoRA {h.lora_us / r.lora_us:.2f}"
             )
     return "\n".join(lines)

@@ -69,11 +69,12 @@ class GemmConfig:
         scaled by its rows' and columns' scales. The LoRA keeps the unquantised input, so it
         takes the separate shrink. Answers differ from the bf16-activation path by the input's
         quantisation (a few 1e-2 relative), not by rounding only.
-    hopper: w2 only: on an sm_90 GPU, with bf16/fp16 weights and aligned blocks of
-        ``kernels.hopper_w2.BLOCK_M`` rows, run the warp-specialised TMA + wgmma kernel of
-        ``kernels.hopper_w2`` (its own tiles: this configuration's tile fields are unused; the
-        LoRA takes the separate shrink). Anything else (other GPUs, the interpreter, FP8, pair
-        blocks, split K) runs the Triton kernel with this configuration as if it were off.
+    hopper: on an sm_90 GPU, with bf16/fp16 weights, aligned blocks of
+        ``kernels.hopper_gemm.BLOCK_M`` rows and LoRA ranks up to its ``MAX_RANK``, run this
+        GEMM on its warp-specialised TMA + wgmma kernel (``kernels.hopper_w13``,
+        ``kernels.hopper_w2``; their own tiles: this configuration's tile fields are unused;
+        the LoRA takes the separate shrink). Anything else (other GPUs, the interpreter, FP8,
+        pair blocks) runs the Triton kernel with this configuration as if it were off.
     """
 
     block_n: int

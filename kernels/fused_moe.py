@@ -21,9 +21,9 @@ Both GEMMs load their weight tiles by pointers or, where the configuration asks
 (``GemmConfig.tma``) and the GPU has a copy engine, through a TMA tensor descriptor
 (``weight_descriptor``; pointer loads remain the portable path). With ``Alignment.pair_blocks``
 (decode) every block is one pair, read straight from topk_ids: no alignment launch.
-On an sm_90 GPU a configuration may hand w2 to a warp-specialised Gluon kernel instead
-(``GemmConfig.hopper``, ``kernels.hopper_w2``: same inputs and outputs, LoRA from the
-separate shrink); everywhere else these kernels run it.
+On an sm_90 GPU a configuration may hand either GEMM to a warp-specialised Gluon kernel
+instead (``GemmConfig.hopper``, ``kernels.hopper_w13`` and ``kernels.hopper_w2``: same inputs
+and outputs, LoRA from the separate shrink); everywhere else these kernels run it.
 
 Where the LoRA shrink runs is a launch-configuration choice per GEMM (``GemmConfig.fused_shrink``):
 in the separate launch (one read of the block's rows and A matrices per block) or inside the
@@ -81,7 +81,9 @@ from kernels.configs import (
     segments_per_pass,
 )
 from kernels.fp8_activations import quantize_activations
-from kernels.hopper_w2 import hopper_w2_supported, w2_stage_hopper
+from kernels.hopper_gemm import hopper_supported
+from kernels.hopper_w2 import w2_stage_hopper
+from kernels.hopper_w13 import w13_stage_hopper
 from kernels.types import FP8_BLOCK, Activation
 
 _CLEAR_BLOCK = 1024  # elements each w13 program zeroes per step of the output clear
@@ -1156,6 +1158,25 @@ def _lora_args(
     return _LoRAArgs(lora_a, xa, lora_b, lora.row_slots, rank, rp, rc, s_p2, nseg, fused)
 
 
+def _rank(lora: LoRABuffers | None) -> int:
+    """The padded LoRA rank (0 without LoRA)."""
+    return padded_rank(lora.a13.shape[2]) if lora is not None else 0
+
+
+def _separate(gemm: GemmConfig) -> GemmConfig:
+    """``gemm`` with the LoRA shrink in its own launch (the Hopper kernels read x·Aᵀ from it)."""
+    return dataclasses.replace(gemm, fused_shrink=False)
+
+
+def _hopper_lora(
+    la: _LoRAArgs, lora: LoRABuffers | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(xa, B, row slots) for a Hopper kernel, all None without LoRA."""
+    if lora is None:
+        return None, None, None
+    return la.xa, la.b, la.row_slots
+
+
 def pdl(device: torch.device) -> bool:
     """Whether kernels launch with programmatic dependent launch: Hopper (sm_90) and later
     (the interpreter cannot run its instructions)."""
@@ -1268,8 +1289,16 @@ def w13_stage(
     h = hidden.shape[1]
     inter = w13.shape[1] // 2
     block_m, max_blocks = alignment.block_m, alignment.max_blocks
-    act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
     cfg = config.w13
+    if cfg.hopper and hopper_supported(hidden, w13, alignment, w13_scale, _rank(lora), (inter, h)):
+        la = _lora_args(hidden, "13", True, top_k, alignment, lora, config, _separate(cfg))
+        if clear is not None:
+            clear.zero_()
+        return w13_stage_hopper(
+            hidden, w13, b13, activation, alpha, limit, top_k, alignment,
+            *_hopper_lora(la, lora),
+        )  # fmt: skip
+    act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
     scale, *scale_strides = _scale_args(w13, w13_scale, cfg)
     x, x_scale = _gemm_input(hidden, w13_scale, cfg)
     la = _lora_args(hidden, "13", True, top_k, alignment, lora, config, cfg)
@@ -1336,15 +1365,11 @@ def w2_stage(
     h, inter = w2.shape[1], w2.shape[2]
     top_k = topk_weights.shape[1]
     cfg = config.w2
-    rank = padded_rank(lora.a2.shape[2]) if lora is not None else 0
-    if cfg.hopper and hopper_w2_supported(act, w2, alignment, w2_scale, rank):
-        separate = dataclasses.replace(cfg, fused_shrink=False)  # it reads x·Aᵀ from memory
-        la = _lora_args(act, "2", False, top_k, alignment, lora, config, separate)
+    if cfg.hopper and hopper_supported(act, w2, alignment, w2_scale, _rank(lora), (h, inter)):
+        la = _lora_args(act, "2", False, top_k, alignment, lora, config, _separate(cfg))
         w2_stage_hopper(
-            act, w2, b2, topk_weights, alignment,
-            la.xa if lora is not None else None, la.b if lora is not None else None,
-            la.row_slots if lora is not None else None, config.atomic_sum, out,
-        )  # fmt: skip
+            act, w2, b2, topk_weights, alignment, *_hopper_lora(la, lora), config.atomic_sum, out
+        )
         return
     scale, *scale_strides = _scale_args(w2, w2_scale, cfg)
     x, x_scale = _gemm_input(act, w2_scale, cfg)

@@ -1,4 +1,4 @@
-"""w2 of the MoE layer on Hopper: a warp-specialised, persistent TMA + wgmma grouped GEMM, in Gluon.
+"""w2 of the MoE layer on Hopper: a warp-specialised, persistent TMA + wgmma GEMM, in Gluon.
 
 The same stage as ``kernels.fused_moe.w2_stage`` (its torch reference:
 ``kernels.reference.moe_forward_reference``'s second GEMM), for large batches on sm_90:
@@ -8,20 +8,10 @@ The same stage as ``kernels.fused_moe.w2_stage`` (its torch reference:
 over the aligned rows of ``kernels.align`` (BLOCK_M rows of one expert per block), stored one
 row per pair (or added into the float32 sum over k with ``atomic_sum``).
 
-Why a second kernel: at M = 4096 the Triton GEMMs run at about half the tensor cores' rate.
-Each Triton program loads, multiplies and then runs its epilogue (LoRA expand, routed weight,
-stores) with the tensor cores idle; 128×256 tiles use all 255 registers, so nothing else can
-hide it. Here each persistent program splits into two roles (``gl.warp_specialize``):
-
-* a **loader** warp streams the (a, W2) tiles of the program's tiles, one after the other,
-  into ``NUM_BUFFERS`` shared-memory stages with the copy engine (TMA), each stage's arrival
-  signalled on a ``ready`` barrier; it waits on the stage's ``empty`` barrier before reusing
-  it, so it runs ahead into the next tile while the epilogue of this one runs;
-* the **compute** warpgroups (the kernel's ``num_warps``, 128 rows: two warpgroups of 64) issue
-  one asynchronous wgmma per stage, keep one in flight, and release each stage once the wgmma
-  that read it has finished; then the epilogue: the LoRA expand as one wgmma per adapter
-  segment (xa rows of the segment, zeros elsewhere, against B2[s, e]), bias, routed weight,
-  and the store through a layout that writes whole rows.
+A warp-specialised, persistent TMA + wgmma kernel (``kernels.hopper_gemm`` says how and why):
+the loader streams (a, W2) tiles, the compute warpgroups issue one wgmma per stage and run
+the epilogue: the LoRA expand, bias, routed weight, and the store through a layout that writes
+whole rows.
 
 Shapes and dtypes: act (max_rows, I) bf16/fp16, the aligned activation of ``w13_stage``;
 w2 (E, H, I) the same dtype, H and I multiples of 8 (16-byte TMA rows); xa (max_rows, RP) in
@@ -35,14 +25,11 @@ blocks: those take the Triton kernel (``kernels.fused_moe``), which also runs ev
 # (Gluon kernels take untyped descriptor and constexpr arguments.) No `from __future__ import
 # annotations`: Gluon's aggregates read their field annotations as types.
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -52,22 +39,26 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from kernels.align import Alignment
+from kernels.hopper_gemm import (
+    BLOCK_K,
+    BLOCK_M,
+    GL_DTYPES,
+    GROUP_M,
+    LOADER_REGISTERS,
+    LOADER_WARPS,
+    NUM_BUFFERS,
+    NUM_WARPS,
+    LoRAExpand,
+    invalidate_barriers,
+    lora_expand,
+    persistent_grid,
+    stage_barriers,
+    tile_of,
+)
 
-#: Launch configuration (one place): 128 rows × 256 columns per tile, 64-wide K steps, three
-#: stages of (a, W2) tiles (48 KB each) in flight, two warpgroups computing, one loader warp
-#: with the fewest registers (setmaxnreg gives the rest to the compute warpgroups).
-BLOCK_M = 128
+#: Output columns per tile (W2 rows); the rest of the launch configuration is
+#: ``kernels.hopper_gemm``'s.
 BLOCK_N = 256
-BLOCK_K = 64
-NUM_BUFFERS = 3
-NUM_WARPS = 8
-LOADER_WARPS = 1
-LOADER_REGISTERS = 40
-#: The largest padded LoRA rank the epilogue takes (its x·Aᵀ and B2 tiles share the shared
-#: memory with the stages); larger ranks take the Triton kernel.
-MAX_RANK = 64
-#: Blocks per launch group (see ``_tile``); one program per multiprocessor.
-GROUP_M = gl.constexpr(8)
 
 
 @aggregate
@@ -104,58 +95,27 @@ class _W2Args:
 
 @aggregate
 class _Epilogue:
-    """What the compute role's epilogue reads besides the accumulator."""
+    """What the compute role's epilogue reads besides the accumulator and the LoRA."""
 
-    xa_ptr: gl.tensor
-    b_ptr: gl.tensor
     bias_ptr: gl.tensor
     out_ptr: gl.tensor
     pair_ids_ptr: gl.tensor
-    row_slots_ptr: gl.tensor
     topk_weights_ptr: gl.tensor
     top_k: gl.tensor
-    R: gl.tensor
-    stride_xa: gl.tensor
-    stride_bs: gl.tensor
-    stride_be: gl.tensor
-    stride_bn: gl.tensor
-    stride_br: gl.tensor
     stride_bias: gl.tensor
     stride_out: gl.tensor
 
     @gluon.constexpr_function
     def __init__(
-        self, xa_ptr, b_ptr, bias_ptr, out_ptr, pair_ids_ptr, row_slots_ptr, topk_weights_ptr,
-        top_k, R, stride_xa, stride_bs, stride_be, stride_bn, stride_br, stride_bias, stride_out,
-    ):  # fmt: skip
-        self.xa_ptr = xa_ptr
-        self.b_ptr = b_ptr
+        self, bias_ptr, out_ptr, pair_ids_ptr, topk_weights_ptr, top_k, stride_bias, stride_out
+    ):
         self.bias_ptr = bias_ptr
         self.out_ptr = out_ptr
         self.pair_ids_ptr = pair_ids_ptr
-        self.row_slots_ptr = row_slots_ptr
         self.topk_weights_ptr = topk_weights_ptr
         self.top_k = top_k
-        self.R = R
-        self.stride_xa = stride_xa
-        self.stride_bs = stride_bs
-        self.stride_be = stride_be
-        self.stride_bn = stride_bn
-        self.stride_br = stride_br
         self.stride_bias = stride_bias
         self.stride_out = stride_out
-
-
-@gluon.jit
-def _tile(tile, num_blocks, num_n, GROUP: gl.constexpr):
-    """(block, N tile) of work item ``tile``, in groups of GROUP blocks (all their N tiles,
-    block fastest): a group's activation rows and an expert's W2 columns stay in L2. The
-    order of ``kernels.fused_moe._program_tile``, which a Gluon kernel cannot call."""
-    per_group = GROUP * num_n
-    first = (tile // per_group) * GROUP
-    size = gl.minimum(num_blocks - first, GROUP)
-    local = tile % per_group
-    return first + local % size, local // size
 
 
 @gluon.jit
@@ -165,7 +125,7 @@ def _loader(p: _W2Args, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, ST
     stage_bytes: gl.constexpr = (BM + BN) * BK * p.act_desc.dtype.primitive_bitwidth // 8
     count = 0
     for tile in range(gl.program_id(0), p.num_blocks * num_n, gl.num_programs(0)):
-        block, n_tile = _tile(tile, p.num_blocks, num_n, GROUP_M)
+        block, n_tile = tile_of(tile, p.num_blocks, num_n, GROUP_M)
         expert = gl.load(p.block_experts_ptr + block)
         if expert >= 0:  # else a padding block: no work
             w_row = expert * p.H + n_tile * BN
@@ -185,61 +145,10 @@ def _loader(p: _W2Args, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, ST
 
 
 @gluon.jit
-def _lora_expand(
-    acc,
-    e: _Epilogue,
-    expert,
-    rows,
-    cols,
-    H,
-    dtype: gl.constexpr,
-    BM: gl.constexpr,
-    BN: gl.constexpr,
-    RP: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    """acc += each row's xa (BM, RP) times its slot's B2[s, e] columns ``cols``: one wgmma per
-    adapter segment of the block (slots in increasing order), the other rows' xa zeroed, as
-    ``kernels.fused_moe._lora_expand`` does with ``tl.dot``."""
-    lora_layout: gl.constexpr = gl.BlockedLayout(
-        [1, 8], [32 * 8 // RP, RP // 8], [num_warps, 1], [1, 0]
-    )
-    row_l: gl.constexpr = gl.SliceLayout(1, lora_layout)
-    col_l: gl.constexpr = gl.SliceLayout(0, lora_layout)
-    x_smem = gl.allocate_shared_memory(
-        dtype, [BM, RP], gl.NVMMASharedLayout.get_default_for([BM, RP], dtype)
-    )
-    b_smem = gl.allocate_shared_memory(
-        dtype, [BN, RP], gl.NVMMASharedLayout.get_default_for([BN, RP], dtype)
-    )
-    r = gl.arange(0, RP, layout=col_l)
-    lrows = gl.convert_layout(rows, row_l)
-    lcols = gl.convert_layout(cols, row_l)
-    slot = gl.load(e.row_slots_ptr + lrows)
-    xa = gl.load(e.xa_ptr + lrows[:, None].to(gl.int64) * e.stride_xa + r[None, :]).to(dtype)
-    none: gl.constexpr = 2**30
-    s = gl.min(gl.where(slot >= 0, slot, none), axis=0)
-    while s < none:
-        b = gl.load(
-            e.b_ptr + s.to(gl.int64) * e.stride_bs + expert * e.stride_be
-            + lcols[:, None].to(gl.int64) * e.stride_bn + r[None, :] * e.stride_br,
-            mask=(lcols < H)[:, None] & (r < e.R)[None, :],
-            other=0.0,
-        )  # fmt: skip
-        x_smem.store(gl.where((slot == s)[:, None], xa, 0.0).to(dtype))
-        b_smem.store(b.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()  # every warp's rows are in shared memory before the wgmma reads them
-        acc = warpgroup_mma(x_smem, b_smem.permute((1, 0)), acc)
-        gl.thread_barrier()  # and read before the next segment overwrites them
-        s = gl.min(gl.where(slot > s, slot, none), axis=0)
-    return acc
-
-
-@gluon.jit
 def _compute(
     p: _W2Args,
     e: _Epilogue,
+    lora: LoRAExpand,
     HAS_BIAS: gl.constexpr,
     HAS_LORA: gl.constexpr,
     ATOMIC_SUM: gl.constexpr,
@@ -264,7 +173,7 @@ def _compute(
     num_n = gl.cdiv(p.H, BN)
     count = 0
     for tile in range(gl.program_id(0), p.num_blocks * num_n, gl.num_programs(0)):
-        block, n_tile = _tile(tile, p.num_blocks, num_n, GROUP_M)
+        block, n_tile = tile_of(tile, p.num_blocks, num_n, GROUP_M)
         expert = gl.load(p.block_experts_ptr + block)
         if expert >= 0:
             acc = gl.zeros([BM, BN], gl.float32, layout=mma)
@@ -285,7 +194,9 @@ def _compute(
             cols = n_tile * BN + gl.arange(0, BN, layout=mma_cols)
             expert64 = expert.to(gl.int64)
             if HAS_LORA:
-                acc = _lora_expand(acc, e, expert64, rows, cols, p.H, dtype, BM, BN, RP, num_warps)
+                acc = lora_expand(
+                    acc, lora, expert64, rows, cols, cols < p.H, dtype, BM, BN, RP, num_warps
+                )
             if HAS_BIAS:
                 bias = gl.load(
                     e.bias_ptr + expert64 * e.stride_bias + cols, mask=cols < p.H, other=0.0
@@ -350,65 +261,26 @@ def _w2_hopper_kernel(
     dtype: gl.constexpr = act_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], act_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    fence_async_shared()  # the initialised barriers are visible to the copy engine
+    ready, empty = stage_barriers(STAGES)
     p = _W2Args(
         act_desc, w_desc, a_bufs, b_bufs, ready, empty, block_experts_ptr, num_blocks, H, inter
     )
-    e = _Epilogue(
-        xa_ptr, b_ptr, bias_ptr, out_ptr, pair_ids_ptr, row_slots_ptr, topk_weights_ptr, top_k,
-        R, stride_xa, stride_bs, stride_be, stride_bn, stride_br, stride_bias, stride_out,
-    )  # fmt: skip
+    e = _Epilogue(bias_ptr, out_ptr, pair_ids_ptr, topk_weights_ptr, top_k, stride_bias, stride_out)
+    lora = LoRAExpand(
+        xa_ptr, b_ptr, row_slots_ptr, R, stride_xa, stride_bs, stride_be, stride_bn, stride_br
+    )
     gl.warp_specialize(
         [
-            (_compute, (p, e, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN, BK, STAGES, RP, num_warps)),
+            (
+                _compute,
+                (p, e, lora, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN, BK, STAGES, RP, num_warps),
+            ),
             (_loader, (p, BM, BN, BK, STAGES)),
         ],
         [LOADER_WARPS],
         [LOADER_REGISTERS],
     )
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
-
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
-def hopper_w2_supported(
-    act: torch.Tensor,
-    w2: torch.Tensor,
-    alignment: Alignment,
-    w2_scale: torch.Tensor | None,
-    lora_rank: int,
-) -> bool:
-    """Whether ``w2_stage_hopper`` can run this stage: an sm_90 GPU, bf16/fp16 weights (no
-    FP8), aligned blocks of BLOCK_M rows, 16-byte rows for the copy engine, a padded LoRA
-    rank (0: none) up to MAX_RANK."""
-    if act.device.type != "cuda" or torch.cuda.get_device_capability(act.device) != (9, 0):
-        return False
-    h, inter = w2.shape[1], w2.shape[2]
-    return (
-        w2_scale is None
-        and w2.dtype in _GL_DTYPES
-        and act.dtype == w2.dtype
-        and not alignment.pair_blocks
-        and alignment.block_m == BLOCK_M
-        and h % 8 == 0
-        and inter % 8 == 0
-        and act.stride(1) == 1
-        and w2.is_contiguous()
-        and lora_rank <= MAX_RANK
-    )
-
-
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    invalidate_barriers(ready, empty, STAGES)
 
 
 def w2_stage_hopper(
@@ -426,7 +298,7 @@ def w2_stage_hopper(
     """The w2 stage (see the module doc) into ``out``; ``xa`` (max_rows, RP) from the LoRA
     shrink and ``lora_b`` (S, E, H, R) B2, or both None without LoRA."""
     e, h, inter = w2.shape
-    dtype = _GL_DTYPES[w2.dtype]
+    dtype = GL_DTYPES[w2.dtype]
     act_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
     act_desc = TensorDescriptor.from_tensor(act, [BLOCK_M, BLOCK_K], act_layout)
@@ -437,7 +309,7 @@ def w2_stage_hopper(
     b_t = lora_b if lora_b is not None else w2.view(1, e, h, inter)
     bias = b2 if b2 is not None else w2.view(e * h, inter)
     num_work = alignment.max_blocks * triton.cdiv(h, BLOCK_N)
-    grid = (max(1, min(num_work, _multiprocessors(act.device.index or 0))),)
+    grid = persistent_grid(act.device, num_work)
     _w2_hopper_kernel[grid](
         act_desc, w_desc, xa_t, b_t, bias, out, alignment.sorted_pair_ids,
         row_slots if row_slots is not None else alignment.sorted_pair_ids,

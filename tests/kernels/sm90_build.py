@@ -1,5 +1,6 @@
-"""Builds ``kernels.hopper_w2``'s kernel for sm_90 on a machine without a GPU, as
-``w2_stage_hopper`` launches it, and prints its PTX and SASS as JSON.
+"""Builds the Hopper Gluon kernels (``kernels.hopper_w13``, ``kernels.hopper_w2``) for sm_90 on
+a machine without a GPU, as their launchers launch them, and prints each variant's PTX, SASS
+and shared memory as JSON.
 
 A process of its own: the test process runs Triton's interpreter (``TRITON_INTERPRET``), under
 which the ``tl`` functions Gluon calls cannot be compiled.
@@ -10,6 +11,8 @@ which the ``tl`` functions Gluon calls cannot be compiled.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -17,29 +20,52 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kernels import hopper_w2
+from kernels import hopper_gemm, hopper_w2, hopper_w13
 
 _GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _SIG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _descriptor_signature(dtype: torch.dtype, block: list[int]) -> str:
+@dataclass(frozen=True)
+class Variant:
+    """One build: which kernel, its operand dtype, LoRA and padded rank, and its own switch
+    (w2: the atomic sum over k; w13: the GPT-OSS activation instead of SiLU)."""
+
+    kernel: str  # "w13" or "w2"
+    dtype: str  # "bfloat16" or "float16"
+    lora: bool
+    switch: bool
+    rp: int = 16
+
+    @property
+    def name(self) -> str:
+        flags = f"lora={int(self.lora)} switch={int(self.switch)} rp={self.rp}"
+        return f"{self.kernel} {self.dtype} {flags}"
+
+
+VARIANTS = [
+    Variant(kernel, dtype, lora, switch)
+    for kernel in ("w13", "w2")
+    for dtype in ("bfloat16", "float16")
+    for lora in (False, True)
+    for switch in (False, True)
+] + [Variant(kernel, "bfloat16", True, False, hopper_gemm.MAX_RANK) for kernel in ("w13", "w2")]
+
+
+def _descriptor(dtype: torch.dtype, block: list[int]) -> str:
     layout = gl.NVMMASharedLayout.get_default_for(block, _GL[dtype])
     return f"tensordesc<{_SIG[dtype]}[{block[0]}, {block[1]}],{layout!r}>"
 
 
-def build(dtype: torch.dtype, has_lora: bool, atomic_sum: bool, rp: int) -> dict[str, object]:
-    """The kernel as ``w2_stage_hopper`` launches it, compiled for sm_90 without a GPU: its
-    PTX, SASS and shared memory in bytes."""
-    w = hopper_w2
+def _w2(dtype: torch.dtype, v: Variant) -> tuple[Any, dict[str, str], dict[str, Any]]:
     element = _SIG[dtype]
     signature = {
-        "act_desc": _descriptor_signature(dtype, [w.BLOCK_M, w.BLOCK_K]),
-        "w_desc": _descriptor_signature(dtype, [w.BLOCK_N, w.BLOCK_K]),
+        "act_desc": _descriptor(dtype, [hopper_gemm.BLOCK_M, hopper_gemm.BLOCK_K]),
+        "w_desc": _descriptor(dtype, [hopper_w2.BLOCK_N, hopper_gemm.BLOCK_K]),
         "xa_ptr": f"*{element}",
         "b_ptr": f"*{element}",
         "bias_ptr": f"*{element}",
-        "out_ptr": "*fp32" if atomic_sum else f"*{element}",
+        "out_ptr": "*fp32" if v.switch else f"*{element}",
         "pair_ids_ptr": "*i32",
         "row_slots_ptr": "*i32",
         "block_experts_ptr": "*i32",
@@ -50,25 +76,57 @@ def build(dtype: torch.dtype, has_lora: bool, atomic_sum: bool, rp: int) -> dict
         "stride_bn", "stride_br", "stride_bias", "stride_out",
     ):  # fmt: skip
         signature[name] = "i32"
-    constants = {
-        "HAS_BIAS": True,
-        "HAS_LORA": has_lora,
-        "ATOMIC_SUM": atomic_sum,
-        "RP": rp,
-        "STAGES": w.NUM_BUFFERS,
-        "LOADER_WARPS": w.LOADER_WARPS,
-        "LOADER_REGISTERS": w.LOADER_REGISTERS,
-        "num_warps": w.NUM_WARPS,
+    constants = {"HAS_BIAS": True, "HAS_LORA": v.lora, "ATOMIC_SUM": v.switch}
+    return hopper_w2._w2_hopper_kernel, signature, constants
+
+
+def _w13(dtype: torch.dtype, v: Variant) -> tuple[Any, dict[str, str], dict[str, Any]]:
+    element = _SIG[dtype]
+    signature = {
+        "x_desc": _descriptor(dtype, [hopper_gemm.BLOCK_M, hopper_gemm.BLOCK_K]),
+        "w_desc": _descriptor(dtype, [hopper_w13.BLOCK_I, hopper_gemm.BLOCK_K]),
+        "xa_ptr": f"*{element}",
+        "b_ptr": f"*{element}",
+        "bias_ptr": f"*{element}",
+        "out_ptr": f"*{element}",
+        "row_slots_ptr": "*i32",
+        "block_experts_ptr": "*i32",
+        "num_blocks": "i32",
+        "H": "i32",
+        "inter": "i32",
+        "R": "i32",
+        "alpha": "fp32",
+        "limit": "fp32",
+    }
+    for name in (
+        "stride_xa", "stride_bs", "stride_be", "stride_bn", "stride_br", "stride_bias",
+        "stride_out",
+    ):  # fmt: skip
+        signature[name] = "i32"
+    constants = {"ACTIVATION": int(v.switch), "HAS_BIAS": True, "HAS_LORA": v.lora}
+    return hopper_w13._w13_hopper_kernel, signature, constants
+
+
+def build(v: Variant) -> dict[str, Any]:
+    """Variant ``v`` compiled for sm_90: its PTX, SASS and shared memory in bytes."""
+    dtype = getattr(torch, v.dtype)
+    kernel, signature, constants = (_w13 if v.kernel == "w13" else _w2)(dtype, v)
+    constants |= {
+        "RP": v.rp,
+        "STAGES": hopper_gemm.NUM_BUFFERS,
+        "LOADER_WARPS": hopper_gemm.LOADER_WARPS,
+        "LOADER_REGISTERS": hopper_gemm.LOADER_REGISTERS,
+        "num_warps": hopper_gemm.NUM_WARPS,
     }
     signature |= dict.fromkeys(constants, "constexpr")
     names = list(signature)
     source = gluon._runtime.GluonASTSource(
-        w._w2_hopper_kernel,
+        kernel,
         signature=signature,
-        constexprs={(names.index(k),): v for k, v in constants.items()},
+        constexprs={(names.index(k),): value for k, value in constants.items()},
     )
     compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": w.NUM_WARPS}
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": hopper_gemm.NUM_WARPS}
     )
     return {
         "ptx": compiled.asm["ptx"],
@@ -77,25 +135,8 @@ def build(dtype: torch.dtype, has_lora: bool, atomic_sum: bool, rp: int) -> dict
     }
 
 
-def variant(dtype: str, lora: bool, atomic_sum: bool, rp: int) -> str:
-    return f"{dtype} lora={int(lora)} atomic_sum={int(atomic_sum)} rp={rp}"
-
-
 def main() -> None:
-    """Every variant the tests check, by ``variant``'s name: each dtype with and without LoRA
-    and the atomic sum at rank 16, and the largest rank it takes."""
-    cases = [
-        (dtype, lora, atomic, 16)
-        for dtype in ("bfloat16", "float16")
-        for lora in (False, True)
-        for atomic in (False, True)
-    ]
-    cases.append(("bfloat16", True, False, hopper_w2.MAX_RANK))
-    built = {
-        variant(dtype, lora, atomic, rp): build(getattr(torch, dtype), lora, atomic, rp)
-        for dtype, lora, atomic, rp in cases
-    }
-    print(json.dumps(built))
+    print(json.dumps({v.name: build(v) for v in VARIANTS}))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def test_no_fp8_rows_no_fp8_line() -> None:
 def test_hopper_rows_are_timed_against_their_bf16_twin_and_count_for_no_target() -> None:
     rows = [_row(4096, "bf16", 1000.0), _row(4096, HOPPER_LABEL, 800.0)]
     text = summary(rows)
-    assert "hopper w2 / bf16 time, qwen3 M = 4096: base 1.00, +LoRA 0.80" in text
+    assert "hopper / bf16 time, qwen3 M = 4096: base 1.00, +LoRA 0.80" in text
     assert "FP8" not in text
     # The targets count the bf16 row alone.
     assert "≤150% of floor, M = 1 and 4096: 0/1" in text

@@ -1,0 +1,210 @@
+"""What the Hopper (sm_90) Gluon GEMMs of ``kernels.hopper_w13`` and ``kernels.hopper_w2`` share.
+
+Both are warp-specialised and persistent: each program (one per multiprocessor) walks its
+(block, N tile) work items in the order of ``tile_of``, in two roles (``gl.warp_specialize``):
+
+* a **loader** warp streams every K step of every item into ``NUM_BUFFERS`` shared-memory
+  stages with the copy engine (TMA), each stage's arrival signalled on its ``ready`` barrier;
+  it waits on the stage's ``empty`` barrier before reusing it, so it runs ahead into the next
+  item while the epilogue of this one runs;
+* the **compute** warpgroups (``NUM_WARPS``: two of 64 rows each) issue asynchronous wgmmas
+  per stage, keep one stage's in flight, and release each stage once the wgmmas that read it
+  have finished; then the epilogue, the LoRA expand included (``lora_expand``).
+
+Why: at M = 4096 the Triton GEMMs (``kernels.fused_moe``) run at about half the tensor cores'
+rate. Each Triton program loads, multiplies and then runs its epilogue with the tensor cores
+idle, and 128×256 tiles use all 255 registers, so nothing else hides it; Triton 3.6 does not
+warp-specialise these loops on sm_90.
+
+Launch configuration in one place: blocks of 128 aligned rows, 64-wide K steps, three stages,
+two compute warpgroups, one loader warp with the fewest registers (setmaxnreg gives the rest
+to the compute warpgroups).
+"""
+
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Gluon kernels take untyped descriptor and constexpr arguments.) No `from __future__ import
+# annotations`: Gluon's aggregates read their field annotations as types.
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+)
+from triton.language.core import _aggregate as aggregate
+
+from kernels.align import Alignment
+
+BLOCK_M = 128
+BLOCK_K = 64
+NUM_BUFFERS = 3
+NUM_WARPS = 8
+LOADER_WARPS = 1
+LOADER_REGISTERS = 40
+#: The largest padded LoRA rank the epilogues take (their x·Aᵀ and B tiles share the shared
+#: memory with the stages); larger ranks take the Triton kernels.
+MAX_RANK = 64
+#: Blocks per launch group (see ``tile_of``).
+GROUP_M = gl.constexpr(8)
+
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def on_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 GPU (the kernels' wgmma and setmaxnreg are sm_90a)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def hopper_supported(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    alignment: Alignment,
+    w_scale: torch.Tensor | None,
+    lora_rank: int,
+    sizes: tuple[int, ...],
+) -> bool:
+    """Whether a Hopper kernel can run a GEMM of input ``x`` and weights ``w``: an sm_90 GPU,
+    bf16/fp16 weights (``w_scale`` None: no FP8), aligned blocks of BLOCK_M rows (no pair
+    blocks), ``sizes`` (the GEMM's N and K) multiples of 8 (16-byte rows for the copy
+    engine), a padded LoRA rank (0: none) up to MAX_RANK."""
+    return (
+        on_hopper(x.device)
+        and w_scale is None
+        and w.dtype in GL_DTYPES
+        and x.dtype == w.dtype
+        and not alignment.pair_blocks
+        and alignment.block_m == BLOCK_M
+        and all(size % 8 == 0 for size in sizes)
+        and x.stride(1) == 1
+        and w.is_contiguous()
+        and lora_rank <= MAX_RANK
+    )
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_grid(device: torch.device, work_items: int) -> tuple[int]:
+    """One program per multiprocessor, or per work item where there are fewer."""
+    return (max(1, min(work_items, _multiprocessors(device.index or 0))),)
+
+
+@gluon.jit
+def stage_barriers(STAGES: gl.constexpr):
+    """Each stage's ``ready`` (its tiles arrived) and ``empty`` (its wgmmas are done)
+    mbarriers, initialised and visible to the copy engine."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    return ready, empty
+
+
+@gluon.jit
+def invalidate_barriers(ready, empty, STAGES: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+@gluon.jit
+def tile_of(item, num_blocks, num_n, GROUP: gl.constexpr):
+    """(block, N tile) of work item ``item``, in groups of GROUP blocks (all their N tiles,
+    block fastest): a group's input rows and an expert's weight rows stay in L2. The order of
+    ``kernels.fused_moe._program_tile``, which a Gluon kernel cannot call."""
+    per_group = GROUP * num_n
+    first = (item // per_group) * GROUP
+    size = gl.minimum(num_blocks - first, GROUP)
+    local = item % per_group
+    return first + local % size, local // size
+
+
+@aggregate
+class LoRAExpand:
+    """The LoRA operands an epilogue reads: each aligned row's x·Aᵀ (max_rows, RP) from the
+    shrink launch, in the operand dtype or float32, its slot (-1: none), and B (S, E, N, R)."""
+
+    xa_ptr: gl.tensor
+    b_ptr: gl.tensor
+    row_slots_ptr: gl.tensor
+    R: gl.tensor
+    stride_xa: gl.tensor
+    stride_bs: gl.tensor
+    stride_be: gl.tensor
+    stride_bn: gl.tensor
+    stride_br: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(
+        self, xa_ptr, b_ptr, row_slots_ptr, R, stride_xa, stride_bs, stride_be, stride_bn,
+        stride_br,
+    ):  # fmt: skip
+        self.xa_ptr = xa_ptr
+        self.b_ptr = b_ptr
+        self.row_slots_ptr = row_slots_ptr
+        self.R = R
+        self.stride_xa = stride_xa
+        self.stride_bs = stride_bs
+        self.stride_be = stride_be
+        self.stride_bn = stride_bn
+        self.stride_br = stride_br
+
+
+@gluon.jit
+def lora_expand(
+    acc,
+    lora: LoRAExpand,
+    expert,
+    rows,
+    b_rows,
+    b_ok,
+    dtype: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    RP: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """acc (BM, BN) += each row's xa (BM, RP) times its slot's B[s, e] rows ``b_rows`` (the
+    tile's output columns; ``b_ok`` marks the real ones): one wgmma per adapter segment of the
+    block (slots in increasing order), the other rows' xa zeroed, as
+    ``kernels.fused_moe._lora_expand`` does with ``tl.dot``. xa is rounded to the operand
+    dtype first, as there."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // RP, RP // 8], [num_warps, 1], [1, 0])
+    row_l: gl.constexpr = gl.SliceLayout(1, layout)
+    rank_l: gl.constexpr = gl.SliceLayout(0, layout)
+    x_smem = gl.allocate_shared_memory(
+        dtype, [BM, RP], gl.NVMMASharedLayout.get_default_for([BM, RP], dtype)
+    )
+    b_smem = gl.allocate_shared_memory(
+        dtype, [BN, RP], gl.NVMMASharedLayout.get_default_for([BN, RP], dtype)
+    )
+    r = gl.arange(0, RP, layout=rank_l)
+    lrows = gl.convert_layout(rows, row_l)
+    lb_rows = gl.convert_layout(b_rows, row_l).to(gl.int64)
+    lb_ok = gl.convert_layout(b_ok, row_l)
+    slot = gl.load(lora.row_slots_ptr + lrows)
+    xa = gl.load(lora.xa_ptr + lrows[:, None].to(gl.int64) * lora.stride_xa + r[None, :]).to(dtype)
+    none: gl.constexpr = 2**30
+    s = gl.min(gl.where(slot >= 0, slot, none), axis=0)
+    while s < none:
+        b = gl.load(
+            lora.b_ptr + s.to(gl.int64) * lora.stride_bs + expert * lora.stride_be
+            + lb_rows[:, None] * lora.stride_bn + r[None, :] * lora.stride_br,
+            mask=lb_ok[:, None] & (r < lora.R)[None, :],
+            other=0.0,
+        )  # fmt: skip
+        x_smem.store(gl.where((slot == s)[:, None], xa, 0.0).to(dtype))
+        b_smem.store(b.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's rows are in shared memory before the wgmma reads them
+        acc = warpgroup_mma(x_smem, b_smem.permute((1, 0)), acc)
+        gl.thread_barrier()  # and read before the next segment overwrites them
+        s = gl.min(gl.where(slot > s, slot, none), axis=0)
+    return acc

@@ -1,0 +1,392 @@
+"""w13 of the MoE layer on Hopper: a warp-specialised, persistent TMA + wgmma GEMM, in Gluon.
+
+The same stage as ``kernels.fused_moe.w13_stage`` (its torch reference:
+``kernels.reference.moe_forward_reference``'s first GEMM and activation), for large batches
+on sm_90: for every aligned row of ``kernels.align`` (pair p of token t on expert e)
+
+    g, u = x[t] W13[e]ᵀ (+ b13[e]) + B13[s, e] xa[row]   (gate: W13's rows 0..I, up: I..2I)
+    a[row] = act(g, u)                                     (SiLU·up, or GPT-OSS's clamped form)
+
+stored as the (max_rows, I) activation in the aligned row order that w2 reads.
+
+The copy engine cannot gather rows by token on Hopper, so ``gather_rows`` first lays x out
+in the aligned row order (padding rows zero); then a warp-specialised, persistent TMA + wgmma
+kernel (``kernels.hopper_gemm`` says how and why): the loader streams each stage's x tile and
+its gate and up W13 tiles, the compute warpgroups issue a wgmma per half into two accumulators
+(gate and up columns of the same intermediate index sit in the same thread, so the
+activation needs no data movement) and run the epilogue: the LoRA expand of each half, biases,
+the activation, and the store through a layout that writes whole rows.
+
+Shapes and dtypes: x (T, H) bf16/fp16; w13 (E, 2I, H) the same dtype, H and I multiples of 8
+(16-byte TMA rows); xa (max_rows, RP) from the LoRA shrink, in the operand dtype or float32;
+LoRA B13 (S, E, 2I, R); b13 (E, 2I); out (max_rows, I) in the operand dtype. No FP8 weights,
+no pair blocks: those take the Triton kernel (``kernels.fused_moe``), which also runs
+everywhere else (other GPUs, the CPU interpreter).
+"""
+
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Gluon and Triton kernels take untyped pointer, descriptor and constexpr arguments.) No
+# `from __future__ import annotations`: Gluon's aggregates read their field annotations as types.
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate
+
+from kernels.align import Alignment
+from kernels.hopper_gemm import (
+    BLOCK_K,
+    BLOCK_M,
+    GL_DTYPES,
+    GROUP_M,
+    LOADER_REGISTERS,
+    LOADER_WARPS,
+    NUM_BUFFERS,
+    NUM_WARPS,
+    LoRAExpand,
+    invalidate_barriers,
+    lora_expand,
+    persistent_grid,
+    stage_barriers,
+    tile_of,
+)
+from kernels.types import Activation
+
+#: Intermediate columns per tile: that many gate and that many up rows of W13 (256 output
+#: columns in all, as w2's tile); the rest of the launch configuration is
+#: ``kernels.hopper_gemm``'s.
+BLOCK_I = 128
+_GATHER_BLOCK_H = 1024  # columns each program of gather_rows copies
+
+
+@triton.jit
+def _gather_rows_kernel(
+    x_ptr,  # (T, H)
+    pair_ids_ptr,  # (max_rows,) int32, -1 for padding
+    block_experts_ptr,  # (max_blocks,) int32, -1 past the last block
+    out_ptr,  # (max_rows, H)
+    H,
+    top_k,
+    stride_x,
+    stride_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[row] = x[pair // top_k] for the rows of used blocks, zeros for their padding rows;
+    rows of unused blocks (unwritten by the alignment) are left alone: nothing reads them."""
+    row = tl.program_id(0)
+    if tl.load(block_experts_ptr + row // BLOCK_M) >= 0:
+        pair = tl.load(pair_ids_ptr + row)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        token = (tl.maximum(pair, 0) // top_k).to(tl.int64)
+        values = tl.load(x_ptr + token * stride_x + cols, mask=(cols < H) & (pair >= 0), other=0.0)
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, values, mask=cols < H)
+
+
+def gather_rows(x: torch.Tensor, alignment: Alignment, top_k: int) -> torch.Tensor:
+    """x (T, H) laid out in the aligned row order: (max_rows, H), row r = x[pair(r) // top_k],
+    zeros in padding rows (rows of unused blocks unwritten)."""
+    rows = alignment.max_blocks * alignment.block_m
+    out = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    _gather_rows_kernel[(rows, triton.cdiv(x.shape[1], _GATHER_BLOCK_H))](
+        x, alignment.sorted_pair_ids, alignment.block_experts, out, x.shape[1], top_k,
+        x.stride(0), out.stride(0), BLOCK_M=alignment.block_m, BLOCK_H=_GATHER_BLOCK_H,
+    )  # fmt: skip
+    return out
+
+
+def gather_rows_reference(x: torch.Tensor, alignment: Alignment, top_k: int) -> torch.Tensor:
+    """``gather_rows`` in torch; rows of unused blocks zero (the kernel leaves them unwritten)."""
+    rows = alignment.max_blocks * alignment.block_m
+    used = (alignment.block_experts >= 0).repeat_interleave(alignment.block_m)[:rows]
+    pair = torch.where(used, alignment.sorted_pair_ids[:rows], -1).long()
+    out = x[pair.clamp(min=0) // top_k]
+    return torch.where((pair >= 0)[:, None], out, torch.zeros_like(out))
+
+
+@aggregate
+class _W13Args:
+    """What both roles of a program read: descriptors, stage buffers and barriers, sizes."""
+
+    x_desc: tma.tensor_descriptor
+    w_desc: tma.tensor_descriptor
+    x_bufs: gl.shared_memory_descriptor
+    gate_bufs: gl.shared_memory_descriptor
+    up_bufs: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    block_experts_ptr: gl.tensor
+    num_blocks: gl.tensor
+    H: gl.tensor
+    inter: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(
+        self, x_desc, w_desc, x_bufs, gate_bufs, up_bufs, ready, empty, block_experts_ptr,
+        num_blocks, H, inter,
+    ):  # fmt: skip
+        self.x_desc = x_desc
+        self.w_desc = w_desc
+        self.x_bufs = x_bufs
+        self.gate_bufs = gate_bufs
+        self.up_bufs = up_bufs
+        self.ready = ready
+        self.empty = empty
+        self.block_experts_ptr = block_experts_ptr
+        self.num_blocks = num_blocks
+        self.H = H
+        self.inter = inter
+
+
+@aggregate
+class _Epilogue:
+    """What the compute role's epilogue reads besides the accumulators and the LoRA."""
+
+    bias_ptr: gl.tensor
+    out_ptr: gl.tensor
+    alpha: gl.tensor
+    limit: gl.tensor
+    stride_bias: gl.tensor
+    stride_out: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, bias_ptr, out_ptr, alpha, limit, stride_bias, stride_out):
+        self.bias_ptr = bias_ptr
+        self.out_ptr = out_ptr
+        self.alpha = alpha
+        self.limit = limit
+        self.stride_bias = stride_bias
+        self.stride_out = stride_out
+
+
+@gluon.jit
+def _loader(
+    p: _W13Args, BM: gl.constexpr, BI: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr
+):
+    """The loader warp: every K step of every tile of this program, in order, into the stages:
+    the rows' x tile, W13's gate rows n0.. and up rows I + n0.. of the tile."""
+    num_n = gl.cdiv(p.inter, BI)
+    stage_bytes: gl.constexpr = (BM + 2 * BI) * BK * p.x_desc.dtype.primitive_bitwidth // 8
+    count = 0
+    for item in range(gl.program_id(0), p.num_blocks * num_n, gl.num_programs(0)):
+        block, n_tile = tile_of(item, p.num_blocks, num_n, GROUP_M)
+        expert = gl.load(p.block_experts_ptr + block)
+        if expert >= 0:  # else a padding block: no work
+            gate_row = expert * 2 * p.inter + n_tile * BI
+            for k in range(0, p.H, BK):
+                stage = count % STAGES
+                # A fresh barrier's "previous phase" counts as complete: the first pass
+                # over the stages does not wait.
+                mbarrier.wait(p.empty.index(stage), ((count // STAGES) & 1) ^ 1)
+                bar = p.ready.index(stage)
+                mbarrier.expect(bar, stage_bytes)
+                tma.async_copy_global_to_shared(
+                    p.x_desc, [block * BM, k], bar, p.x_bufs.index(stage)
+                )
+                tma.async_copy_global_to_shared(
+                    p.w_desc, [gate_row, k], bar, p.gate_bufs.index(stage)
+                )
+                tma.async_copy_global_to_shared(
+                    p.w_desc, [gate_row + p.inter, k], bar, p.up_bufs.index(stage)
+                )
+                count += 1
+
+
+@gluon.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + gl.exp(-x))
+
+
+@gluon.jit
+def _compute(
+    p: _W13Args,
+    e: _Epilogue,
+    lora: LoRAExpand,
+    ACTIVATION: gl.constexpr,  # 0 silu, 1 gpt_oss
+    HAS_BIAS: gl.constexpr,
+    HAS_LORA: gl.constexpr,
+    BM: gl.constexpr,
+    BI: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    RP: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The compute warpgroups: the main loop's wgmmas (gate and up) over the stages, then the
+    epilogue."""
+    dtype: gl.constexpr = p.x_desc.dtype
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BI, 16]
+    )
+    # Stores: each warp writes whole 16-byte pieces of rows.
+    store_layout: gl.constexpr = gl.BlockedLayout(
+        [1, 8], [32 * 8 // BI, BI // 8], [num_warps, 1], [1, 0]
+    )
+    mma_rows: gl.constexpr = gl.SliceLayout(1, mma)
+    mma_cols: gl.constexpr = gl.SliceLayout(0, mma)
+    num_n = gl.cdiv(p.inter, BI)
+    count = 0
+    for item in range(gl.program_id(0), p.num_blocks * num_n, gl.num_programs(0)):
+        block, n_tile = tile_of(item, p.num_blocks, num_n, GROUP_M)
+        expert = gl.load(p.block_experts_ptr + block)
+        if expert >= 0:
+            gate = gl.zeros([BM, BI], gl.float32, layout=mma)
+            up = gl.zeros([BM, BI], gl.float32, layout=mma)
+            for k in range(0, p.H, BK):
+                stage = count % STAGES
+                mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
+                x = p.x_bufs.index(stage)
+                gate = warpgroup_mma(
+                    x, p.gate_bufs.index(stage).permute((1, 0)), gate, is_async=True
+                )
+                up = warpgroup_mma(x, p.up_bufs.index(stage).permute((1, 0)), up, is_async=True)
+                # This stage's two wgmmas stay in flight; the stage before has been read.
+                gate, up = warpgroup_mma_wait(2, deps=(gate, up))
+                mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
+                count += 1
+            gate, up = warpgroup_mma_wait(0, deps=(gate, up))
+            mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES))
+
+            rows = block * BM + gl.arange(0, BM, layout=mma_rows)
+            cols = n_tile * BI + gl.arange(0, BI, layout=mma_cols)
+            real = cols < p.inter
+            expert64 = expert.to(gl.int64)
+            if HAS_LORA:
+                gate = lora_expand(
+                    gate, lora, expert64, rows, cols, real, dtype, BM, BI, RP, num_warps
+                )
+                up = lora_expand(
+                    up, lora, expert64, rows, cols + p.inter, real, dtype, BM, BI, RP, num_warps
+                )
+            if HAS_BIAS:
+                bias = e.bias_ptr + expert64 * e.stride_bias + cols
+                gate += gl.load(bias, mask=real, other=0.0).to(gl.float32)[None, :]
+                up += gl.load(bias + p.inter, mask=real, other=0.0).to(gl.float32)[None, :]
+            if ACTIVATION == 0:
+                act = gate * _sigmoid(gate) * up
+            else:
+                gate = gl.minimum(gate, e.limit)
+                up = gl.minimum(gl.maximum(up, -e.limit), e.limit)
+                act = (up + 1.0) * gate * _sigmoid(e.alpha * gate)
+
+            srows = block * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, store_layout))
+            scols = n_tile * BI + gl.arange(0, BI, layout=gl.SliceLayout(0, store_layout))
+            y = gl.convert_layout(act.to(e.out_ptr.dtype.element_ty), store_layout)
+            out = e.out_ptr + srows.to(gl.int64)[:, None] * e.stride_out + scols[None, :]
+            gl.store(out, y, mask=(scols < p.inter)[None, :])
+
+
+@gluon.jit
+def _w13_hopper_kernel(
+    x_desc,  # the gathered rows (max_rows, H), block (BM, BK)
+    w_desc,  # W13 seen as (E*2I, H), block (BI, BK)
+    xa_ptr,  # (max_rows, RP) x·A13ᵀ from the shrink launch, or unused
+    b_ptr,  # (S, E, 2I, R) LoRA B13, or unused
+    bias_ptr,  # (E, 2I), or unused
+    out_ptr,  # (max_rows, I) activation, aligned row order
+    row_slots_ptr,  # (max_rows,) int32, -1 for no adapter, or unused
+    block_experts_ptr,  # (max_blocks,) int32, -1 past the last block
+    num_blocks,
+    H,
+    inter,
+    R,
+    alpha,
+    limit,
+    stride_xa,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    stride_br,
+    stride_bias,
+    stride_out,
+    ACTIVATION: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_LORA: gl.constexpr,
+    RP: gl.constexpr,
+    STAGES: gl.constexpr,
+    LOADER_WARPS: gl.constexpr,
+    LOADER_REGISTERS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BI: gl.constexpr = w_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], x_desc.layout)
+    gate_bufs = gl.allocate_shared_memory(dtype, [STAGES, BI, BK], w_desc.layout)
+    up_bufs = gl.allocate_shared_memory(dtype, [STAGES, BI, BK], w_desc.layout)
+    ready, empty = stage_barriers(STAGES)
+    p = _W13Args(
+        x_desc, w_desc, x_bufs, gate_bufs, up_bufs, ready, empty, block_experts_ptr, num_blocks,
+        H, inter,
+    )  # fmt: skip
+    e = _Epilogue(bias_ptr, out_ptr, alpha, limit, stride_bias, stride_out)
+    lora = LoRAExpand(
+        xa_ptr, b_ptr, row_slots_ptr, R, stride_xa, stride_bs, stride_be, stride_bn, stride_br
+    )
+    gl.warp_specialize(
+        [
+            (
+                _compute,
+                (p, e, lora, ACTIVATION, HAS_BIAS, HAS_LORA, BM, BI, BK, STAGES, RP, num_warps),
+            ),
+            (_loader, (p, BM, BI, BK, STAGES)),
+        ],
+        [LOADER_WARPS],
+        [LOADER_REGISTERS],
+    )
+    invalidate_barriers(ready, empty, STAGES)
+
+
+def w13_stage_hopper(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor | None,
+    activation: Activation,
+    alpha: float,
+    limit: float,
+    top_k: int,
+    alignment: Alignment,
+    xa: torch.Tensor | None,
+    lora_b: torch.Tensor | None,
+    row_slots: torch.Tensor | None,
+) -> torch.Tensor:
+    """The w13 stage (see the module doc): the (max_rows, I) activation in x's dtype; ``xa``
+    (max_rows, RP) from the LoRA shrink and ``lora_b`` (S, E, 2I, R) B13, or both None
+    without LoRA."""
+    e, two_i, h = w13.shape
+    inter = two_i // 2
+    dtype = GL_DTYPES[w13.dtype]
+    rows = gather_rows(x, alignment, top_k)
+    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_I, BLOCK_K], dtype)
+    x_desc = TensorDescriptor.from_tensor(rows, [BLOCK_M, BLOCK_K], x_layout)
+    w_desc = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [BLOCK_I, BLOCK_K], w_layout)
+    has_lora = xa is not None
+    assert has_lora == (lora_b is not None) == (row_slots is not None)
+    xa_t = xa if xa is not None else rows
+    b_t = lora_b if lora_b is not None else w13.view(1, e, two_i, h)
+    bias = b13 if b13 is not None else w13.view(e * two_i, h)
+    out = torch.empty((rows.shape[0], inter), dtype=x.dtype, device=x.device)
+    num_work = alignment.max_blocks * triton.cdiv(inter, BLOCK_I)
+    _w13_hopper_kernel[persistent_grid(x.device, num_work)](
+        x_desc, w_desc, xa_t, b_t, bias, out,
+        row_slots if row_slots is not None else alignment.sorted_pair_ids,
+        alignment.block_experts,
+        alignment.max_blocks, h, inter, b_t.shape[3] if has_lora else 1, alpha, limit,
+        xa_t.stride(0), b_t.stride(0), b_t.stride(1), b_t.stride(2), b_t.stride(3),
+        bias.stride(0), out.stride(0),
+        ACTIVATION=0 if activation == Activation.SILU else 1, HAS_BIAS=b13 is not None,
+        HAS_LORA=has_lora, RP=xa_t.shape[1] if has_lora else 16, STAGES=NUM_BUFFERS,
+        LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out

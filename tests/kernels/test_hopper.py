@@ -1,0 +1,175 @@
+"""The warp-specialised Gluon GEMMs for Hopper (``kernels.hopper_w13``, ``kernels.hopper_w2``).
+
+On any machine: they build for sm_90 into what they are meant to be (wgmma on the tensor
+cores, TMA loads, roles with their own register budgets) within a multiprocessor's shared
+memory; ``gather_rows`` (Triton, run by the interpreter here) lays rows out as its torch
+reference does; and a configuration that asks for the Hopper kernels where they cannot run
+(the interpreter) answers through the Triton kernels exactly as without it. On a Hopper GPU:
+their answers against the float32 reference, with and without LoRA, biases, both activations,
+the atomic sum, at real shapes and at sizes that are not multiples of their tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from kernels import hopper_gemm
+from kernels.align import align_pairs
+from kernels.configs import MoEConfig
+from kernels.forward import fused_moe
+from kernels.heuristic import heuristic_config
+from kernels.hopper_w13 import gather_rows, gather_rows_reference
+from kernels.reference import moe_forward_reference
+from kernels.synthetic import (
+    lora_context,
+    random_hidden,
+    random_layer,
+    random_routing,
+    random_slots,
+)
+from kernels.types import Activation
+from tests.conftest import REPO
+from tests.kernels.sm90_build import VARIANTS, Variant
+
+from .conftest import assert_rows_close
+from .test_fused_moe import CASES, _inputs
+
+
+@pytest.fixture(scope="module")
+def sm90_builds() -> dict[str, dict[str, Any]]:
+    """Every variant built for sm_90 (``tests.kernels.sm90_build``, in a process without the
+    interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    built = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.sm90_build"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-3000:]
+    result: dict[str, dict[str, Any]] = json.loads(built.stdout)
+    return result
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.rp == 16], ids=lambda v: v.name)
+def test_builds_for_hopper_as_a_warp_specialised_wgmma_kernel(
+    sm90_builds: dict[str, dict[str, Any]], variant: Variant
+) -> None:
+    asm = sm90_builds[variant.name]
+    sass = asm["sass"]
+    # Two warpgroups of 64 rows, fp32 accumulators, 16-deep steps (SASS names bf16 operands;
+    # fp16 is its default); w2 one 256-column accumulator, w13 a gate and an up of 128.
+    operand = ".BF16" if variant.dtype == "bfloat16" else " "
+    columns = 256 if variant.kernel == "w2" else 128
+    assert f"HGMMA.64x{columns}x16.F32{operand}" in sass
+    assert "UTMALDG.2D" in sass  # the copy engine loads the tiles
+    # The loader warp gives its registers up; the compute warpgroups take them.
+    assert "setmaxnreg.dec" in asm["ptx"] and "setmaxnreg.inc" in asm["ptx"]
+    if variant.kernel == "w2":  # the atomic sum over k
+        assert ("REDG.E.ADD.F32" in sass) == variant.switch
+
+
+def test_fit_in_shared_memory_up_to_their_largest_rank(
+    sm90_builds: dict[str, dict[str, Any]],
+) -> None:
+    """Every variant's stages, LoRA tiles and layout conversions fit an sm_90 multiprocessor
+    (227 KB a block): a launch would otherwise fail for want of it."""
+    assert {v.rp for v in VARIANTS} == {16, hopper_gemm.MAX_RANK}
+    for variant in VARIANTS:
+        shared = sm90_builds[variant.name]["shared"]
+        assert shared <= 232_448, f"{variant.name}: {shared} bytes"
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_gather_rows_matches_its_reference(tokens: int) -> None:
+    routing = random_routing(tokens, 6, 2, seed=tokens)
+    hidden = random_hidden(tokens, 72, dtype=torch.float16, seed=tokens)
+    alignment = align_pairs(routing.topk_ids, 6, hopper_gemm.BLOCK_M, None)
+    got = gather_rows(hidden, alignment, 2)
+    expected = gather_rows_reference(hidden, alignment, 2)
+    used = (alignment.block_experts >= 0).repeat_interleave(alignment.block_m)
+    assert int(used.sum()) >= tokens * 2
+    assert torch.equal(got[used], expected[used])
+
+
+def _hopper(config: MoEConfig) -> MoEConfig:
+    return dataclasses.replace(
+        config.each_gemm(hopper=True, fused_shrink=False), block_m=hopper_gemm.BLOCK_M
+    )
+
+
+@pytest.mark.parametrize("atomic_sum", [False, True])
+@pytest.mark.parametrize("name", ["tokens_not_multiple_of_block_m_odd_shapes_fp16", "top_k_8_fp16"])
+def test_asked_for_where_they_cannot_run_the_triton_kernels_answer(
+    name: str, atomic_sum: bool
+) -> None:
+    """Off sm_90 (here, the interpreter) the knob changes nothing: bit for bit the answer of
+    the same configuration without it."""
+    case = CASES[name]
+    hidden, layer, lora, routing = _inputs(case, seed=5)
+    config = dataclasses.replace(
+        case.config(atomic_sum=atomic_sum).each_gemm(fused_shrink=False),
+        block_m=hopper_gemm.BLOCK_M,
+    )
+    for context in (lora, None):
+        plain = fused_moe(hidden, layer, context, routing, config)
+        asked = fused_moe(hidden, layer, context, routing, _hopper(config))
+        assert torch.equal(plain, asked), name
+
+
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU (sm_90)",
+)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("atomic_sum", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "tokens", "dtype", "activation"),
+    [
+        ((128, 2048, 768, 8), 4096, torch.bfloat16, Activation.SILU),  # Qwen3-30B-A3B
+        ((128, 2048, 768, 8), 300, torch.bfloat16, Activation.SILU),  # few rows, padding blocks
+        # GPT-OSS-20B, biases: H and I not multiples of the tiles' columns.
+        ((32, 2880, 2880, 4), 1024, torch.bfloat16, Activation.GPT_OSS),
+        ((8, 1000, 680, 2), 777, torch.float16, Activation.SILU),
+    ],
+)
+def test_matches_the_reference_on_hopper(
+    shape: tuple[int, int, int, int],
+    tokens: int,
+    dtype: torch.dtype,
+    activation: Activation,
+    atomic_sum: bool,
+) -> None:
+    e, h, i, k = shape
+    gpt_oss = activation is Activation.GPT_OSS
+    layer = random_layer(
+        e, h, i, k, dtype=dtype, device="cuda", activation=activation, biases=gpt_oss
+    )
+    hidden = random_hidden(tokens, h, dtype=dtype, device="cuda")
+    routing = random_routing(tokens, e, k, device="cuda")
+    slots = random_slots(layer, 8, 16, enabled=[True] * 7 + [False])
+    # Adapters round-robin over slots 0..4, every 6th token without one, slot 7 disabled:
+    # blocks hold several segments.
+    token_slots = torch.tensor([(t % 6) - 1 if t % 6 else 7 for t in range(tokens)])
+    lora = lora_context(slots, token_slots.to(torch.int32))
+    # The large-M heuristic's tiles (blocks of 128 rows) at every M.
+    config = _hopper(dataclasses.replace(heuristic_config(4096, e, h, i, k), atomic_sum=atomic_sum))
+    for context in (lora, None):
+        expected = moe_forward_reference(hidden, layer, context, routing)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            got = fused_moe(hidden, layer, context, routing, config)
+            torch.cuda.synchronize()
+        launched = {event.key for event in profile.key_averages()}
+        for kernel in ("_w13_hopper_kernel", "_w2_hopper_kernel"):
+            assert any(kernel in name for name in launched), sorted(launched)
+        assert_rows_close(got, expected, f"{shape} M={tokens} lora={context is not None}")
