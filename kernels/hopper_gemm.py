@@ -66,13 +66,25 @@ def hopper_supported(
     lora_rank: int,
     sizes: tuple[int, ...],
 ) -> bool:
-    """Whether a Hopper kernel can run a GEMM of input ``x`` and weights ``w``: an sm_90 GPU,
-    bf16/fp16 weights (``w_scale`` None: no FP8), aligned blocks of BLOCK_M rows (no pair
-    blocks), ``sizes`` (the GEMM's N and K) multiples of 8 (16-byte rows for the copy
-    engine), a padded LoRA rank (0: none) up to MAX_RANK."""
+    """Whether a Hopper kernel can run a GEMM of input ``x`` and weights ``w`` here: an sm_90
+    GPU, and operands it takes (``hopper_takes``)."""
+    return on_hopper(x.device) and hopper_takes(x, w, alignment, w_scale, lora_rank, sizes)
+
+
+def hopper_takes(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    alignment: Alignment,
+    w_scale: torch.Tensor | None,
+    lora_rank: int,
+    sizes: tuple[int, ...],
+) -> bool:
+    """Whether the Hopper kernels take these operands: bf16/fp16 weights (``w_scale`` None: no
+    FP8) of x's dtype, aligned blocks of BLOCK_M rows (no pair blocks), ``sizes`` (the GEMM's
+    N and K) multiples of 8 and ``w`` 16-byte aligned (what the copy engine reads), a padded
+    LoRA rank (0: none) up to MAX_RANK."""
     return (
-        on_hopper(x.device)
-        and w_scale is None
+        w_scale is None
         and w.dtype in GL_DTYPES
         and x.dtype == w.dtype
         and not alignment.pair_blocks
@@ -80,6 +92,7 @@ def hopper_supported(
         and all(size % 8 == 0 for size in sizes)
         and x.stride(1) == 1
         and w.is_contiguous()
+        and w.data_ptr() % 16 == 0  # a TMA descriptor's base
         and lora_rank <= MAX_RANK
     )
 

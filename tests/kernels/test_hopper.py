@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kernels import hopper_gemm
-from kernels.align import align_pairs
+from kernels.align import Alignment, align_pairs
 from kernels.configs import MoEConfig
 from kernels.forward import fused_moe
 from kernels.heuristic import heuristic_config
@@ -96,6 +96,35 @@ def test_gather_rows_matches_its_reference(tokens: int) -> None:
     used = (alignment.block_experts >= 0).repeat_interleave(alignment.block_m)
     assert int(used.sum()) >= tokens * 2
     assert torch.equal(got[used], expected[used])
+
+
+def test_takes_bf16_and_fp16_in_blocks_of_128_rows_and_nothing_else() -> None:
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+    ids = torch.zeros(256, dtype=torch.int32)
+    blocks = Alignment(ids, None, ids[:2], hopper_gemm.BLOCK_M)
+
+    def takes(**change: Any) -> bool:
+        args: dict[str, Any] = {
+            "x": x, "w": w, "alignment": blocks, "w_scale": None, "lora_rank": 16,
+            "sizes": (32, 64),
+        }  # fmt: skip
+        return hopper_gemm.hopper_takes(**(args | change))
+
+    assert takes()
+    assert takes(x=x.half(), w=w.half(), lora_rank=hopper_gemm.MAX_RANK)
+    assert not takes(w=w.to(torch.float8_e4m3fn), w_scale=torch.ones(2, 1, 1))  # FP8
+    assert not takes(x=x.float(), w=w.float())
+    assert not takes(x=x.half())  # dtypes differ
+    assert not takes(alignment=dataclasses.replace(blocks, block_m=64))
+    assert not takes(alignment=dataclasses.replace(blocks, pair_blocks=True))
+    assert not takes(sizes=(36, 64))  # rows of 72 bytes: not 16-byte TMA rows
+    assert not takes(w=w.transpose(1, 2))
+    storage = torch.zeros(w.numel() + 8, dtype=w.dtype)
+    assert not takes(w=storage[1 : 1 + w.numel()].view(w.shape))  # not 16-byte aligned
+    assert not takes(lora_rank=2 * hopper_gemm.MAX_RANK)
+    # Where they can run at all: never on the CPU.
+    assert not hopper_gemm.hopper_supported(x, w, blocks, None, 16, (32, 64))
 
 
 def _hopper(config: MoEConfig) -> MoEConfig:
