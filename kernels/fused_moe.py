@@ -81,7 +81,7 @@ from kernels.configs import (
     segments_per_pass,
 )
 from kernels.fp8_activations import quantize_activations
-from kernels.hopper_gemm import hopper_supported
+from kernels.hopper_gemm import hopper_takes, on_hopper
 from kernels.hopper_w2 import w2_stage_hopper
 from kernels.hopper_w13 import w13_stage_hopper
 from kernels.types import FP8_BLOCK, Activation
@@ -1158,9 +1158,21 @@ def _lora_args(
     return _LoRAArgs(lora_a, xa, lora_b, lora.row_slots, rank, rp, rc, s_p2, nseg, fused)
 
 
-def _rank(lora: LoRABuffers | None) -> int:
-    """The padded LoRA rank (0 without LoRA)."""
-    return padded_rank(lora.a13.shape[2]) if lora is not None else 0
+def _on_hopper_kernel(
+    gemm: GemmConfig,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    alignment: Alignment,
+    w_scale: torch.Tensor | None,
+    lora: LoRABuffers | None,
+    sizes: tuple[int, int],
+) -> bool:
+    """Whether this GEMM runs on its Hopper kernel: the configuration asks, the GPU is sm_90
+    and the kernels take the operands (``kernels.hopper_gemm.hopper_takes``)."""
+    if not (gemm.hopper and on_hopper(x.device)):  # the common case: no more checks
+        return False
+    rank = padded_rank(lora.a13.shape[2]) if lora is not None else 0
+    return hopper_takes(x, w, alignment, w_scale, rank, sizes)
 
 
 def _separate(gemm: GemmConfig) -> GemmConfig:
@@ -1290,7 +1302,7 @@ def w13_stage(
     inter = w13.shape[1] // 2
     block_m, max_blocks = alignment.block_m, alignment.max_blocks
     cfg = config.w13
-    if cfg.hopper and hopper_supported(hidden, w13, alignment, w13_scale, _rank(lora), (inter, h)):
+    if _on_hopper_kernel(cfg, hidden, w13, alignment, w13_scale, lora, (inter, h)):
         la = _lora_args(hidden, "13", True, top_k, alignment, lora, config, _separate(cfg))
         if clear is not None:
             clear.zero_()
@@ -1365,7 +1377,7 @@ def w2_stage(
     h, inter = w2.shape[1], w2.shape[2]
     top_k = topk_weights.shape[1]
     cfg = config.w2
-    if cfg.hopper and hopper_supported(act, w2, alignment, w2_scale, _rank(lora), (h, inter)):
+    if _on_hopper_kernel(cfg, act, w2, alignment, w2_scale, lora, (h, inter)):
         la = _lora_args(act, "2", False, top_k, alignment, lora, config, _separate(cfg))
         w2_stage_hopper(
             act, w2, b2, topk_weights, alignment, *_hopper_lora(la, lora), config.atomic_sum, out

@@ -58,19 +58,6 @@ def on_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def hopper_supported(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    alignment: Alignment,
-    w_scale: torch.Tensor | None,
-    lora_rank: int,
-    sizes: tuple[int, ...],
-) -> bool:
-    """Whether a Hopper kernel can run a GEMM of input ``x`` and weights ``w`` here: an sm_90
-    GPU, and operands it takes (``hopper_takes``)."""
-    return on_hopper(x.device) and hopper_takes(x, w, alignment, w_scale, lora_rank, sizes)
-
-
 def hopper_takes(
     x: torch.Tensor,
     w: torch.Tensor,
