@@ -25,6 +25,8 @@ to the compute warpgroups).
 # (Gluon kernels take untyped descriptor and constexpr arguments.) No `from __future__ import
 # annotations`: Gluon's aggregates read their field annotations as types.
 import functools
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 import torch
 from triton.experimental import gluon
@@ -51,6 +53,17 @@ MAX_RANK = 64
 GROUP_M = gl.constexpr(8)
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+#: An aggregate's integer field: a launch passes an int argument equal to 1 (a contiguous
+#: stride, a rank or top-k of 1) as a constexpr, any other as a tensor (see ``scalar``).
+Scalar: TypeAlias = gl.tensor | gl.constexpr
+
+
+@gluon.constexpr_function
+def scalar(value):
+    """An int argument as an aggregate's ``Scalar`` field: its tensor, or the constexpr its
+    specialised value was (a constructor receives that as a plain int)."""
+    return value if isinstance(value, gl.tensor) else gl.constexpr(value)
 
 
 def on_hopper(device: torch.device) -> bool:
@@ -94,6 +107,22 @@ def persistent_grid(device: torch.device, work_items: int) -> tuple[int]:
     return (max(1, min(work_items, _multiprocessors(device.index or 0))),)
 
 
+@dataclass(frozen=True)
+class KernelLaunch:
+    """A persistent kernel's launch as its stage builds it: the kernel, its work items (the
+    grid is one program per multiprocessor, or per item where there are fewer) and its
+    arguments. Apart from the launch itself so that a test compiles exactly these arguments
+    for sm_90 without a GPU (``tests/kernels/sm90_build.py``)."""
+
+    kernel: Any
+    work_items: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, device: torch.device) -> None:
+        self.kernel[persistent_grid(device, self.work_items)](*self.args, **self.kwargs)
+
+
 @gluon.jit
 def stage_barriers(STAGES: gl.constexpr):
     """Each stage's ``ready`` (its tiles arrived) and ``empty`` (its wgmmas are done)
@@ -134,12 +163,12 @@ class LoRAExpand:
     xa_ptr: gl.tensor
     b_ptr: gl.tensor
     row_slots_ptr: gl.tensor
-    R: gl.tensor
-    stride_xa: gl.tensor
-    stride_bs: gl.tensor
-    stride_be: gl.tensor
-    stride_bn: gl.tensor
-    stride_br: gl.tensor
+    R: Scalar
+    stride_xa: Scalar
+    stride_bs: Scalar
+    stride_be: Scalar
+    stride_bn: Scalar
+    stride_br: Scalar
 
     @gluon.constexpr_function
     def __init__(
@@ -149,12 +178,12 @@ class LoRAExpand:
         self.xa_ptr = xa_ptr
         self.b_ptr = b_ptr
         self.row_slots_ptr = row_slots_ptr
-        self.R = R
-        self.stride_xa = stride_xa
-        self.stride_bs = stride_bs
-        self.stride_be = stride_be
-        self.stride_bn = stride_bn
-        self.stride_br = stride_br
+        self.R = scalar(R)
+        self.stride_xa = scalar(stride_xa)
+        self.stride_bs = scalar(stride_bs)
+        self.stride_be = scalar(stride_be)
+        self.stride_bn = scalar(stride_bn)
+        self.stride_br = scalar(stride_br)
 
 
 @gluon.jit

@@ -52,10 +52,12 @@ from kernels.hopper_gemm import (
     LOADER_WARPS,
     NUM_BUFFERS,
     NUM_WARPS,
+    KernelLaunch,
     LoRAExpand,
+    Scalar,
     invalidate_barriers,
     lora_expand,
-    persistent_grid,
+    scalar,
     stage_barriers,
     tile_of,
 )
@@ -125,9 +127,9 @@ class _W13Args:
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     block_experts_ptr: gl.tensor
-    num_blocks: gl.tensor
-    H: gl.tensor
-    inter: gl.tensor
+    num_blocks: Scalar
+    H: Scalar
+    inter: Scalar
 
     @gluon.constexpr_function
     def __init__(
@@ -142,9 +144,9 @@ class _W13Args:
         self.ready = ready
         self.empty = empty
         self.block_experts_ptr = block_experts_ptr
-        self.num_blocks = num_blocks
-        self.H = H
-        self.inter = inter
+        self.num_blocks = scalar(num_blocks)
+        self.H = scalar(H)
+        self.inter = scalar(inter)
 
 
 @aggregate
@@ -155,8 +157,8 @@ class _Epilogue:
     out_ptr: gl.tensor
     alpha: gl.tensor
     limit: gl.tensor
-    stride_bias: gl.tensor
-    stride_out: gl.tensor
+    stride_bias: Scalar
+    stride_out: Scalar
 
     @gluon.constexpr_function
     def __init__(self, bias_ptr, out_ptr, alpha, limit, stride_bias, stride_out):
@@ -164,8 +166,8 @@ class _Epilogue:
         self.out_ptr = out_ptr
         self.alpha = alpha
         self.limit = limit
-        self.stride_bias = stride_bias
-        self.stride_out = stride_out
+        self.stride_bias = scalar(stride_bias)
+        self.stride_out = scalar(stride_out)
 
 
 @gluon.jit
@@ -363,10 +365,32 @@ def w13_stage_hopper(
     """The w13 stage (see the module doc): the (max_rows, I) activation in x's dtype; ``xa``
     (max_rows, RP) from the LoRA shrink and ``lora_b`` (S, E, 2I, R) B13, or both None
     without LoRA."""
+    rows = gather_rows(x, alignment, top_k)
+    out = torch.empty((rows.shape[0], w13.shape[1] // 2), dtype=x.dtype, device=x.device)
+    w13_launch(rows, w13, b13, activation, alpha, limit, alignment, xa, lora_b, row_slots, out)(
+        x.device
+    )
+    return out
+
+
+def w13_launch(
+    rows: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor | None,
+    activation: Activation,
+    alpha: float,
+    limit: float,
+    alignment: Alignment,
+    xa: torch.Tensor | None,
+    lora_b: torch.Tensor | None,
+    row_slots: torch.Tensor | None,
+    out: torch.Tensor,
+) -> KernelLaunch:
+    """The w13 kernel's launch over the gathered ``rows`` (max_rows, H) into ``out``
+    (max_rows, I)."""
     e, two_i, h = w13.shape
     inter = two_i // 2
     dtype = GL_DTYPES[w13.dtype]
-    rows = gather_rows(x, alignment, top_k)
     x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_I, BLOCK_K], dtype)
     x_desc = TensorDescriptor.from_tensor(rows, [BLOCK_M, BLOCK_K], x_layout)
@@ -376,17 +400,20 @@ def w13_stage_hopper(
     xa_t = xa if xa is not None else rows
     b_t = lora_b if lora_b is not None else w13.view(1, e, two_i, h)
     bias = b13 if b13 is not None else w13.view(e * two_i, h)
-    out = torch.empty((rows.shape[0], inter), dtype=x.dtype, device=x.device)
-    num_work = alignment.max_blocks * triton.cdiv(inter, BLOCK_I)
-    _w13_hopper_kernel[persistent_grid(x.device, num_work)](
-        x_desc, w_desc, xa_t, b_t, bias, out,
-        row_slots if row_slots is not None else alignment.sorted_pair_ids,
-        alignment.block_experts,
-        alignment.max_blocks, h, inter, b_t.shape[3] if has_lora else 1, alpha, limit,
-        xa_t.stride(0), b_t.stride(0), b_t.stride(1), b_t.stride(2), b_t.stride(3),
-        bias.stride(0), out.stride(0),
-        ACTIVATION=0 if activation == Activation.SILU else 1, HAS_BIAS=b13 is not None,
-        HAS_LORA=has_lora, RP=xa_t.shape[1] if has_lora else 16, STAGES=NUM_BUFFERS,
-        LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
+    return KernelLaunch(
+        _w13_hopper_kernel,
+        alignment.max_blocks * triton.cdiv(inter, BLOCK_I),
+        (
+            x_desc, w_desc, xa_t, b_t, bias, out,
+            row_slots if row_slots is not None else alignment.sorted_pair_ids,
+            alignment.block_experts,
+            alignment.max_blocks, h, inter, b_t.shape[3] if has_lora else 1, alpha, limit,
+            xa_t.stride(0), b_t.stride(0), b_t.stride(1), b_t.stride(2), b_t.stride(3),
+            bias.stride(0), out.stride(0),
+        ),
+        dict(
+            ACTIVATION=0 if activation == Activation.SILU else 1, HAS_BIAS=b13 is not None,
+            HAS_LORA=has_lora, RP=xa_t.shape[1] if has_lora else 16, STAGES=NUM_BUFFERS,
+            LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
+        ),
     )  # fmt: skip
-    return out

@@ -48,10 +48,12 @@ from kernels.hopper_gemm import (
     LOADER_WARPS,
     NUM_BUFFERS,
     NUM_WARPS,
+    KernelLaunch,
     LoRAExpand,
+    Scalar,
     invalidate_barriers,
     lora_expand,
-    persistent_grid,
+    scalar,
     stage_barriers,
     tile_of,
 )
@@ -72,9 +74,9 @@ class _W2Args:
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     block_experts_ptr: gl.tensor
-    num_blocks: gl.tensor
-    H: gl.tensor
-    inter: gl.tensor
+    num_blocks: Scalar
+    H: Scalar
+    inter: Scalar
 
     @gluon.constexpr_function
     def __init__(
@@ -88,9 +90,9 @@ class _W2Args:
         self.ready = ready
         self.empty = empty
         self.block_experts_ptr = block_experts_ptr
-        self.num_blocks = num_blocks
-        self.H = H
-        self.inter = inter
+        self.num_blocks = scalar(num_blocks)
+        self.H = scalar(H)
+        self.inter = scalar(inter)
 
 
 @aggregate
@@ -101,9 +103,9 @@ class _Epilogue:
     out_ptr: gl.tensor
     pair_ids_ptr: gl.tensor
     topk_weights_ptr: gl.tensor
-    top_k: gl.tensor
-    stride_bias: gl.tensor
-    stride_out: gl.tensor
+    top_k: Scalar
+    stride_bias: Scalar
+    stride_out: Scalar
 
     @gluon.constexpr_function
     def __init__(
@@ -113,9 +115,9 @@ class _Epilogue:
         self.out_ptr = out_ptr
         self.pair_ids_ptr = pair_ids_ptr
         self.topk_weights_ptr = topk_weights_ptr
-        self.top_k = top_k
-        self.stride_bias = stride_bias
-        self.stride_out = stride_out
+        self.top_k = scalar(top_k)
+        self.stride_bias = scalar(stride_bias)
+        self.stride_out = scalar(stride_out)
 
 
 @gluon.jit
@@ -297,6 +299,24 @@ def w2_stage_hopper(
 ) -> None:
     """The w2 stage (see the module doc) into ``out``; ``xa`` (max_rows, RP) from the LoRA
     shrink and ``lora_b`` (S, E, H, R) B2, or both None without LoRA."""
+    w2_launch(act, w2, b2, topk_weights, alignment, xa, lora_b, row_slots, atomic_sum, out)(
+        act.device
+    )
+
+
+def w2_launch(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    alignment: Alignment,
+    xa: torch.Tensor | None,
+    lora_b: torch.Tensor | None,
+    row_slots: torch.Tensor | None,
+    atomic_sum: bool,
+    out: torch.Tensor,
+) -> KernelLaunch:
+    """The w2 kernel's launch (arguments as ``w2_stage_hopper``'s)."""
     e, h, inter = w2.shape
     dtype = GL_DTYPES[w2.dtype]
     act_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
@@ -308,16 +328,21 @@ def w2_stage_hopper(
     xa_t = xa if xa is not None else act
     b_t = lora_b if lora_b is not None else w2.view(1, e, h, inter)
     bias = b2 if b2 is not None else w2.view(e * h, inter)
-    num_work = alignment.max_blocks * triton.cdiv(h, BLOCK_N)
-    grid = persistent_grid(act.device, num_work)
-    _w2_hopper_kernel[grid](
-        act_desc, w_desc, xa_t, b_t, bias, out, alignment.sorted_pair_ids,
-        row_slots if row_slots is not None else alignment.sorted_pair_ids,
-        alignment.block_experts, topk_weights,
-        alignment.max_blocks, h, inter, topk_weights.shape[1],
-        b_t.shape[3] if has_lora else 1, xa_t.stride(0),
-        b_t.stride(0), b_t.stride(1), b_t.stride(2), b_t.stride(3), bias.stride(0), out.stride(0),
-        HAS_BIAS=b2 is not None, HAS_LORA=has_lora, ATOMIC_SUM=atomic_sum,
-        RP=xa_t.shape[1] if has_lora else 16, STAGES=NUM_BUFFERS,
-        LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
+    return KernelLaunch(
+        _w2_hopper_kernel,
+        alignment.max_blocks * triton.cdiv(h, BLOCK_N),
+        (
+            act_desc, w_desc, xa_t, b_t, bias, out, alignment.sorted_pair_ids,
+            row_slots if row_slots is not None else alignment.sorted_pair_ids,
+            alignment.block_experts, topk_weights,
+            alignment.max_blocks, h, inter, topk_weights.shape[1],
+            b_t.shape[3] if has_lora else 1, xa_t.stride(0),
+            b_t.stride(0), b_t.stride(1), b_t.stride(2), b_t.stride(3), bias.stride(0),
+            out.stride(0),
+        ),
+        dict(
+            HAS_BIAS=b2 is not None, HAS_LORA=has_lora, ATOMIC_SUM=atomic_sum,
+            RP=xa_t.shape[1] if has_lora else 16, STAGES=NUM_BUFFERS,
+            LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
+        ),
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """Builds the Hopper Gluon kernels (``kernels.hopper_w13``, ``kernels.hopper_w2``) for sm_90 on
-a machine without a GPU, as their launchers launch them, and prints each variant's PTX, SASS
-and shared memory as JSON.
+a machine without a GPU, from the arguments their launchers build, and prints each
+variant's PTX, SASS and shared memory as JSON.
 
 A process of its own: the test process runs Triton's interpreter (``TRITON_INTERPRET``), under
 which the ``tl`` functions Gluon calls cannot be compiled.
@@ -17,13 +17,15 @@ from typing import Any
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
 from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from triton.runtime.jit import create_function_from_signature
 
 from kernels import hopper_gemm, hopper_w2, hopper_w13
+from kernels.align import Alignment
+from kernels.types import Activation
 
-_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_SIG = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_TARGET = GPUTarget("cuda", 90, 32)
 
 
 @dataclass(frozen=True)
@@ -52,82 +54,56 @@ VARIANTS = [
 ] + [Variant(kernel, "bfloat16", True, False, hopper_gemm.MAX_RANK) for kernel in ("w13", "w2")]
 
 
-def _descriptor(dtype: torch.dtype, block: list[int]) -> str:
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL[dtype])
-    return f"tensordesc<{_SIG[dtype]}[{block[0]}, {block[1]}],{layout!r}>"
+#: The operands' sizes: experts, hidden, intermediate, adapter slots, blocks of aligned rows.
+_E, _H, _I, _S, _BLOCKS = 4, 512, 256, 3, 2
 
 
-def _w2(dtype: torch.dtype, v: Variant) -> tuple[Any, dict[str, str], dict[str, Any]]:
-    element = _SIG[dtype]
-    signature = {
-        "act_desc": _descriptor(dtype, [hopper_gemm.BLOCK_M, hopper_gemm.BLOCK_K]),
-        "w_desc": _descriptor(dtype, [hopper_w2.BLOCK_N, hopper_gemm.BLOCK_K]),
-        "xa_ptr": f"*{element}",
-        "b_ptr": f"*{element}",
-        "bias_ptr": f"*{element}",
-        "out_ptr": "*fp32" if v.switch else f"*{element}",
-        "pair_ids_ptr": "*i32",
-        "row_slots_ptr": "*i32",
-        "block_experts_ptr": "*i32",
-        "topk_weights_ptr": "*fp32",
-    }
-    for name in (
-        "num_blocks", "H", "inter", "top_k", "R", "stride_xa", "stride_bs", "stride_be",
-        "stride_bn", "stride_br", "stride_bias", "stride_out",
-    ):  # fmt: skip
-        signature[name] = "i32"
-    constants = {"HAS_BIAS": True, "HAS_LORA": v.lora, "ATOMIC_SUM": v.switch}
-    return hopper_w2._w2_hopper_kernel, signature, constants
-
-
-def _w13(dtype: torch.dtype, v: Variant) -> tuple[Any, dict[str, str], dict[str, Any]]:
-    element = _SIG[dtype]
-    signature = {
-        "x_desc": _descriptor(dtype, [hopper_gemm.BLOCK_M, hopper_gemm.BLOCK_K]),
-        "w_desc": _descriptor(dtype, [hopper_w13.BLOCK_I, hopper_gemm.BLOCK_K]),
-        "xa_ptr": f"*{element}",
-        "b_ptr": f"*{element}",
-        "bias_ptr": f"*{element}",
-        "out_ptr": f"*{element}",
-        "row_slots_ptr": "*i32",
-        "block_experts_ptr": "*i32",
-        "num_blocks": "i32",
-        "H": "i32",
-        "inter": "i32",
-        "R": "i32",
-        "alpha": "fp32",
-        "limit": "fp32",
-    }
-    for name in (
-        "stride_xa", "stride_bs", "stride_be", "stride_bn", "stride_br", "stride_bias",
-        "stride_out",
-    ):  # fmt: skip
-        signature[name] = "i32"
-    constants = {"ACTIVATION": int(v.switch), "HAS_BIAS": True, "HAS_LORA": v.lora}
-    return hopper_w13._w13_hopper_kernel, signature, constants
+def _launch(dtype: torch.dtype, v: Variant) -> hopper_gemm.KernelLaunch:
+    """The variant's launch, built by its stage's own launcher on CPU tensors."""
+    rows = _BLOCKS * hopper_gemm.BLOCK_M
+    alignment = Alignment(
+        sorted_pair_ids=torch.zeros(rows, dtype=torch.int32),
+        row_slots=None,
+        block_experts=torch.zeros(_BLOCKS, dtype=torch.int32),
+        block_m=hopper_gemm.BLOCK_M,
+    )
+    n = 2 * _I if v.kernel == "w13" else _H
+    lora = (
+        torch.zeros(rows, v.rp, dtype=dtype),
+        torch.zeros(_S, _E, n, v.rp, dtype=dtype),
+        torch.zeros(rows, dtype=torch.int32),
+    )
+    xa, lora_b, row_slots = lora if v.lora else (None, None, None)
+    if v.kernel == "w13":
+        activation = Activation.GPT_OSS if v.switch else Activation.SILU
+        return hopper_w13.w13_launch(
+            torch.zeros(rows, _H, dtype=dtype), torch.zeros(_E, 2 * _I, _H, dtype=dtype),
+            torch.zeros(_E, 2 * _I, dtype=dtype), activation, 1.702, 7.0, alignment,
+            xa, lora_b, row_slots, torch.zeros(rows, _I, dtype=dtype),
+        )  # fmt: skip
+    top_k, tokens = 2, 64
+    out_rows, out_dtype = (tokens, torch.float32) if v.switch else (tokens * top_k, dtype)
+    return hopper_w2.w2_launch(
+        torch.zeros(rows, _I, dtype=dtype), torch.zeros(_E, _H, _I, dtype=dtype),
+        torch.zeros(_E, _H, dtype=dtype), torch.zeros(tokens, top_k), alignment,
+        xa, lora_b, row_slots, v.switch, torch.zeros(out_rows, _H, dtype=out_dtype),
+    )  # fmt: skip
 
 
 def build(v: Variant) -> dict[str, Any]:
-    """Variant ``v`` compiled for sm_90: its PTX, SASS and shared memory in bytes."""
-    dtype = getattr(torch, v.dtype)
-    kernel, signature, constants = (_w13 if v.kernel == "w13" else _w2)(dtype, v)
-    constants |= {
-        "RP": v.rp,
-        "STAGES": hopper_gemm.NUM_BUFFERS,
-        "LOADER_WARPS": hopper_gemm.LOADER_WARPS,
-        "LOADER_REGISTERS": hopper_gemm.LOADER_REGISTERS,
-        "num_warps": hopper_gemm.NUM_WARPS,
-    }
-    signature |= dict.fromkeys(constants, "constexpr")
-    names = list(signature)
-    source = gluon._runtime.GluonASTSource(
-        kernel,
-        signature=signature,
-        constexprs={(names.index(k),): value for k, value in constants.items()},
+    """Variant ``v`` compiled for sm_90 as Triton's launcher would compile it (its binder
+    specialises the arguments: an int equal to 1 becomes a constexpr, pointers and ints get
+    their divisibility): its PTX, SASS and shared memory in bytes."""
+    launch = _launch(getattr(torch, v.dtype), v)
+    kernel = launch.kernel
+    backend = make_backend(_TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, launch.kwargs, bound, specialization, options
     )
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": hopper_gemm.NUM_WARPS}
-    )
+    source = gluon._runtime.GluonASTSource(kernel, signature, constexprs, attrs)
+    compiled = triton.compile(source, target=_TARGET, options=options.__dict__)
     return {
         "ptx": compiled.asm["ptx"],
         "sass": compiled.asm["sass"],
