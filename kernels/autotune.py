@@ -19,6 +19,7 @@ bucket's best is checked against the float32 reference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -31,6 +32,7 @@ import triton.testing
 from kernels.configs import GemmConfig, MoEConfig, fit_stages
 from kernels.forward import fused_moe, layer_shape
 from kernels.heuristic import heuristic_config
+from kernels.hopper_gemm import BLOCK_M, GL_DTYPES, on_hopper
 from kernels.model_shape import LayerShape
 from kernels.reference import moe_forward_reference
 from kernels.synthetic import (
@@ -210,6 +212,28 @@ def program_knobs(best: MoEConfig, knob: str) -> list[MoEConfig]:
 PROGRAM_KNOBS = ("w13", "w2", "split_k")
 
 
+def hopper_knobs(best: MoEConfig) -> list[MoEConfig]:
+    """``best`` with w13, w2 or both on the Hopper kernels (``kernels.hopper_w13``,
+    ``kernels.hopper_w2``), in their blocks of ``BLOCK_M`` rows; none for streaming tiles (few
+    rows per expert: measured on an H200, the Hopper kernels win from about 128 rows per expert,
+    by 10-15% on Mixtral at M = 4096, and lose below that)."""
+    if _streaming(best.block_m):
+        return []
+    at = dataclasses.replace(best, block_m=BLOCK_M)
+    w13 = dataclasses.replace(at.w13, hopper=True)
+    w2 = dataclasses.replace(at.w2, hopper=True)
+    return [
+        dataclasses.replace(at, w13=w13),
+        dataclasses.replace(at, w2=w2),
+        dataclasses.replace(at, w13=w13, w2=w2),
+    ]
+
+
+def hopper_searched(layer: MoELayerWeights) -> bool:
+    """Whether the search tries ``hopper_knobs`` for ``layer``: 16-bit experts on an sm_90 GPU."""
+    return on_hopper(layer.w13.device) and layer.dtype in GL_DTYPES and not layer.fp8
+
+
 def shrink_knobs(best: MoEConfig) -> list[MoEConfig]:
     """Where each GEMM's LoRA shrink runs, one GEMM at a time: fused into its main loop, or
     the separate launch, whose K is also cut into parts with streaming tiles."""
@@ -234,10 +258,12 @@ def search(
     elem_size: int = 2,
     *,
     fp8: bool = False,
+    hopper: bool = False,
 ) -> MoEConfig:
     """Coordinate search from ``start`` until done or ``time.monotonic() > deadline``;
     returns the fastest configuration timed (``start`` at least). ``elem_size``: bytes of
-    the hidden states' dtype; ``fp8``: FP8 experts (``fit_stages``)."""
+    the hidden states' dtype; ``fp8``: FP8 experts (``fit_stages``); ``hopper``: try the
+    Hopper kernels too (``hopper_knobs``)."""
     best = start
     best_us = time_us(start)
 
@@ -267,6 +293,8 @@ def search(
         consider([best.each_gemm(group_m=g) for g in (0, 1, 8)])
     for knob in PROGRAM_KNOBS:
         consider(program_knobs(best, knob))
+    if hopper:
+        consider(hopper_knobs(best))
     return best
 
 
@@ -395,7 +423,10 @@ def autotune(
         if previous is not None and timer(previous) < timer(start):
             start = previous
         rows_per_expert = tokens * shape.top_k / shape.experts
-        found = search(timer, start, rows_per_expert, rank, deadline, elem_size, fp8=layer.fp8)
+        found = search(
+            timer, start, rows_per_expert, rank, deadline, elem_size,
+            fp8=layer.fp8, hopper=hopper_searched(layer),
+        )  # fmt: skip
         complete = complete and time.monotonic() <= deadline
         error = timer.error(found)
         if not error < TOLERANCE:  # never keep a wrong configuration
@@ -418,22 +449,30 @@ def refine(
     configs: dict[int, MoEConfig],
     *,
     num_slots: int = 8,
+    knobs: str = "program",
     log: Callable[[str], None] = print,
 ) -> dict[int, MoEConfig]:
-    """``configs`` (bucket → configuration, e.g. a shipped table's rows) with the program
-    layout knobs (``program_knobs``) searched around each: the rest of the configuration is
-    kept. A variant is kept only if faster and within ``TOLERANCE`` of the reference."""
+    """``configs`` (bucket → configuration, e.g. a shipped table's rows) with ``knobs``
+    searched around each: "program", the program layout knobs (``program_knobs``), or
+    "hopper", the Hopper kernels (``hopper_knobs``; where ``hopper_searched``); the rest of
+    the configuration is kept. A variant is kept only if faster and within ``TOLERANCE`` of
+    the reference."""
     elem_size = layer.dtype.itemsize
 
     def fit(config: MoEConfig) -> MoEConfig:
         return fit_stages(config, elem_size, rank, fp8=layer.fp8)
 
+    rounds: list[Callable[[MoEConfig], list[MoEConfig]]] = (
+        [functools.partial(program_knobs, knob=knob) for knob in PROGRAM_KNOBS]
+        if knobs == "program"
+        else [hopper_knobs] if hopper_searched(layer) else []
+    )  # fmt: skip
     refined = {}
     for tokens, start in sorted(configs.items()):
         timer = Timer(layer, CellInputs.make(layer, tokens, rank, num_slots))
         best = fit(start)
-        for knob in PROGRAM_KNOBS:
-            for candidate in program_knobs(best, knob):
+        for candidates in rounds:
+            for candidate in candidates(best):
                 candidate = fit(candidate)
                 if timer(candidate) < timer(best) and timer.error(candidate) < TOLERANCE:
                     best = candidate

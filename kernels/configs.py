@@ -123,7 +123,10 @@ class MoEConfig:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, less those at their defaults (``from_json`` restores them)."""
+        data = _without_defaults(self)
+        data["w13"], data["w2"] = _without_defaults(self.w13), _without_defaults(self.w2)
+        return data
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> MoEConfig:
@@ -135,6 +138,11 @@ class MoEConfig:
             atomic_sum=data.get("atomic_sum", True),
             decode=data.get("decode", False),
         )
+
+
+def _without_defaults(config: MoEConfig | GemmConfig) -> dict[str, Any]:
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    return {k: v for k, v in asdict(config).items() if defaults[k] != v}
 
 
 def table_key(shape: LayerShape, rank: int) -> str:

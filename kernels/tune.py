@@ -11,7 +11,8 @@ per (shape, rank); ``--fp8`` tunes the shapes with FP8 experts instead (rows of 
 
 ``--refine`` searches only the program-layout knobs (persistent programs, w2's split K;
 ``kernels.autotune.refine``) around the rows this GPU's shipped table already has for
-``--ranks`` (and the shapes given; without any, every shape in the table), and writes them.
+``--ranks`` (and the shapes given; without any, every shape in the table), and writes them;
+``--refine hopper`` searches the Hopper kernels for each GEMM instead (on an sm_90 GPU).
 
 The table of the earlier tuner (a from-scratch search, then ``--around-table`` stages) was made
 by the version of this file at commit 02b4e9d.
@@ -44,10 +45,14 @@ from kernels.types import MoELayerWeights
 
 
 def store_in_table(path: Path, shape: LayerShape, rank: int, configs: dict[int, MoEConfig]) -> None:
-    """Merge ``configs`` into the shipped-table JSON at ``path``."""
+    """Merge ``configs`` into the shipped-table JSON at ``path`` (a row whose configuration
+    is unchanged keeps its text: the table's diff shows what changed)."""
     table = json.loads(path.read_text()) if path.exists() else {}
     entry = table.setdefault(table_key(shape, rank), {})
-    entry.update({str(m): cfg.to_json() for m, cfg in configs.items()})
+    for tokens, config in configs.items():
+        row = entry.get(str(tokens))
+        if row is None or MoEConfig.from_json(row) != config:
+            entry[str(tokens)] = config.to_json()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
@@ -67,11 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument(
-        "--refine", action="store_true", help="search the program-layout knobs around the table"
+        "--refine",
+        nargs="?",
+        const="program",
+        choices=("program", "hopper"),
+        help="search knobs around the table: the program layout (the default) or the Hopper "
+        "kernels",
     )
     args = parser.parse_args(argv)
     if args.refine:
-        return refine_table(args.shapes, args.zoo, {int(r) for r in args.ranks.split(",")})
+        wanted = {int(r) for r in args.ranks.split(",")}
+        return refine_table(args.shapes, args.zoo, wanted, args.refine)
     shapes = [(SHAPES | ZOO)[key] for key in args.shapes.split(",") if key]
     if args.zoo:
         shapes += list(ZOO.values())
@@ -117,9 +128,9 @@ def _layer(shape: LayerShape, device: torch.device) -> MoELayerWeights:
     return fp8_layer(layer) if shape.fp8 else layer
 
 
-def refine_table(names: str, zoo: bool, ranks: set[int]) -> int:
+def refine_table(names: str, zoo: bool, ranks: set[int], knobs: str) -> int:
     """``--refine``: the (shape, rank) rows of this GPU's table of ``ranks`` (and of the
-    shapes named, if any)."""
+    shapes named, if any), ``knobs`` searched (``kernels.autotune.refine``)."""
     device = torch.device("cuda")
     gpu = device_name(device)
     wanted = {(SHAPES | ZOO)[key] for key in names.split(",") if key}
@@ -131,7 +142,12 @@ def refine_table(names: str, zoo: bool, ranks: set[int]) -> int:
         if rank not in ranks or (wanted and not any(shape.key == w.key for w in wanted)):
             continue
         layer = _layer(shape, device)
-        store_in_table(config_path(gpu), shape, rank, refine(layer, rank, configs, num_slots=SLOTS))
+        store_in_table(
+            config_path(gpu),
+            shape,
+            rank,
+            refine(layer, rank, configs, num_slots=SLOTS, knobs=knobs),
+        )
         del layer
         torch.cuda.empty_cache()
     print(f"written to {config_path(gpu)}")

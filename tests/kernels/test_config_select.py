@@ -239,6 +239,30 @@ def test_search_tries_persistent_programs_and_split_k() -> None:
     assert all(c.atomic_sum for c in covered if c.w2.split_k > 1)
 
 
+def test_search_tries_the_hopper_kernels_per_gemm_where_asked() -> None:
+    """With ``hopper`` the search tries w13, w2 and both on the Hopper kernels, in their
+    blocks of 128 rows, and keeps one where its made-up cost says so; without it, or with
+    streaming tiles (few rows per expert), it never tries them."""
+    timed: list[MoEConfig] = []
+
+    def hopper_w2_wins(config: MoEConfig) -> float:
+        timed.append(config)
+        return _cost(config) - 100 * config.w2.hopper
+
+    start = heuristic_config(4096, 8, 4096, 14336, 2)
+    best = search(hopper_w2_wins, start, 1024.0, 16, deadline=time.monotonic() + 60, hopper=True)
+    assert best.w2.hopper and not best.w13.hopper and best.block_m == 128
+    tried = {(c.w13.hopper, c.w2.hopper) for c in timed}
+    assert tried == {(False, False), (True, False), (False, True), (True, True)}
+    assert all(c.block_m == 128 for c in timed if c.w13.hopper or c.w2.hopper)
+    for rows_per_expert, hopper in ((1024.0, False), (0.5, True)):
+        timed.clear()
+        start = heuristic_config(int(rows_per_expert * 4), 8, 4096, 14336, 2)
+        deadline = time.monotonic() + 60
+        search(hopper_w2_wins, start, rows_per_expert, 16, deadline, hopper=hopper)
+        assert not any(c.w13.hopper or c.w2.hopper for c in timed)
+
+
 def test_search_tries_both_fp8_main_loops_for_fp8_experts_only() -> None:
     """FP8 experts: each GEMM's tiles (the FP8 ones too) are tried in both W8A16 main loops
     (scale the product, or dequantise the tile), and the precompile set covers both; a start
@@ -388,3 +412,26 @@ def test_table_keys_round_trip_and_keep_fp8_rows_apart() -> None:
     assert table_key(fp8, 16) == "E=128,H=2048,I=768,k=8,weights=fp8,r=16"
     for shape in (bf16, fp8):
         assert parse_table_key(table_key(shape, 16)) == (shape, 16)
+
+
+def test_the_table_writer_changes_only_the_rows_that_changed(tmp_path: Path) -> None:
+    """``kernels.tune.store_in_table``: a row whose configuration is unchanged keeps its text
+    (fields at their defaults included), a changed one is written without its defaults, and
+    both read back as the configurations stored."""
+    from kernels.tune import store_in_table
+
+    path = tmp_path / "GPU.json"
+    kept, changed = (
+        heuristic_config(64, 8, 4096, 14336, 2),
+        heuristic_config(4096, 8, 4096, 14336, 2),
+    )
+    verbose = {key: dataclasses.asdict(config) for key, config in (("64", kept), ("4096", kept))}
+    path.write_text(json.dumps({table_key(QWEN3, 16): verbose}))
+    new = dataclasses.replace(changed, w2=dataclasses.replace(changed.w2, hopper=True))
+    store_in_table(path, QWEN3, 16, {64: kept, 4096: new})
+    rows = json.loads(path.read_text())[table_key(QWEN3, 16)]
+    assert rows["64"] == verbose["64"]
+    assert "hopper" not in rows["4096"]["w13"] and rows["4096"]["w2"]["hopper"] is True
+    assert "decode" not in rows["4096"]  # False, its default
+    assert MoEConfig.from_json(rows["64"]) == kept
+    assert MoEConfig.from_json(rows["4096"]) == new
