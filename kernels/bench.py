@@ -21,9 +21,11 @@ twice: "fp8" with the configurations as selected (their W8A16 main loop included
 tries every tile in both), and "fp8 w8a8" with both GEMMs' inputs quantised for the FP8
 tensor cores (``GemmConfig.fp8_activations``, checked against the reference that quantises
 them too), side by side in one run. Their floor counts one byte per expert weight, and the
-summary gives each FP8 time / bf16 time. ``--hopper`` adds, from M = 512, the bf16 layer with
-both GEMMs on the warp-specialised Hopper kernels (``kernels.hopper_w13``, ``kernels.hopper_w2``,
-blocks of 128 rows); the summary gives its time / the bf16 row's.
+summary gives each FP8 time / bf16 time. ``--hopper`` adds, from M = 512, the bf16 layer twice
+more: with both GEMMs on the Triton kernels ("bf16 triton": the configurations as selected,
+``GemmConfig.hopper`` off) and on the warp-specialised Hopper kernels ("bf16 hopper":
+``kernels.hopper_w13``, ``kernels.hopper_w2``, blocks of 128 rows); the summary gives the
+Hopper rows' and the selected rows' (which may choose either per GEMM) time / the Triton rows'.
 
 First every cell is checked against the float32 reference (relative error below
 ``BF16_TOLERANCE``; for FP8 rows the reference of the dequantised weights); a failure stops
@@ -151,8 +153,15 @@ def floor_us(
 ConfigTransform = Callable[[MoEConfig], MoEConfig]
 
 
-#: The label of rows whose GEMMs run the warp-specialised Hopper kernels (``--hopper``).
+#: The labels of rows whose GEMMs run the warp-specialised Hopper kernels, or the Triton ones
+#: only (``--hopper``).
 HOPPER_LABEL = "bf16 hopper"
+TRITON_LABEL = "bf16 triton"
+
+
+def on_triton_kernels(config: MoEConfig) -> MoEConfig:
+    """Both GEMMs on the Triton kernels (``config`` otherwise as it is)."""
+    return config.each_gemm(hopper=False)
 
 
 def on_hopper_kernels(config: MoEConfig) -> MoEConfig:
@@ -407,10 +416,11 @@ def main(argv: list[str] | None = None) -> int:
             variants.append((fp8_shape, fp8_weights, "fp8", None))
             variants.append((fp8_shape, fp8_weights, "fp8 w8a8", quantising))
         if args.hopper:
+            variants.append((shape, layer, TRITON_LABEL, on_triton_kernels))
             variants.append((shape, layer, HOPPER_LABEL, on_hopper_kernels))
         for tokens in map(int, args.tokens.split(",")):
             for variant, weights, label, transform in variants:
-                if label == HOPPER_LABEL and tokens < 512:  # decode blocks: the Triton kernel
+                if label in (HOPPER_LABEL, TRITON_LABEL) and tokens < 512:  # streaming tiles
                     continue
                 row = bench_cell(
                     key, variant, selector, weights, slots, tokens, bandwidth, rate,
@@ -456,6 +466,7 @@ def summary(rows: list[Row]) -> str:
     fp8_labels = sorted({r.weights for r in rows if r.weights.startswith("fp8")})
     fp8 = {(r.weights, r.shape, r.tokens): r.lora_us for r in rows if r.weights.startswith("fp8")}
     hopper = {(r.shape, r.tokens): r for r in rows if r.weights == HOPPER_LABEL}
+    triton = {(r.shape, r.tokens): r for r in rows if r.weights == TRITON_LABEL}
     rows = [r for r in rows if r.weights == "bf16"]
     mid = [r for r in rows if 8 <= r.tokens <= 512]
     ends = [r for r in rows if r.tokens in (1, 4096)]
@@ -487,11 +498,12 @@ def summary(rows: list[Row]) -> str:
                 f"{min(pairs):.2f}–{max(pairs):.2f} (≤ {target}: {met}/{len(pairs)})"
             )
     for r in rows:
-        if (r.shape, r.tokens) in hopper:
-            h = hopper[(r.shape, r.tokens)]
+        if (r.shape, r.tokens) in hopper and (r.shape, r.tokens) in triton:
+            h, t = hopper[(r.shape, r.tokens)], triton[(r.shape, r.tokens)]
             lines.append(
-                f"hopper / bf16 time, {r.shape} M = {r.tokens}: "
-                f"base {h.base_us / r.base_us:.2f}, +LoRA {h.lora_us / r.lora_us:.2f}"
+                f"time / Triton kernels', {r.shape} M = {r.tokens}: Hopper kernels base "
+                f"{h.base_us / t.base_us:.2f}, +LoRA {h.lora_us / t.lora_us:.2f}; as selected "
+                f"base {r.base_us / t.base_us:.2f}, +LoRA {r.lora_us / t.lora_us:.2f}"
             )
     return "\n".join(lines)
 

@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
+    warpgroup_mma_wait,
 )
 from triton.language.core import _aggregate as aggregate
 
@@ -186,6 +187,52 @@ class LoRAExpand:
         self.stride_br = scalar(stride_br)
 
 
+#: "No slot": above every slot index, the end of a block's walk over its segments.
+_NO_SLOT = gl.constexpr(2**30)
+
+
+@gluon.constexpr_function
+def _expand_layout(RP, num_warps):
+    """The layout of the expand's (rows, RP) operands: each thread loads 16-byte pieces."""
+    return gl.BlockedLayout([1, 8], [32 * 8 // RP, RP // 8], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _first_segment(
+    lora: LoRAExpand, rows, dtype: gl.constexpr, RP: gl.constexpr, num_warps: gl.constexpr
+):
+    """The block's rows' slots, their xa (BM, RP) rounded to the operand dtype (as
+    ``kernels.fused_moe._lora_expand`` rounds it) and the lowest slot (``_NO_SLOT``: none)."""
+    layout: gl.constexpr = _expand_layout(RP, num_warps)
+    lrows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    r = gl.arange(0, RP, layout=gl.SliceLayout(0, layout))
+    slot = gl.load(lora.row_slots_ptr + lrows)
+    xa = gl.load(lora.xa_ptr + lrows[:, None].to(gl.int64) * lora.stride_xa + r[None, :]).to(dtype)
+    return slot, xa, gl.min(gl.where(slot >= 0, slot, _NO_SLOT), axis=0)
+
+
+@gluon.jit
+def _b_rows(b_rows, b_ok, RP: gl.constexpr, num_warps: gl.constexpr):
+    """The tile's B rows (int64) and their flags in the expand's layout, once per tile."""
+    rows_l: gl.constexpr = gl.SliceLayout(1, _expand_layout(RP, num_warps))
+    return gl.convert_layout(b_rows, rows_l).to(gl.int64), gl.convert_layout(b_ok, rows_l)
+
+
+@gluon.jit
+def _segment_b(
+    lora: LoRAExpand, s, expert, b_rows, b_ok, RP: gl.constexpr, num_warps: gl.constexpr
+):
+    """Slot ``s``'s B[s, expert] rows ``b_rows`` (BN, RP; from ``_b_rows``), zero where not
+    ``b_ok`` or past the rank."""
+    r = gl.arange(0, RP, layout=gl.SliceLayout(0, _expand_layout(RP, num_warps)))
+    return gl.load(
+        lora.b_ptr + s.to(gl.int64) * lora.stride_bs + expert * lora.stride_be
+        + b_rows[:, None] * lora.stride_bn + r[None, :] * lora.stride_br,
+        mask=b_ok[:, None] & (r < lora.R)[None, :],
+        other=0.0,
+    )  # fmt: skip
+
+
 @gluon.jit
 def lora_expand(
     acc,
@@ -203,37 +250,66 @@ def lora_expand(
     """acc (BM, BN) += each row's xa (BM, RP) times its slot's B[s, e] rows ``b_rows`` (the
     tile's output columns; ``b_ok`` marks the real ones): one wgmma per adapter segment of the
     block (slots in increasing order), the other rows' xa zeroed, as
-    ``kernels.fused_moe._lora_expand`` does with ``tl.dot``. xa is rounded to the operand
-    dtype first, as there."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // RP, RP // 8], [num_warps, 1], [1, 0])
-    row_l: gl.constexpr = gl.SliceLayout(1, layout)
-    rank_l: gl.constexpr = gl.SliceLayout(0, layout)
+    ``kernels.fused_moe._lora_expand`` does with ``tl.dot``."""
     x_smem = gl.allocate_shared_memory(
         dtype, [BM, RP], gl.NVMMASharedLayout.get_default_for([BM, RP], dtype)
     )
     b_smem = gl.allocate_shared_memory(
         dtype, [BN, RP], gl.NVMMASharedLayout.get_default_for([BN, RP], dtype)
     )
-    r = gl.arange(0, RP, layout=rank_l)
-    lrows = gl.convert_layout(rows, row_l)
-    lb_rows = gl.convert_layout(b_rows, row_l).to(gl.int64)
-    lb_ok = gl.convert_layout(b_ok, row_l)
-    slot = gl.load(lora.row_slots_ptr + lrows)
-    xa = gl.load(lora.xa_ptr + lrows[:, None].to(gl.int64) * lora.stride_xa + r[None, :]).to(dtype)
-    none: gl.constexpr = 2**30
-    s = gl.min(gl.where(slot >= 0, slot, none), axis=0)
-    while s < none:
-        b = gl.load(
-            lora.b_ptr + s.to(gl.int64) * lora.stride_bs + expert * lora.stride_be
-            + lb_rows[:, None] * lora.stride_bn + r[None, :] * lora.stride_br,
-            mask=lb_ok[:, None] & (r < lora.R)[None, :],
-            other=0.0,
-        )  # fmt: skip
+    slot, xa, s = _first_segment(lora, rows, dtype, RP, num_warps)
+    b_rows, b_ok = _b_rows(b_rows, b_ok, RP, num_warps)
+    while s < _NO_SLOT:
+        b = _segment_b(lora, s, expert, b_rows, b_ok, RP, num_warps)
         x_smem.store(gl.where((slot == s)[:, None], xa, 0.0).to(dtype))
         b_smem.store(b.to(dtype))
         fence_async_shared()
         gl.thread_barrier()  # every warp's rows are in shared memory before the wgmma reads them
         acc = warpgroup_mma(x_smem, b_smem.permute((1, 0)), acc)
         gl.thread_barrier()  # and read before the next segment overwrites them
-        s = gl.min(gl.where(slot > s, slot, none), axis=0)
+        s = gl.min(gl.where(slot > s, slot, _NO_SLOT), axis=0)
     return acc
+
+
+@gluon.jit
+def lora_expand_pair(
+    acc0,
+    acc1,
+    lora: LoRAExpand,
+    expert,
+    rows,
+    b_rows0,
+    b_rows1,
+    b_ok,
+    dtype: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    RP: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """``lora_expand`` of two accumulators of the same rows (w13's gate and up, B rows
+    ``b_rows0`` and ``b_rows1``): each segment's xa tile is stored once for both and their
+    two wgmmas run together."""
+    x_smem = gl.allocate_shared_memory(
+        dtype, [BM, RP], gl.NVMMASharedLayout.get_default_for([BM, RP], dtype)
+    )
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, RP], dtype)
+    b0_smem = gl.allocate_shared_memory(dtype, [BN, RP], b_layout)
+    b1_smem = gl.allocate_shared_memory(dtype, [BN, RP], b_layout)
+    slot, xa, s = _first_segment(lora, rows, dtype, RP, num_warps)
+    b_rows0, b_ok0 = _b_rows(b_rows0, b_ok, RP, num_warps)
+    b_rows1, b_ok1 = _b_rows(b_rows1, b_ok, RP, num_warps)
+    while s < _NO_SLOT:
+        b0 = _segment_b(lora, s, expert, b_rows0, b_ok0, RP, num_warps)
+        b1 = _segment_b(lora, s, expert, b_rows1, b_ok1, RP, num_warps)
+        x_smem.store(gl.where((slot == s)[:, None], xa, 0.0).to(dtype))
+        b0_smem.store(b0.to(dtype))
+        b1_smem.store(b1.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's rows are in shared memory before the wgmmas read them
+        acc0 = warpgroup_mma(x_smem, b0_smem.permute((1, 0)), acc0, is_async=True)
+        acc1 = warpgroup_mma(x_smem, b1_smem.permute((1, 0)), acc1, is_async=True)
+        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        gl.thread_barrier()  # and read before the next segment overwrites them
+        s = gl.min(gl.where(slot > s, slot, _NO_SLOT), axis=0)
+    return acc0, acc1

@@ -56,7 +56,7 @@ from kernels.hopper_gemm import (
     LoRAExpand,
     Scalar,
     invalidate_barriers,
-    lora_expand,
+    lora_expand_pair,
     scalar,
     stage_barriers,
     tile_of,
@@ -263,12 +263,10 @@ def _compute(
             real = cols < p.inter
             expert64 = expert.to(gl.int64)
             if HAS_LORA:
-                gate = lora_expand(
-                    gate, lora, expert64, rows, cols, real, dtype, BM, BI, RP, num_warps
-                )
-                up = lora_expand(
-                    up, lora, expert64, rows, cols + p.inter, real, dtype, BM, BI, RP, num_warps
-                )
+                gate, up = lora_expand_pair(
+                    gate, up, lora, expert64, rows, cols, cols + p.inter, real,
+                    dtype, BM, BI, RP, num_warps,
+                )  # fmt: skip
             if HAS_BIAS:
                 bias = e.bias_ptr + expert64 * e.stride_bias + cols
                 gate += gl.load(bias, mask=real, other=0.0).to(gl.float32)[None, :]

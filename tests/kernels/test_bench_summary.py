@@ -3,7 +3,7 @@ with the bf16 row of the same shape and M, and never with vLLM's bf16 anchors.""
 
 from __future__ import annotations
 
-from kernels.bench import HOPPER_LABEL, Row, markdown, summary
+from kernels.bench import HOPPER_LABEL, TRITON_LABEL, Row, markdown, summary
 
 
 def _row(tokens: int, weights: str, lora_us: float) -> Row:
@@ -33,10 +33,18 @@ def test_no_fp8_rows_no_fp8_line() -> None:
     assert "FP8" not in summary([_row(1, "bf16", 100.0)])
 
 
-def test_hopper_rows_are_timed_against_their_bf16_twin_and_count_for_no_target() -> None:
-    rows = [_row(4096, "bf16", 1000.0), _row(4096, HOPPER_LABEL, 800.0)]
+def test_hopper_and_selected_rows_are_timed_against_the_triton_row_and_count_for_no_target() -> (
+    None
+):
+    rows = [
+        _row(4096, "bf16", 900.0), _row(4096, TRITON_LABEL, 1000.0),
+        _row(4096, HOPPER_LABEL, 800.0),
+    ]  # fmt: skip
     text = summary(rows)
-    assert "hopper / bf16 time, qwen3 M = 4096: base 1.00, +LoRA 0.80" in text
+    assert (
+        "time / Triton kernels', qwen3 M = 4096: Hopper kernels base 1.00, +LoRA 0.80; "
+        "as selected base 1.00, +LoRA 0.90"
+    ) in text
     assert "FP8" not in text
     # The targets count the bf16 row alone.
     assert "≤150% of floor, M = 1 and 4096: 0/1" in text

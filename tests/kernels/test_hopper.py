@@ -73,6 +73,8 @@ def test_builds_for_hopper_as_a_warp_specialised_wgmma_kernel(
     assert "setmaxnreg.dec" in asm["ptx"] and "setmaxnreg.inc" in asm["ptx"]
     if variant.kernel == "w2":  # the atomic sum over k
         assert ("REDG.E.ADD.F32" in sass) == variant.switch
+    # The registers suffice: no spills to local memory at rank 16.
+    assert "STL" not in sass and "LDL" not in sass
 
 
 def test_fit_in_shared_memory_up_to_their_largest_rank(
