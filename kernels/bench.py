@@ -26,6 +26,7 @@ more: with both GEMMs on the Triton kernels ("bf16 triton": the configurations a
 ``GemmConfig.hopper`` off) and on the warp-specialised Hopper kernels ("bf16 hopper":
 ``kernels.hopper_w13``, ``kernels.hopper_w2``, blocks of 128 rows); the summary gives the
 Hopper rows' and the selected rows' (which may choose either per GEMM) time / the Triton rows'.
+With both flags, "fp8 w8a8 hopper" too: the W8A8 row on the Hopper kernels' FP8 main loops.
 
 First every cell is checked against the float32 reference (relative error below
 ``BF16_TOLERANCE``; for FP8 rows the reference of the dequantised weights); a failure stops
@@ -157,6 +158,7 @@ ConfigTransform = Callable[[MoEConfig], MoEConfig]
 #: only (``--hopper``).
 HOPPER_LABEL = "bf16 hopper"
 TRITON_LABEL = "bf16 triton"
+FP8_HOPPER_LABEL = "fp8 w8a8 hopper"
 
 
 def on_triton_kernels(config: MoEConfig) -> MoEConfig:
@@ -176,6 +178,11 @@ def quantising(config: MoEConfig) -> MoEConfig:
     """Both GEMMs on the FP8 tensor cores, their inputs quantised per row and 128 columns
     (``GemmConfig.fp8_activations``; the LoRA then takes the separate shrink)."""
     return config.each_gemm(fp8_activations=True, fused_shrink=False)
+
+
+def quantising_on_hopper(config: MoEConfig) -> MoEConfig:
+    """``quantising`` on the Hopper kernels' FP8 main loops."""
+    return on_hopper_kernels(quantising(config))
 
 
 @dataclass
@@ -418,9 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.hopper:
             variants.append((shape, layer, TRITON_LABEL, on_triton_kernels))
             variants.append((shape, layer, HOPPER_LABEL, on_hopper_kernels))
+        if args.hopper and args.fp8:
+            variants.append((fp8_shape, fp8_weights, FP8_HOPPER_LABEL, quantising_on_hopper))
         for tokens in map(int, args.tokens.split(",")):
             for variant, weights, label, transform in variants:
-                if label in (HOPPER_LABEL, TRITON_LABEL) and tokens < 512:  # streaming tiles
+                if label in (HOPPER_LABEL, TRITON_LABEL, FP8_HOPPER_LABEL) and tokens < 512:
                     continue
                 row = bench_cell(
                     key, variant, selector, weights, slots, tokens, bandwidth, rate,

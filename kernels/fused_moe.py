@@ -1172,7 +1172,7 @@ def _on_hopper_kernel(
     if not (gemm.hopper and on_hopper(x.device)):  # the common case: no more checks
         return False
     rank = padded_rank(lora.a13.shape[2]) if lora is not None else 0
-    return hopper_takes(x, w, alignment, w_scale, rank, sizes)
+    return hopper_takes(x, w, alignment, w_scale, rank, sizes, gemm.fp8_activations)
 
 
 def _separate(gemm: GemmConfig) -> GemmConfig:
@@ -1308,7 +1308,7 @@ def w13_stage(
             clear.zero_()
         return w13_stage_hopper(
             hidden, w13, b13, activation, alpha, limit, top_k, alignment,
-            *_hopper_lora(la, lora),
+            *_hopper_lora(la, lora), w13_scale,
         )  # fmt: skip
     act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
     scale, *scale_strides = _scale_args(w13, w13_scale, cfg)
@@ -1380,8 +1380,9 @@ def w2_stage(
     if _on_hopper_kernel(cfg, act, w2, alignment, w2_scale, lora, (h, inter)):
         la = _lora_args(act, "2", False, top_k, alignment, lora, config, _separate(cfg))
         w2_stage_hopper(
-            act, w2, b2, topk_weights, alignment, *_hopper_lora(la, lora), config.atomic_sum, out
-        )
+            act, w2, b2, topk_weights, alignment, *_hopper_lora(la, lora), config.atomic_sum, out,
+            w2_scale,
+        )  # fmt: skip
         return
     scale, *scale_strides = _scale_args(w2, w2_scale, cfg)
     x, x_scale = _gemm_input(act, w2_scale, cfg)

@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import _aggregate as aggregate
 
 from kernels.align import Alignment
+from kernels.types import FP8_BLOCK, FP8_DTYPE
 
 BLOCK_M = 128
 BLOCK_K = 64
@@ -54,6 +55,14 @@ MAX_RANK = 64
 GROUP_M = gl.constexpr(8)
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+#: Every operand dtype the kernels take: 16-bit, or FP8 (e4m3) inputs and weights (W8A8).
+OPERAND_DTYPES = {**GL_DTYPES, FP8_DTYPE: gl.float8e4nv}
+#: W8A8: a K step is one 128-column scale block of both operands (their scales multiply each
+#: step's product), in more stages (a step's wgmmas are waited for before the next: the
+#: loader runs further ahead).
+FP8_BLOCK_K = FP8_BLOCK
+FP8_BUFFERS = 4
+_FP8_K = gl.constexpr(FP8_BLOCK)
 
 #: An aggregate's integer field: a launch passes an int argument equal to 1 (a contiguous
 #: stride, a rank or top-k of 1) as a constexpr, any other as a tensor (see ``scalar``).
@@ -79,15 +88,21 @@ def hopper_takes(
     w_scale: torch.Tensor | None,
     lora_rank: int,
     sizes: tuple[int, ...],
+    w8a8: bool = False,
 ) -> bool:
-    """Whether the Hopper kernels take these operands: bf16/fp16 weights (``w_scale`` None: no
-    FP8) of x's dtype, aligned blocks of BLOCK_M rows (no pair blocks), ``sizes`` (the GEMM's
-    N and K) multiples of 8 and ``w`` 16-byte aligned (what the copy engine reads), a padded
-    LoRA rank (0: none) up to MAX_RANK."""
+    """Whether the Hopper kernels take these operands: bf16/fp16 weights of x's dtype, or FP8
+    (e4m3) weights with their 128×128 block scales ``w_scale`` where the GEMM's input is
+    quantised too (``w8a8``; ``sizes`` then multiples of 64, so that a w13 tile lies in one
+    scale block); aligned blocks of BLOCK_M rows (no pair blocks), ``sizes`` (the GEMM's N and
+    K) multiples of 8 and ``w`` 16-byte aligned (what the copy engine reads), a padded LoRA
+    rank (0: none) up to MAX_RANK."""
+    if w_scale is None:
+        weights = w.dtype in GL_DTYPES and x.dtype == w.dtype
+    else:
+        weights = w8a8 and w.dtype == FP8_DTYPE and x.dtype in GL_DTYPES
+        weights = weights and all(size % 64 == 0 for size in sizes)
     return (
-        w_scale is None
-        and w.dtype in GL_DTYPES
-        and x.dtype == w.dtype
+        weights
         and not alignment.pair_blocks
         and alignment.block_m == BLOCK_M
         and all(size % 8 == 0 for size in sizes)
@@ -187,6 +202,47 @@ class LoRAExpand:
         self.stride_br = scalar(stride_br)
 
 
+@aggregate
+class FP8Scales:
+    """A W8A8 GEMM's scales, float32, contiguous in K blocks: its input's per aligned row and
+    128 columns (max_rows, ceil(K/128)) and W's per 128×128 block (E, ceil(N/128),
+    ceil(K/128)). Unread without FP8."""
+
+    x_ptr: gl.tensor
+    w_ptr: gl.tensor
+    stride_x: Scalar
+    stride_we: Scalar
+    stride_wn: Scalar
+
+    @gluon.constexpr_function
+    def __init__(self, x_ptr, w_ptr, stride_x, stride_we, stride_wn):
+        self.x_ptr = x_ptr
+        self.w_ptr = w_ptr
+        self.stride_x = scalar(stride_x)
+        self.stride_we = scalar(stride_we)
+        self.stride_wn = scalar(stride_wn)
+
+
+@gluon.jit
+def fp8_step_scale(scales: FP8Scales, rows, expert, w_row, k):
+    """(BM,) float32 in ``rows``' layout: each row's input scale times the scale of W's
+    block holding row ``w_row``, both at the K block of column ``k``."""
+    k_block = k // _FP8_K
+    x_scale = gl.load(scales.x_ptr + rows.to(gl.int64) * scales.stride_x + k_block)
+    w_block = scales.w_ptr + expert * scales.stride_we + (w_row // _FP8_K) * scales.stride_wn
+    return x_scale * gl.load(w_block + k_block)
+
+
+def fp8_scale_args(
+    x_scale: torch.Tensor | None, w_scale: torch.Tensor | None, like: torch.Tensor
+) -> tuple[Any, ...]:
+    """A launch's FP8Scales arguments, placeholders (``like``, never read) without FP8."""
+    if x_scale is None or w_scale is None:
+        return like, like, 0, 0, 0
+    assert x_scale.stride(1) == 1 and w_scale.stride(2) == 1
+    return x_scale, w_scale, x_scale.stride(0), w_scale.stride(0), w_scale.stride(1)
+
+
 #: "No slot": above every slot index, the end of a block's walk over its segments.
 _NO_SLOT = gl.constexpr(2**30)
 
@@ -195,6 +251,15 @@ _NO_SLOT = gl.constexpr(2**30)
 def _expand_layout(RP, num_warps):
     """The layout of the expand's (rows, RP) operands: each thread loads 16-byte pieces."""
     return gl.BlockedLayout([1, 8], [32 * 8 // RP, RP // 8], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _expand_mma(BN, num_warps):
+    """The accumulator's layout for the expand's 16-bit wgmmas: the main loop's own, but for
+    the K of its instruction (32 with FP8 operands); the same registers either way."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
+    )
 
 
 @gluon.jit
@@ -259,6 +324,8 @@ def lora_expand(
     )
     slot, xa, s = _first_segment(lora, rows, dtype, RP, num_warps)
     b_rows, b_ok = _b_rows(b_rows, b_ok, RP, num_warps)
+    layout: gl.constexpr = acc.type.layout
+    acc = gl.convert_layout(acc, _expand_mma(BN, num_warps))
     while s < _NO_SLOT:
         b = _segment_b(lora, s, expert, b_rows, b_ok, RP, num_warps)
         x_smem.store(gl.where((slot == s)[:, None], xa, 0.0).to(dtype))
@@ -268,7 +335,7 @@ def lora_expand(
         acc = warpgroup_mma(x_smem, b_smem.permute((1, 0)), acc)
         gl.thread_barrier()  # and read before the next segment overwrites them
         s = gl.min(gl.where(slot > s, slot, _NO_SLOT), axis=0)
-    return acc
+    return gl.convert_layout(acc, layout)
 
 
 @gluon.jit
@@ -299,6 +366,9 @@ def lora_expand_pair(
     slot, xa, s = _first_segment(lora, rows, dtype, RP, num_warps)
     b_rows0, b_ok0 = _b_rows(b_rows0, b_ok, RP, num_warps)
     b_rows1, b_ok1 = _b_rows(b_rows1, b_ok, RP, num_warps)
+    layout: gl.constexpr = acc0.type.layout
+    acc0 = gl.convert_layout(acc0, _expand_mma(BN, num_warps))
+    acc1 = gl.convert_layout(acc1, _expand_mma(BN, num_warps))
     while s < _NO_SLOT:
         b0 = _segment_b(lora, s, expert, b_rows0, b_ok0, RP, num_warps)
         b1 = _segment_b(lora, s, expert, b_rows1, b_ok1, RP, num_warps)
@@ -312,4 +382,4 @@ def lora_expand_pair(
         acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
         gl.thread_barrier()  # and read before the next segment overwrites them
         s = gl.min(gl.where(slot > s, slot, _NO_SLOT), axis=0)
-    return acc0, acc1
+    return gl.convert_layout(acc0, layout), gl.convert_layout(acc1, layout)

@@ -43,18 +43,24 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from kernels.align import Alignment
+from kernels.fp8_activations import quantize_activations
 from kernels.hopper_gemm import (
     BLOCK_K,
     BLOCK_M,
-    GL_DTYPES,
+    FP8_BLOCK_K,
+    FP8_BUFFERS,
     GROUP_M,
     LOADER_REGISTERS,
     LOADER_WARPS,
     NUM_BUFFERS,
     NUM_WARPS,
+    OPERAND_DTYPES,
+    FP8Scales,
     KernelLaunch,
     LoRAExpand,
     Scalar,
+    fp8_scale_args,
+    fp8_step_scale,
     invalidate_barriers,
     lora_expand_pair,
     scalar,
@@ -67,6 +73,9 @@ from kernels.types import Activation
 #: columns in all, as w2's tile); the rest of the launch configuration is
 #: ``kernels.hopper_gemm``'s.
 BLOCK_I = 128
+#: With FP8 weights 64 (two accumulators and each step's two products fit the registers; a
+#: tile lies in one 128-row scale block).
+FP8_BLOCK_I = 64
 _GATHER_BLOCK_H = 1024  # columns each program of gather_rows copies
 
 
@@ -213,6 +222,8 @@ def _compute(
     p: _W13Args,
     e: _Epilogue,
     lora: LoRAExpand,
+    scales: FP8Scales,
+    FP8: gl.constexpr,
     ACTIVATION: gl.constexpr,  # 0 silu, 1 gpt_oss
     HAS_BIAS: gl.constexpr,
     HAS_LORA: gl.constexpr,
@@ -225,10 +236,11 @@ def _compute(
 ):
     """The compute warpgroups: the main loop's wgmmas (gate and up) over the stages, then the
     epilogue."""
-    dtype: gl.constexpr = p.x_desc.dtype
+    lora_dtype: gl.constexpr = lora.b_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BI, 16]
-    )
+        version=[3, 0], warps_per_cta=[num_warps, 1],
+        instr_shape=[16, BI, 256 // p.x_desc.dtype.primitive_bitwidth],
+    )  # fmt: skip
     # Stores: each warp writes whole 16-byte pieces of rows.
     store_layout: gl.constexpr = gl.BlockedLayout(
         [1, 8], [32 * 8 // BI, BI // 8], [num_warps, 1], [1, 0]
@@ -241,31 +253,55 @@ def _compute(
         block, n_tile = tile_of(item, p.num_blocks, num_n, GROUP_M)
         expert = gl.load(p.block_experts_ptr + block)
         if expert >= 0:
+            expert64 = expert.to(gl.int64)
             gate = gl.zeros([BM, BI], gl.float32, layout=mma)
             up = gl.zeros([BM, BI], gl.float32, layout=mma)
-            for k in range(0, p.H, BK):
-                stage = count % STAGES
-                mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
-                x = p.x_bufs.index(stage)
-                gate = warpgroup_mma(
-                    x, p.gate_bufs.index(stage).permute((1, 0)), gate, is_async=True
-                )
-                up = warpgroup_mma(x, p.up_bufs.index(stage).permute((1, 0)), up, is_async=True)
-                # This stage's two wgmmas stay in flight; the stage before has been read.
-                gate, up = warpgroup_mma_wait(2, deps=(gate, up))
-                mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
-                count += 1
-            gate, up = warpgroup_mma_wait(0, deps=(gate, up))
-            mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES))
+            if FP8:
+                rows = block * BM + gl.arange(0, BM, layout=mma_rows)
+                for k in range(0, p.H, BK):
+                    stage = count % STAGES
+                    mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
+                    x = p.x_bufs.index(stage)
+                    gate_part = warpgroup_mma(
+                        x, p.gate_bufs.index(stage).permute((1, 0)), gate, use_acc=False,
+                        is_async=True,
+                    )  # fmt: skip
+                    up_part = warpgroup_mma(
+                        x, p.up_bufs.index(stage).permute((1, 0)), up, use_acc=False,
+                        is_async=True,
+                    )  # fmt: skip
+                    gate_scale = fp8_step_scale(scales, rows, expert64, n_tile * BI, k)
+                    up_scale = fp8_step_scale(scales, rows, expert64, p.inter + n_tile * BI, k)
+                    # The step's products are scaled before they join the sums: wait for them.
+                    gate_part, up_part = warpgroup_mma_wait(0, deps=(gate_part, up_part))
+                    mbarrier.arrive(p.empty.index(stage))
+                    gate += gate_part * gate_scale[:, None]
+                    up += up_part * up_scale[:, None]
+                    count += 1
+            else:
+                for k in range(0, p.H, BK):
+                    stage = count % STAGES
+                    mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
+                    x = p.x_bufs.index(stage)
+                    gate = warpgroup_mma(
+                        x, p.gate_bufs.index(stage).permute((1, 0)), gate, is_async=True
+                    )
+                    up = warpgroup_mma(x, p.up_bufs.index(stage).permute((1, 0)), up, is_async=True)
+                    # This stage's two wgmmas stay in flight; the stage before has been read.
+                    gate, up = warpgroup_mma_wait(2, deps=(gate, up))
+                    mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
+                    count += 1
+                gate, up = warpgroup_mma_wait(0, deps=(gate, up))
+                mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES))
 
+            # Computed after the main loop: nothing more stays alive through it.
             rows = block * BM + gl.arange(0, BM, layout=mma_rows)
             cols = n_tile * BI + gl.arange(0, BI, layout=mma_cols)
             real = cols < p.inter
-            expert64 = expert.to(gl.int64)
             if HAS_LORA:
                 gate, up = lora_expand_pair(
                     gate, up, lora, expert64, rows, cols, cols + p.inter, real,
-                    dtype, BM, BI, RP, num_warps,
+                    lora_dtype, BM, BI, RP, num_warps,
                 )  # fmt: skip
             if HAS_BIAS:
                 bias = e.bias_ptr + expert64 * e.stride_bias + cols
@@ -295,6 +331,8 @@ def _w13_hopper_kernel(
     out_ptr,  # (max_rows, I) activation, aligned row order
     row_slots_ptr,  # (max_rows,) int32, -1 for no adapter, or unused
     block_experts_ptr,  # (max_blocks,) int32, -1 past the last block
+    xs_ptr,  # FP8: (max_rows, ceil(H/128)) float32 scales of the rows' groups; else unused
+    ws_ptr,  # FP8: (E, ceil(2I/128), ceil(H/128)) float32 block scales of W13; else unused
     num_blocks,
     H,
     inter,
@@ -308,6 +346,10 @@ def _w13_hopper_kernel(
     stride_br,
     stride_bias,
     stride_out,
+    stride_xs,
+    stride_wse,
+    stride_wsn,
+    FP8: gl.constexpr,
     ACTIVATION: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_LORA: gl.constexpr,
@@ -333,11 +375,27 @@ def _w13_hopper_kernel(
     lora = LoRAExpand(
         xa_ptr, b_ptr, row_slots_ptr, R, stride_xa, stride_bs, stride_be, stride_bn, stride_br
     )
+    scales = FP8Scales(xs_ptr, ws_ptr, stride_xs, stride_wse, stride_wsn)
     gl.warp_specialize(
         [
             (
                 _compute,
-                (p, e, lora, ACTIVATION, HAS_BIAS, HAS_LORA, BM, BI, BK, STAGES, RP, num_warps),
+                (
+                    p,
+                    e,
+                    lora,
+                    scales,
+                    FP8,
+                    ACTIVATION,
+                    HAS_BIAS,
+                    HAS_LORA,
+                    BM,
+                    BI,
+                    BK,
+                    STAGES,
+                    RP,
+                    num_warps,
+                ),
             ),
             (_loader, (p, BM, BI, BK, STAGES)),
         ],
@@ -359,15 +417,25 @@ def w13_stage_hopper(
     xa: torch.Tensor | None,
     lora_b: torch.Tensor | None,
     row_slots: torch.Tensor | None,
+    w13_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The w13 stage (see the module doc): the (max_rows, I) activation in x's dtype; ``xa``
     (max_rows, RP) from the LoRA shrink and ``lora_b`` (S, E, 2I, R) B13, or both None
-    without LoRA."""
-    rows = gather_rows(x, alignment, top_k)
+    without LoRA; ``w13_scale``: w13 is FP8 with these block scales, and x is quantised for
+    the FP8 tensor cores first (its rows' scales gathered with them)."""
+    row_scales = None
+    if w13_scale is None:
+        rows = gather_rows(x, alignment, top_k)
+    else:
+        quantised, scales = quantize_activations(x)
+        rows = gather_rows(quantised, alignment, top_k)
+        row_scales = gather_rows(scales, alignment, top_k)
     out = torch.empty((rows.shape[0], w13.shape[1] // 2), dtype=x.dtype, device=x.device)
-    w13_launch(rows, w13, b13, activation, alpha, limit, alignment, xa, lora_b, row_slots, out)(
-        x.device
-    )
+    launch = w13_launch(
+        rows, w13, b13, activation, alpha, limit, alignment, xa, lora_b, row_slots, out,
+        row_scales, w13_scale,
+    )  # fmt: skip
+    launch(x.device)
     return out
 
 
@@ -383,35 +451,41 @@ def w13_launch(
     lora_b: torch.Tensor | None,
     row_slots: torch.Tensor | None,
     out: torch.Tensor,
+    row_scales: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
 ) -> KernelLaunch:
     """The w13 kernel's launch over the gathered ``rows`` (max_rows, H) into ``out``
-    (max_rows, I)."""
+    (max_rows, I); with FP8 ``rows`` are quantised, their scales ``row_scales``."""
     e, two_i, h = w13.shape
     inter = two_i // 2
-    dtype = GL_DTYPES[w13.dtype]
-    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
-    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_I, BLOCK_K], dtype)
-    x_desc = TensorDescriptor.from_tensor(rows, [BLOCK_M, BLOCK_K], x_layout)
-    w_desc = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [BLOCK_I, BLOCK_K], w_layout)
+    fp8 = w13_scale is not None
+    block_i, block_k = (FP8_BLOCK_I, FP8_BLOCK_K) if fp8 else (BLOCK_I, BLOCK_K)
+    dtype = OPERAND_DTYPES[w13.dtype]
+    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], dtype)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_i, block_k], dtype)
+    x_desc = TensorDescriptor.from_tensor(rows, [BLOCK_M, block_k], x_layout)
+    w_desc = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [block_i, block_k], w_layout)
     has_lora = xa is not None
     assert has_lora == (lora_b is not None) == (row_slots is not None)
-    xa_t = xa if xa is not None else rows
-    b_t = lora_b if lora_b is not None else w13.view(1, e, two_i, h)
-    bias = b13 if b13 is not None else w13.view(e * two_i, h)
+    xa_t = xa if xa is not None else out
+    b_t = lora_b if lora_b is not None else out.view(1, 1, *out.shape)
+    bias = b13 if b13 is not None else out
+    scale_args = fp8_scale_args(row_scales, w13_scale, out)
     return KernelLaunch(
         _w13_hopper_kernel,
-        alignment.max_blocks * triton.cdiv(inter, BLOCK_I),
+        alignment.max_blocks * triton.cdiv(inter, block_i),
         (
             x_desc, w_desc, xa_t, b_t, bias, out,
             row_slots if row_slots is not None else alignment.sorted_pair_ids,
-            alignment.block_experts,
+            alignment.block_experts, *scale_args[:2],
             alignment.max_blocks, h, inter, b_t.shape[3] if has_lora else 1, alpha, limit,
             xa_t.stride(0), b_t.stride(0), b_t.stride(1), b_t.stride(2), b_t.stride(3),
-            bias.stride(0), out.stride(0),
+            bias.stride(0), out.stride(0), *scale_args[2:],
         ),
         dict(
-            ACTIVATION=0 if activation == Activation.SILU else 1, HAS_BIAS=b13 is not None,
-            HAS_LORA=has_lora, RP=xa_t.shape[1] if has_lora else 16, STAGES=NUM_BUFFERS,
-            LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
+            FP8=fp8, ACTIVATION=0 if activation == Activation.SILU else 1,
+            HAS_BIAS=b13 is not None, HAS_LORA=has_lora, RP=xa_t.shape[1] if has_lora else 16,
+            STAGES=FP8_BUFFERS if fp8 else NUM_BUFFERS, LOADER_WARPS=LOADER_WARPS,
+            LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
         ),
     )  # fmt: skip

@@ -39,18 +39,24 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from kernels.align import Alignment
+from kernels.fp8_activations import quantize_activations
 from kernels.hopper_gemm import (
     BLOCK_K,
     BLOCK_M,
-    GL_DTYPES,
+    FP8_BLOCK_K,
+    FP8_BUFFERS,
     GROUP_M,
     LOADER_REGISTERS,
     LOADER_WARPS,
     NUM_BUFFERS,
     NUM_WARPS,
+    OPERAND_DTYPES,
+    FP8Scales,
     KernelLaunch,
     LoRAExpand,
     Scalar,
+    fp8_scale_args,
+    fp8_step_scale,
     invalidate_barriers,
     lora_expand,
     scalar,
@@ -58,9 +64,11 @@ from kernels.hopper_gemm import (
     tile_of,
 )
 
-#: Output columns per tile (W2 rows); the rest of the launch configuration is
+#: Output columns per tile (W2 rows): 256, or with FP8 weights 128 (one scale block, and room
+#: for each step's product beside the sum); the rest of the launch configuration is
 #: ``kernels.hopper_gemm``'s.
 BLOCK_N = 256
+FP8_BLOCK_N = 128
 
 
 @aggregate
@@ -151,6 +159,8 @@ def _compute(
     p: _W2Args,
     e: _Epilogue,
     lora: LoRAExpand,
+    scales: FP8Scales,
+    FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_LORA: gl.constexpr,
     ATOMIC_SUM: gl.constexpr,
@@ -162,10 +172,11 @@ def _compute(
     num_warps: gl.constexpr,
 ):
     """The compute warpgroups: the main loop's wgmmas over the stages, then the epilogue."""
-    dtype: gl.constexpr = p.act_desc.dtype
+    lora_dtype: gl.constexpr = lora.b_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16]
-    )
+        version=[3, 0], warps_per_cta=[num_warps, 1],
+        instr_shape=[16, BN, 256 // p.act_desc.dtype.primitive_bitwidth],
+    )  # fmt: skip
     # Stores: each warp writes whole 16-byte pieces of rows.
     store_layout: gl.constexpr = gl.BlockedLayout(
         [1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0]
@@ -178,26 +189,44 @@ def _compute(
         block, n_tile = tile_of(tile, p.num_blocks, num_n, GROUP_M)
         expert = gl.load(p.block_experts_ptr + block)
         if expert >= 0:
+            expert64 = expert.to(gl.int64)
             acc = gl.zeros([BM, BN], gl.float32, layout=mma)
-            for k in range(0, p.inter, BK):
-                stage = count % STAGES
-                mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
-                acc = warpgroup_mma(
-                    p.a_bufs.index(stage), p.b_bufs.index(stage).permute((1, 0)), acc, is_async=True
-                )
-                # One wgmma stays in flight; the one before it has read its stage.
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
-                count += 1
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES))
+            if FP8:
+                rows = block * BM + gl.arange(0, BM, layout=mma_rows)
+                for k in range(0, p.inter, BK):
+                    stage = count % STAGES
+                    mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
+                    part = warpgroup_mma(
+                        p.a_bufs.index(stage), p.b_bufs.index(stage).permute((1, 0)), acc,
+                        use_acc=False, is_async=True,
+                    )  # fmt: skip
+                    scale = fp8_step_scale(scales, rows, expert64, n_tile * BN, k)
+                    # The step's product is scaled before it joins the sum: wait for it.
+                    part = warpgroup_mma_wait(0, deps=(part,))
+                    mbarrier.arrive(p.empty.index(stage))
+                    acc += part * scale[:, None]
+                    count += 1
+            else:
+                for k in range(0, p.inter, BK):
+                    stage = count % STAGES
+                    mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
+                    acc = warpgroup_mma(
+                        p.a_bufs.index(stage), p.b_bufs.index(stage).permute((1, 0)), acc,
+                        is_async=True,
+                    )  # fmt: skip
+                    # One wgmma stays in flight; the one before it has read its stage.
+                    acc = warpgroup_mma_wait(1, deps=(acc,))
+                    mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
+                    count += 1
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES))
 
+            # Computed after the main loop: nothing more stays alive through it.
             rows = block * BM + gl.arange(0, BM, layout=mma_rows)
             cols = n_tile * BN + gl.arange(0, BN, layout=mma_cols)
-            expert64 = expert.to(gl.int64)
             if HAS_LORA:
                 acc = lora_expand(
-                    acc, lora, expert64, rows, cols, cols < p.H, dtype, BM, BN, RP, num_warps
+                    acc, lora, expert64, rows, cols, cols < p.H, lora_dtype, BM, BN, RP, num_warps
                 )
             if HAS_BIAS:
                 bias = gl.load(
@@ -236,6 +265,8 @@ def _w2_hopper_kernel(
     row_slots_ptr,  # (max_rows,) int32, -1 for no adapter, or unused
     block_experts_ptr,  # (max_blocks,) int32, -1 past the last block
     topk_weights_ptr,  # (T*k,) float32
+    xs_ptr,  # FP8: (max_rows, ceil(I/128)) float32 scales of act's row groups; else unused
+    ws_ptr,  # FP8: (E, ceil(H/128), ceil(I/128)) float32 block scales of W2; else unused
     num_blocks,
     H,
     inter,
@@ -248,6 +279,10 @@ def _w2_hopper_kernel(
     stride_br,
     stride_bias,
     stride_out,
+    stride_xs,
+    stride_wse,
+    stride_wsn,
+    FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_LORA: gl.constexpr,
     ATOMIC_SUM: gl.constexpr,
@@ -271,11 +306,27 @@ def _w2_hopper_kernel(
     lora = LoRAExpand(
         xa_ptr, b_ptr, row_slots_ptr, R, stride_xa, stride_bs, stride_be, stride_bn, stride_br
     )
+    scales = FP8Scales(xs_ptr, ws_ptr, stride_xs, stride_wse, stride_wsn)
     gl.warp_specialize(
         [
             (
                 _compute,
-                (p, e, lora, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN, BK, STAGES, RP, num_warps),
+                (
+                    p,
+                    e,
+                    lora,
+                    scales,
+                    FP8,
+                    HAS_BIAS,
+                    HAS_LORA,
+                    ATOMIC_SUM,
+                    BM,
+                    BN,
+                    BK,
+                    STAGES,
+                    RP,
+                    num_warps,
+                ),
             ),
             (_loader, (p, BM, BN, BK, STAGES)),
         ],
@@ -296,12 +347,19 @@ def w2_stage_hopper(
     row_slots: torch.Tensor | None,
     atomic_sum: bool,
     out: torch.Tensor,
+    w2_scale: torch.Tensor | None = None,
 ) -> None:
     """The w2 stage (see the module doc) into ``out``; ``xa`` (max_rows, RP) from the LoRA
-    shrink and ``lora_b`` (S, E, H, R) B2, or both None without LoRA."""
-    w2_launch(act, w2, b2, topk_weights, alignment, xa, lora_b, row_slots, atomic_sum, out)(
-        act.device
-    )
+    shrink and ``lora_b`` (S, E, H, R) B2, or both None without LoRA; ``w2_scale``: w2 is FP8
+    with these block scales, and act is quantised for the FP8 tensor cores first."""
+    act_scale = None
+    if w2_scale is not None:
+        act, act_scale = quantize_activations(act)
+    launch = w2_launch(
+        act, w2, b2, topk_weights, alignment, xa, lora_b, row_slots, atomic_sum, out,
+        act_scale, w2_scale,
+    )  # fmt: skip
+    launch(act.device)
 
 
 def w2_launch(
@@ -315,34 +373,40 @@ def w2_launch(
     row_slots: torch.Tensor | None,
     atomic_sum: bool,
     out: torch.Tensor,
+    act_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> KernelLaunch:
-    """The w2 kernel's launch (arguments as ``w2_stage_hopper``'s)."""
+    """The w2 kernel's launch (arguments as ``w2_stage_hopper``'s; with FP8, act already
+    quantised, its scales ``act_scale``)."""
     e, h, inter = w2.shape
-    dtype = GL_DTYPES[w2.dtype]
-    act_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
-    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
-    act_desc = TensorDescriptor.from_tensor(act, [BLOCK_M, BLOCK_K], act_layout)
-    w_desc = TensorDescriptor.from_tensor(w2.view(e * h, inter), [BLOCK_N, BLOCK_K], w_layout)
+    fp8 = w2_scale is not None
+    block_n, block_k = (FP8_BLOCK_N, FP8_BLOCK_K) if fp8 else (BLOCK_N, BLOCK_K)
+    dtype = OPERAND_DTYPES[w2.dtype]
+    act_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], dtype)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], dtype)
+    act_desc = TensorDescriptor.from_tensor(act, [BLOCK_M, block_k], act_layout)
+    w_desc = TensorDescriptor.from_tensor(w2.view(e * h, inter), [block_n, block_k], w_layout)
     has_lora = xa is not None
     assert has_lora == (lora_b is not None) == (row_slots is not None)
-    xa_t = xa if xa is not None else act
-    b_t = lora_b if lora_b is not None else w2.view(1, e, h, inter)
-    bias = b2 if b2 is not None else w2.view(e * h, inter)
+    xa_t = xa if xa is not None else out
+    b_t = lora_b if lora_b is not None else out.view(1, 1, *out.shape)
+    bias = b2 if b2 is not None else out
     return KernelLaunch(
         _w2_hopper_kernel,
-        alignment.max_blocks * triton.cdiv(h, BLOCK_N),
+        alignment.max_blocks * triton.cdiv(h, block_n),
         (
             act_desc, w_desc, xa_t, b_t, bias, out, alignment.sorted_pair_ids,
             row_slots if row_slots is not None else alignment.sorted_pair_ids,
             alignment.block_experts, topk_weights,
+            *fp8_scale_args(act_scale, w2_scale, topk_weights)[:2],
             alignment.max_blocks, h, inter, topk_weights.shape[1],
             b_t.shape[3] if has_lora else 1, xa_t.stride(0),
             b_t.stride(0), b_t.stride(1), b_t.stride(2), b_t.stride(3), bias.stride(0),
-            out.stride(0),
+            out.stride(0), *fp8_scale_args(act_scale, w2_scale, topk_weights)[2:],
         ),
         dict(
-            HAS_BIAS=b2 is not None, HAS_LORA=has_lora, ATOMIC_SUM=atomic_sum,
-            RP=xa_t.shape[1] if has_lora else 16, STAGES=NUM_BUFFERS,
+            FP8=fp8, HAS_BIAS=b2 is not None, HAS_LORA=has_lora, ATOMIC_SUM=atomic_sum,
+            RP=xa_t.shape[1] if has_lora else 16, STAGES=FP8_BUFFERS if fp8 else NUM_BUFFERS,
             LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
         ),
     )  # fmt: skip

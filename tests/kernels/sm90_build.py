@@ -23,7 +23,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from kernels import hopper_gemm, hopper_w2, hopper_w13
 from kernels.align import Alignment
-from kernels.types import Activation
+from kernels.types import FP8_BLOCK, FP8_DTYPE, Activation
 
 _TARGET = GPUTarget("cuda", 90, 32)
 
@@ -34,15 +34,16 @@ class Variant:
     (w2: the atomic sum over k; w13: the GPT-OSS activation instead of SiLU)."""
 
     kernel: str  # "w13" or "w2"
-    dtype: str  # "bfloat16" or "float16"
+    dtype: str  # "bfloat16" or "float16": the hidden states'
     lora: bool
     switch: bool
     rp: int = 16
+    fp8: bool = False  # FP8 weights and inputs (W8A8)
 
     @property
     def name(self) -> str:
         flags = f"lora={int(self.lora)} switch={int(self.switch)} rp={self.rp}"
-        return f"{self.kernel} {self.dtype} {flags}"
+        return f"{self.kernel} {self.dtype}{' fp8' if self.fp8 else ''} {flags}"
 
 
 VARIANTS = [
@@ -52,6 +53,16 @@ VARIANTS = [
     for lora in (False, True)
     for switch in (False, True)
 ] + [Variant(kernel, "bfloat16", True, False, hopper_gemm.MAX_RANK) for kernel in ("w13", "w2")]
+VARIANTS += [
+    Variant(kernel, "bfloat16", lora, switch, rp, fp8=True)
+    for kernel in ("w13", "w2")
+    for lora, switch, rp in (
+        (False, False, 16),
+        (True, False, 16),
+        (True, True, 16),
+        (True, False, hopper_gemm.MAX_RANK),
+    )
+]
 
 
 #: The operands' sizes: experts, hidden, intermediate, adapter slots, blocks of aligned rows.
@@ -74,19 +85,24 @@ def _launch(dtype: torch.dtype, v: Variant) -> hopper_gemm.KernelLaunch:
         torch.zeros(rows, dtype=torch.int32),
     )
     xa, lora_b, row_slots = lora if v.lora else (None, None, None)
+    operand = FP8_DTYPE if v.fp8 else dtype
+    k = _H if v.kernel == "w13" else _I
+    x = torch.zeros(rows, k, dtype=operand)
+    w = torch.zeros(_E, n, k, dtype=operand)
+    x_scale = torch.ones(rows, -(-k // FP8_BLOCK)) if v.fp8 else None
+    w_scale = torch.ones(_E, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)) if v.fp8 else None
     if v.kernel == "w13":
         activation = Activation.GPT_OSS if v.switch else Activation.SILU
         return hopper_w13.w13_launch(
-            torch.zeros(rows, _H, dtype=dtype), torch.zeros(_E, 2 * _I, _H, dtype=dtype),
-            torch.zeros(_E, 2 * _I, dtype=dtype), activation, 1.702, 7.0, alignment,
-            xa, lora_b, row_slots, torch.zeros(rows, _I, dtype=dtype),
+            x, w, torch.zeros(_E, 2 * _I, dtype=dtype), activation, 1.702, 7.0, alignment,
+            xa, lora_b, row_slots, torch.zeros(rows, _I, dtype=dtype), x_scale, w_scale,
         )  # fmt: skip
     top_k, tokens = 2, 64
     out_rows, out_dtype = (tokens, torch.float32) if v.switch else (tokens * top_k, dtype)
     return hopper_w2.w2_launch(
-        torch.zeros(rows, _I, dtype=dtype), torch.zeros(_E, _H, _I, dtype=dtype),
-        torch.zeros(_E, _H, dtype=dtype), torch.zeros(tokens, top_k), alignment,
+        x, w, torch.zeros(_E, _H, dtype=dtype), torch.zeros(tokens, top_k), alignment,
         xa, lora_b, row_slots, v.switch, torch.zeros(out_rows, _H, dtype=out_dtype),
+        x_scale, w_scale,
     )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import hopper_gemm
+from kernels import hopper_gemm, hopper_w2, hopper_w13
 from kernels.align import Alignment, align_pairs
 from kernels.configs import MoEConfig
 from kernels.forward import fused_moe
@@ -29,17 +29,21 @@ from kernels.heuristic import heuristic_config
 from kernels.hopper_w13 import gather_rows, gather_rows_reference
 from kernels.reference import moe_forward_reference
 from kernels.synthetic import (
+    fp8_layer,
     lora_context,
     random_hidden,
     random_layer,
     random_routing,
     random_slots,
+    relative_error,
+    worst_row_error,
 )
-from kernels.types import Activation
+from kernels.types import Activation, LoRAContext, MoELayerWeights, Routing
 from tests.conftest import REPO
 from tests.kernels.sm90_build import VARIANTS, Variant
 
 from .conftest import assert_rows_close
+from .test_fp8 import W8A8_TOLERANCE
 from .test_fused_moe import CASES, _inputs
 
 
@@ -66,8 +70,13 @@ def test_builds_for_hopper_as_a_warp_specialised_wgmma_kernel(
     # Two warpgroups of 64 rows, fp32 accumulators, 16-deep steps (SASS names bf16 operands;
     # fp16 is its default); w2 one 256-column accumulator, w13 a gate and an up of 128.
     operand = ".BF16" if variant.dtype == "bfloat16" else " "
-    columns = 256 if variant.kernel == "w2" else 128
-    assert f"HGMMA.64x{columns}x16.F32{operand}" in sass
+    if variant.fp8:  # the FP8 tensor cores (32-deep steps); the LoRA expand stays 16-bit
+        columns = hopper_w2.FP8_BLOCK_N if variant.kernel == "w2" else hopper_w13.FP8_BLOCK_I
+        assert f"QGMMA.64x{columns}x32.F32.E4M3.E4M3" in sass
+        assert (f"HGMMA.64x{columns}x16.F32{operand}" in sass) == variant.lora
+    else:
+        columns = hopper_w2.BLOCK_N if variant.kernel == "w2" else hopper_w13.BLOCK_I
+        assert f"HGMMA.64x{columns}x16.F32{operand}" in sass
     assert "UTMALDG.2D" in sass  # the copy engine loads the tiles
     # The loader warp gives its registers up; the compute warpgroups take them.
     assert "setmaxnreg.dec" in asm["ptx"] and "setmaxnreg.inc" in asm["ptx"]
@@ -100,7 +109,7 @@ def test_gather_rows_matches_its_reference(tokens: int) -> None:
     assert torch.equal(got[used], expected[used])
 
 
-def test_takes_bf16_and_fp16_in_blocks_of_128_rows_and_nothing_else() -> None:
+def test_take_16_bit_and_w8a8_fp8_operands_in_blocks_of_128_rows_and_nothing_else() -> None:
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
     ids = torch.zeros(256, dtype=torch.int32)
@@ -115,7 +124,12 @@ def test_takes_bf16_and_fp16_in_blocks_of_128_rows_and_nothing_else() -> None:
 
     assert takes()
     assert takes(x=x.half(), w=w.half(), lora_rank=hopper_gemm.MAX_RANK)
-    assert not takes(w=w.to(torch.float8_e4m3fn), w_scale=torch.ones(2, 1, 1))  # FP8
+    fp8 = {"w": w.to(torch.float8_e4m3fn), "w_scale": torch.ones(2, 1, 1), "sizes": (64, 64)}
+    assert takes(**fp8, w8a8=True)  # FP8 weights, the input quantised too
+    assert takes(**fp8, w8a8=True, x=x.half())
+    assert not takes(**fp8)  # FP8 weights, 16-bit input: the Triton kernels' W8A16 loops
+    assert not takes(**(fp8 | {"sizes": (64, 96)}), w8a8=True)  # a w13 tile: two scale blocks
+    assert not takes(w=fp8["w"], w8a8=True)  # FP8 weights without their scales
     assert not takes(x=x.float(), w=w.float())
     assert not takes(x=x.half())  # dtypes differ
     assert not takes(alignment=dataclasses.replace(blocks, block_m=64))
@@ -197,10 +211,62 @@ def test_matches_the_reference_on_hopper(
     config = _hopper(dataclasses.replace(heuristic_config(4096, e, h, i, k), atomic_sum=atomic_sum))
     for context in (lora, None):
         expected = moe_forward_reference(hidden, layer, context, routing)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-            got = fused_moe(hidden, layer, context, routing, config)
-            torch.cuda.synchronize()
-        launched = {event.key for event in profile.key_averages()}
-        for kernel in ("_w13_hopper_kernel", "_w2_hopper_kernel"):
-            assert any(kernel in name for name in launched), sorted(launched)
+        got = _on_the_hopper_kernels(hidden, layer, context, routing, config)
         assert_rows_close(got, expected, f"{shape} M={tokens} lora={context is not None}")
+
+
+def _on_the_hopper_kernels(
+    hidden: torch.Tensor,
+    layer: MoELayerWeights,
+    lora: LoRAContext | None,
+    routing: Routing,
+    config: MoEConfig,
+) -> torch.Tensor:
+    """``fused_moe``'s answer, checked to have launched both Hopper kernels."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        got = fused_moe(hidden, layer, lora, routing, config)
+        torch.cuda.synchronize()
+    launched = {event.key for event in profile.key_averages()}
+    for kernel in ("_w13_hopper_kernel", "_w2_hopper_kernel"):
+        assert any(kernel in name for name in launched), sorted(launched)
+    return got
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("atomic_sum", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "tokens", "activation"),
+    [
+        ((128, 2048, 768, 8), 4096, Activation.SILU),  # Qwen3-30B-A3B
+        # GPT-OSS-20B, biases: H and I not multiples of 128 (a K step past the end).
+        ((32, 2880, 2880, 4), 1024, Activation.GPT_OSS),
+        ((8, 1024, 640, 2), 300, Activation.SILU),  # few rows, padding blocks
+    ],
+)
+def test_w8a8_matches_the_reference_on_hopper(
+    shape: tuple[int, int, int, int], tokens: int, activation: Activation, atomic_sum: bool
+) -> None:
+    """FP8 experts (128×128 block scales) with both GEMMs' inputs quantised, on the FP8
+    tensor cores, against the reference that quantises the same inputs (W8A8_TOLERANCE, the
+    Triton W8A8 path's bounds); the LoRA (bf16) as in the 16-bit kernels."""
+    e, h, i, k = shape
+    gpt_oss = activation is Activation.GPT_OSS
+    layer = fp8_layer(
+        random_layer(e, h, i, k, device="cuda", activation=activation, biases=gpt_oss)
+    )
+    hidden = random_hidden(tokens, h, device="cuda")
+    routing = random_routing(tokens, e, k, device="cuda")
+    slots = random_slots(layer, 8, 16, enabled=[True] * 7 + [False])
+    token_slots = torch.tensor([(t % 6) - 1 if t % 6 else 7 for t in range(tokens)])
+    lora = lora_context(slots, token_slots.to(torch.int32))
+    config = _hopper(dataclasses.replace(heuristic_config(4096, e, h, i, k), atomic_sum=atomic_sum))
+    config = config.each_gemm(fp8_activations=True)
+    bound, row_bound = W8A8_TOLERANCE[torch.bfloat16]
+    for context in (lora, None):
+        expected = moe_forward_reference(hidden, layer, context, routing, fp8_activations=True)
+        got = _on_the_hopper_kernels(hidden, layer, context, routing, config)
+        whole, worst = relative_error(got, expected), worst_row_error(got, expected)
+        what = f"{shape} M={tokens} lora={context is not None}"
+        assert whole < bound and worst < row_bound, f"{what}: {whole:.2e}, worst row {worst:.2e}"
