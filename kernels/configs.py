@@ -73,8 +73,9 @@ class GemmConfig:
         ``kernels.hopper_gemm.BLOCK_M`` rows and LoRA ranks up to its ``MAX_RANK``, run this
         GEMM on its warp-specialised TMA + wgmma kernel (``kernels.hopper_w13``,
         ``kernels.hopper_w2``; their own tiles: this configuration's tile fields are unused;
-        the LoRA takes the separate shrink). Anything else (other GPUs, the interpreter, FP8,
-        pair blocks) runs the Triton kernel with this configuration as if it were off.
+        the LoRA takes the separate shrink); FP8 weights only with ``fp8_activations`` (their
+        FP8 main loop). Anything else (other GPUs, the interpreter, W8A16, pair blocks) runs
+        the Triton kernel with this configuration as if it were off.
     """
 
     block_n: int

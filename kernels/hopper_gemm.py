@@ -11,14 +11,20 @@ Both are warp-specialised and persistent: each program (one per multiprocessor) 
   per stage, keep one stage's in flight, and release each stage once the wgmmas that read it
   have finished; then the epilogue, the LoRA expand included (``lora_expand``).
 
+FP8 experts with quantised inputs (W8A8, ``FP8Scales``): the stages hold e4m3 tiles 128 deep,
+one scale block of both operands; each step's wgmmas write a fresh product on the FP8 tensor
+cores, which the compute warpgroups wait for and add to the sum scaled by the rows' input
+scales and the weight block's scale (``fp8_step_scale``), as DeepSeek-V3's block-scaled GEMMs
+do.
+
 Why: at M = 4096 the Triton GEMMs (``kernels.fused_moe``) run at about half the tensor cores'
 rate. Each Triton program loads, multiplies and then runs its epilogue with the tensor cores
 idle, and 128×256 tiles use all 255 registers, so nothing else hides it; Triton 3.6 does not
 warp-specialise these loops on sm_90.
 
-Launch configuration in one place: blocks of 128 aligned rows, 64-wide K steps, three stages,
-two compute warpgroups, one loader warp with the fewest registers (setmaxnreg gives the rest
-to the compute warpgroups).
+Launch configuration in one place: blocks of 128 aligned rows, 64-wide K steps, three stages
+(FP8: 128-wide, four), two compute warpgroups, one loader warp with the fewest registers
+(setmaxnreg gives the rest to the compute warpgroups).
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"

@@ -18,10 +18,13 @@ activation needs no data movement) and run the epilogue: the LoRA expand of each
 the activation, and the store through a layout that writes whole rows.
 
 Shapes and dtypes: x (T, H) bf16/fp16; w13 (E, 2I, H) the same dtype, H and I multiples of 8
-(16-byte TMA rows); xa (max_rows, RP) from the LoRA shrink, in the operand dtype or float32;
-LoRA B13 (S, E, 2I, R); b13 (E, 2I); out (max_rows, I) in the operand dtype. No FP8 weights,
-no pair blocks: those take the Triton kernel (``kernels.fused_moe``), which also runs
-everywhere else (other GPUs, the CPU interpreter).
+(16-byte TMA rows), or FP8 (e4m3, H and I multiples of 64) with its 128×128 block scales, x
+then quantised per row and 128 columns (``kernels.fp8_activations``) and gathered with its
+scales (W8A8: ``kernels.hopper_gemm`` says how a step is scaled); xa (max_rows, RP) from the
+LoRA shrink, in x's dtype or float32; LoRA B13 (S, E, 2I, R); b13 (E, 2I); out (max_rows, I) in
+x's dtype. No FP8 weights beside 16-bit inputs (W8A16), no pair blocks: those take the Triton
+kernel (``kernels.fused_moe``), which also runs everywhere else (other GPUs, the CPU
+interpreter).
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"

@@ -14,9 +14,10 @@ the epilogue: the LoRA expand, bias, routed weight, and the store through a layo
 whole rows.
 
 Shapes and dtypes: act (max_rows, I) bf16/fp16, the aligned activation of ``w13_stage``;
-w2 (E, H, I) the same dtype, H and I multiples of 8 (16-byte TMA rows); xa (max_rows, RP) in
-the operand dtype or float32 (a split shrink); LoRA B2 (S, E, H, R); b2 (E, H); out (T*k, H) in
-the operand dtype, or (T, H) float32 with ``atomic_sum``. No FP8 weights, no split K, no pair
+w2 (E, H, I) the same dtype, H and I multiples of 8 (16-byte TMA rows), or FP8 (e4m3) with its
+128×128 block scales, act then quantised per row and 128 columns first (W8A8); xa
+(max_rows, RP) in act's dtype or float32 (a split shrink); LoRA B2 (S, E, H, R); b2 (E, H); out
+(T*k, H) in act's dtype, or (T, H) float32 with ``atomic_sum``. No W8A16, no split K, no pair
 blocks: those take the Triton kernel (``kernels.fused_moe``), which also runs everywhere else
 (other GPUs, the CPU interpreter).
 """
