@@ -23,6 +23,7 @@ checkpoint is dequantised to the serving dtype at load (one dense expert per lay
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -78,9 +79,12 @@ def load_base_model(
     dtype: torch.dtype,
     name: str | None = None,
     only: Sequence[int] | None = None,
+    fp8_activations: bool = False,
 ) -> BaseModel:
     """Load the MoE layers of the checkpoint in ``folder`` onto ``device`` in ``dtype``;
-    ``only``: just those MoE layers (``--layers``), others are never read.
+    ``only``: just those MoE layers (``--layers``), others are never read;
+    ``fp8_activations``: the FP8 experts take their inputs quantised
+    (``MoELayerWeights.fp8_activations``; ``InvalidArgument`` if they are not FP8).
 
     ``name`` defaults to the folder's name. Raises ``InvalidArgument`` (from read_checkpoint)
     for unsupported model types and missing or misshaped tensors, and for an ``only`` that
@@ -93,7 +97,14 @@ def load_base_model(
     with ExitStack() as stack:
         reader = _Reader(checkpoint, stack, torch.device(device), dtype)
         for layer in served:
-            layers[layer] = _layer(spec, checkpoint.layout, checkpoint.layers[layer], reader)
+            weights = _layer(spec, checkpoint.layout, checkpoint.layers[layer], reader)
+            if fp8_activations and not weights.fp8:
+                raise InvalidArgument(
+                    f"--fp8-activations: the checkpoint's experts are "
+                    f"{weights.weight_format}, not FP8",
+                    "fp8_activations",
+                )
+            layers[layer] = dataclasses.replace(weights, fp8_activations=fp8_activations)
             validate_layer(layers[layer])
     nbytes = sum(_nbytes(weights) for weights in layers.values())
     return BaseModel(spec=spec, name=name or folder.name, layers=layers, nbytes=nbytes)

@@ -256,8 +256,9 @@ def build_runtime(
     where = placement(settings)
     folder = settings.base_model_path.expanduser()
     model = load_base_model(
-        folder, where.device, where.dtype, settings.base_model_name, settings.layer_set
-    )
+        folder, where.device, where.dtype, settings.base_model_name, settings.layer_set,
+        settings.fp8_activations,
+    )  # fmt: skip
     # Tuned (or autotuned, within its budget) before any graph is captured or request served.
     configs = prepare_kernel_configs(settings, where.device, model)
     sync = DeviceSync(where.device)

@@ -9,6 +9,8 @@ Order, per (GPU, layer shape, LoRA rank):
 4. ``heuristic`` (``kernels.heuristic``).
 
 Within a source the nearest tuned token count is used (log distance, ties to the smaller).
+FP8 experts whose inputs are quantised too (``MoELayerWeights.fp8_activations``) run that
+configuration on the FP8 tensor cores (``quantised_inputs``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 from kernels.config_cache import ConfigCache, RankTable
 from kernels.configs import MoEConfig, device_name, fit_stages, load_table, table_key
 from kernels.heuristic import heuristic_config
+from kernels.hopper_gemm import BLOCK_M as HOPPER_BLOCK_M
+from kernels.hopper_gemm import on_hopper
 from kernels.model_shape import LayerShape
 
 TABLE, AUTOTUNED, HEURISTIC = "table", "autotuned", "heuristic"
@@ -128,3 +132,16 @@ def default_selector(gpu: str) -> ConfigSelector:
 
 def selector_for(device: torch.device) -> ConfigSelector:
     return default_selector(device_name(device))
+
+
+def quantised_inputs(config: MoEConfig, device: torch.device) -> MoEConfig:
+    """``config`` (of FP8 experts) with both GEMMs' inputs quantised, on the FP8 tensor cores
+    (the LoRA shrinks apart: they read the unquantised inputs); from tensor-core tiles (64 rows
+    a block) up on an sm_90 GPU, on the Hopper kernels in their blocks of 128 rows. Measured
+    on an H200 (kernels/BENCHMARKS.md): there 0.72-0.86x bf16's time from M = 512, where the
+    Triton W8A8 loops take 3x; with streaming tiles the Triton W8A8 loops are the faster.
+    Other GPUs run the Triton W8A8 loops throughout."""
+    config = config.each_gemm(fp8_activations=True, fused_shrink=False)
+    if config.decode or config.block_m < 64 or not on_hopper(device):
+        return config
+    return dataclasses.replace(config.each_gemm(hopper=True), block_m=HOPPER_BLOCK_M)

@@ -8,8 +8,8 @@ from typing import Literal
 import torch
 
 from kernels.align import align_pairs, pair_blocks
-from kernels.config_select import ConfigSelector, selector_for
-from kernels.configs import MoEConfig
+from kernels.config_select import ConfigSelector, quantised_inputs, selector_for
+from kernels.configs import MoEConfig, fit_stages
 from kernels.fused_moe import LoRABuffers, fused_experts
 from kernels.model_shape import LayerShape
 from kernels.reference import moe_forward_reference
@@ -37,8 +37,9 @@ def fused_moe(
     expert (computed by torch in hidden's dtype) is added before the one final rounding.
     ``config.decode`` runs the GEMMs over one block per pair (``kernels.align.pair_blocks``:
     no alignment launch), else over the expert-sorted blocks of ``kernels.align.align_pairs``.
-    FP8 experts run W8A16 (``kernels.fused_moe``): ``config`` must come through
-    ``kernels.configs.fit_stages`` with ``fp8=True`` (block_k dividing 128).
+    FP8 experts run W8A16, or W8A8 where ``config`` quantises the inputs (``kernels.fused_moe``):
+    ``config`` must come through ``kernels.configs.fit_stages`` with ``fp8=True`` (block_k
+    dividing 128).
     """
     slots = None if lora is None else lora.slots
     token_slots = None if lora is None else lora.token_slots
@@ -90,7 +91,8 @@ def moe_forward(
     lora: per-token adapter slots, else no LoRA.
     backend: "triton" (CUDA tensors, on any GPU whether current or not, or any under
     TRITON_INTERPRET=1) or "torch" (the float32 reference, for CPUs; FP8 experts are
-    dequantised per expert).
+    dequantised per expert). FP8 experts with ``fp8_activations`` take their inputs
+    quantised on either (``kernels.config_select.quantised_inputs``).
     configs: where launch configurations come from (the executor's, with its autotuned ones);
     default: this GPU's tuned table, else the heuristic.
     check_layer: False for a layer validated once at load (``kernels.validate_layer``).
@@ -114,6 +116,10 @@ def moe_forward(
     rank = 0 if lora is None else lora.slots.max_rank
     selector = configs if configs is not None else selector_for(hidden.device)
     config = selector.select(hidden.shape[0], layer_shape(layer), rank, hidden.dtype).config
+    if layer.fp8_activations:
+        config = fit_stages(
+            quantised_inputs(config, hidden.device), hidden.dtype.itemsize, rank, fp8=True
+        )
     if hidden.device.type != "cuda":
         return fused_moe(hidden, layer, lora, routing, config)
     # Triton launches on the current device's stream and context: tensors on another GPU

@@ -101,16 +101,18 @@ def moe_forward_reference(
     lora: LoRAContext | None = None,
     routing: Routing | None = None,
     compute_dtype: torch.dtype = torch.float32,
-    fp8_activations: bool = False,
+    fp8_activations: bool | None = None,
 ) -> torch.Tensor:
     """One MoE layer for ``hidden`` (T, H); returns (T, H) in hidden's dtype.
 
     ``routing`` defaults to ``route(hidden, layer)``; ``lora`` None means no adapters.
-    ``fp8_activations`` (FP8 experts): the experts' GEMMs take their inputs quantised as the
-    W8A8 kernels do (``kernels.fp8_activations``: x, and the activation after rounding to
-    hidden's dtype); the LoRA takes them unquantised.
+    ``fp8_activations`` (FP8 experts; default: the layer's ``fp8_activations``): the experts'
+    GEMMs take their inputs quantised as the W8A8 kernels do (``kernels.fp8_activations``: x,
+    and the activation after rounding to hidden's dtype); the LoRA takes them unquantised.
     """
     validate_forward_inputs(hidden, layer, lora, routing)
+    if fp8_activations is None:
+        fp8_activations = layer.fp8_activations
     if routing is None:
         routing = route(hidden, layer)
     x = hidden.to(compute_dtype)

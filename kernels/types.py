@@ -89,6 +89,10 @@ class MoELayerWeights:
                             FP8 and its value is ``w13[e, n, k] * w13_scale[e, n // 128, k // 128]``
                             (the checkpoints' ``weight_scale_inv``)
     w2_scale:               (E, ceil(H/128), ceil(I/128)) float32, given with w13_scale
+    fp8_activations:        FP8 experts only: their GEMMs take their inputs quantised to FP8
+                            per row and 128 columns (``kernels.fp8_activations``; W8A8, the
+                            numerics of DeepSeek-V3's reference) on the FP8 tensor cores; else
+                            they take them in the compute dtype (W8A16)
 
     The compute dtype (``dtype``) is that of the router weight; with FP8 experts the hidden
     states, LoRA and shared expert use it.
@@ -108,6 +112,7 @@ class MoELayerWeights:
     shared: SharedExpertWeights | None = None
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    fp8_activations: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -121,8 +126,11 @@ class MoELayerWeights:
 
     @property
     def weight_format(self) -> str:
-        """How the routed experts are stored: "fp8_e4m3_block128", or the dtype's name."""
-        return "fp8_e4m3_block128" if self.fp8 else str(self.w13.dtype).removeprefix("torch.")
+        """How the routed experts are stored: "fp8_e4m3_block128" ("..._w8a8" where their
+        inputs are quantised too), or the dtype's name."""
+        if not self.fp8:
+            return str(self.w13.dtype).removeprefix("torch.")
+        return "fp8_e4m3_block128_w8a8" if self.fp8_activations else "fp8_e4m3_block128"
 
     @property
     def num_experts(self) -> int:
@@ -250,6 +258,8 @@ def validate_layer(layer: MoELayerWeights) -> None:
     _check_shape("w2", layer.w2, (e, h, i))
     if layer.fp8 or layer.w2_scale is not None:
         _validate_fp8(layer)
+    elif layer.fp8_activations:
+        raise ValueError("fp8_activations: the experts are not FP8 (no w13_scale, w2_scale)")
     else:
         _check_dtype("w13", layer.w13, FLOAT_DTYPES)
         _check_dtype("w2", layer.w2, (layer.w13.dtype,))

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from executor_service.model_loader import load_base_model
 from executor_service.synthetic import SyntheticAdapter, quantize_checkpoint, write_adapter
 from kernels.fp8 import dequantize, quantize
+from kernels.reference import moe_forward_reference
 from kernels.synthetic import worst_row_error
 from moelora.client.errors import InvalidArgument
 from moelora.client.model_spec import ModelSpec, read_checkpoint
@@ -109,6 +110,31 @@ def test_forward_serves_fp8_experts_with_per_request_lora(
         result = running.client.forward(layer, world.inputs[layer], segments)
         worst = worst_row_error(result.output, world.expected(layer, segments))
         assert worst < ROW_TOLERANCE, f"layer {layer}: worst row error {worst:.2e}"
+
+
+def test_fp8_activations_quantise_the_experts_inputs(
+    fp8_world: Fp8World, start_executor: StartExecutor
+) -> None:
+    """--fp8-activations: the executor says so (weight_format) and answers as the reference
+    that quantises the experts' inputs (W8A8), which the unquantised answer misses by far
+    more than float32's rounding."""
+    world = fp8_world.world
+    running = start_executor(world, fp8_activations=True)
+    assert running.client.get_executor_info().weight_format == "fp8_e4m3_block128_w8a8"
+    model = load_base_model(world.checkpoint, "cpu", torch.float32, fp8_activations=True)
+    for layer in world.moe_layers:
+        hidden = world.inputs[layer]
+        result = running.client.forward(layer, hidden, [(TOKENS, None)])
+        expected = moe_forward_reference(hidden, model.layers[layer])
+        assert worst_row_error(result.output, expected) < ROW_TOLERANCE, f"layer {layer}"
+        unquantised = world.expected(layer, [(TOKENS, None)])
+        assert worst_row_error(result.output, unquantised) > 100 * ROW_TOLERANCE
+
+
+def test_fp8_activations_refuse_experts_that_are_not_fp8(qwen_world: World) -> None:
+    with pytest.raises(InvalidArgument, match=r"--fp8-activations: .* not FP8") as refused:
+        load_base_model(qwen_world.checkpoint, "cpu", torch.float32, fp8_activations=True)
+    assert refused.value.field == "fp8_activations"
 
 
 def _rewrite(folder: Path, change: dict[str, torch.Tensor | None]) -> None:

@@ -239,6 +239,7 @@ def test_executor_settings_follow_the_values(production: Release) -> None:
     assert env["MOELORA_EXECUTOR_BASE_MODEL_NAME"] == "qwen3-30b-a3b"
     assert env["MOELORA_EXECUTOR_NUM_SLOTS"] == "32"
     assert env["MOELORA_EXECUTOR_MAX_RANK"] == "64"
+    assert env["MOELORA_EXECUTOR_FP8_ACTIVATIONS"] == "false"
     assert env["MOELORA_EXECUTOR_HOST_CACHE_BYTES"] == str(32 * 1024**3)
     assert env["MOELORA_EXECUTOR_DISK_CACHE_BYTES"] == str(100 * 1024**3)
     assert env["MOELORA_EXECUTOR_PRELOAD_ADAPTERS"] == '["support-bot@prod","sql-writer@prod"]'

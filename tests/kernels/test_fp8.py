@@ -246,6 +246,34 @@ def test_entry_point_with_selected_config() -> None:
     assert_rows_close(got, expected, "moe_forward")
 
 
+@pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("tokens", [8, 200])  # streaming tiles, tensor-core tiles
+def test_a_layer_with_fp8_activations_quantises_its_inputs_on_both_backends(tokens: int) -> None:
+    """``MoELayerWeights.fp8_activations``: moe_forward runs W8A8 (on the Triton loops here;
+    a Hopper GPU takes its kernels from tensor-core tiles up) and the torch backend the
+    reference that quantises; both differ from the layer without the flag by more than the
+    bounds, so neither can skip it."""
+    hidden, plain_layer, lora = _inputs(Case(192, 160, tokens=tokens), torch.float32, seed=9)
+    layer = dataclasses.replace(plain_layer, fp8_activations=True)
+    assert layer.weight_format == "fp8_e4m3_block128_w8a8"
+    routing = route(hidden, layer)
+    expected = moe_forward_reference(hidden, layer, lora, routing, torch.float64)
+    plain = moe_forward_reference(hidden, plain_layer, lora, routing, torch.float64)
+    assert relative_error(expected, plain) > 2e-2
+    got = moe_forward(hidden, layer, lora, routing)
+    whole, worst = relative_error(got, expected), worst_row_error(got, expected)
+    bound, row_bound = W8A8_TOLERANCE[torch.float32]
+    assert whole < bound and worst < row_bound, f"{whole:.2e}, worst row {worst:.2e}"
+    torch_got = moe_forward(hidden, layer, lora, routing, backend="torch")
+    assert torch.equal(torch_got, moe_forward_reference(hidden, layer, lora, routing))
+
+
+def test_fp8_activations_need_fp8_experts() -> None:
+    layer = dataclasses.replace(random_layer(4, 64, 32, 2), fp8_activations=True)
+    with pytest.raises(ValueError, match="fp8_activations"):
+        validate_layer(layer)
+
+
 def test_launcher_refuses_k_steps_across_scale_blocks() -> None:
     case = Case(192, 160, tokens=2, w13=(16, 256), decode=True)
     hidden, layer, lora = _inputs(case, torch.float32)

@@ -24,7 +24,7 @@ import torch
 from kernels import hopper_gemm, hopper_w2, hopper_w13
 from kernels.align import Alignment, align_pairs
 from kernels.configs import MoEConfig
-from kernels.forward import fused_moe
+from kernels.forward import fused_moe, moe_forward
 from kernels.heuristic import heuristic_config
 from kernels.hopper_w13 import gather_rows, gather_rows_reference
 from kernels.reference import moe_forward_reference
@@ -289,3 +289,28 @@ def test_w8a8_matches_the_reference_on_hopper(
         whole, worst = relative_error(got, expected), worst_row_error(got, expected)
         what = f"{shape} M={tokens} lora={context is not None}"
         assert whole < bound and worst < row_bound, f"{what}: {whole:.2e}, worst row {worst:.2e}"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poison_allocations")
+def test_a_layer_with_fp8_activations_takes_the_hopper_kernels_at_large_batches() -> None:
+    """``moe_forward`` on FP8 experts with ``fp8_activations``: from tensor-core tiles up on
+    the Hopper kernels' FP8 main loops (``quantised_inputs``), answers as the quantising
+    reference."""
+    e, h, i, k = 8, 1024, 640, 2
+    layer = dataclasses.replace(
+        fp8_layer(random_layer(e, h, i, k, device="cuda")), fp8_activations=True
+    )
+    hidden = random_hidden(2048, h, device="cuda")
+    routing = random_routing(2048, e, k, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        got = moe_forward(hidden, layer, None, routing)
+        torch.cuda.synchronize()
+    launched = {event.key for event in profile.key_averages()}
+    for kernel in ("_w13_hopper_kernel", "_w2_hopper_kernel"):
+        assert any(kernel in name for name in launched), sorted(launched)
+    expected = moe_forward_reference(hidden, layer, None, routing)
+    bound, row_bound = W8A8_TOLERANCE[torch.bfloat16]
+    whole, worst = relative_error(got, expected), worst_row_error(got, expected)
+    assert whole < bound and worst < row_bound, f"{whole:.2e}, worst row {worst:.2e}"
