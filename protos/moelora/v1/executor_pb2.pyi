@@ -1132,7 +1132,8 @@ class GetExecutorInfoResponse(_message.Message):
     weight_format: _builtins.str
     """How the routed experts' weights are held on the device: "bfloat16", "float16", "float32",
     or "fp8_e4m3_block128" (FP8 with one float32 scale per 128x128 block, computed in
-    compute_dtype).
+    compute_dtype), "fp8_e4m3_block128_w8a8" where their inputs are quantised to FP8 too
+    (--fp8-activations).
     """
     @_builtins.property
     def base_model(self) -> _model_pb2.BaseModel:
