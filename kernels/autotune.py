@@ -30,7 +30,7 @@ import torch
 import triton.testing
 
 from kernels.configs import GemmConfig, MoEConfig, fit_stages
-from kernels.forward import fused_moe, layer_shape
+from kernels.forward import as_run, fused_moe, layer_shape
 from kernels.heuristic import heuristic_config
 from kernels.hopper_gemm import BLOCK_M, GL_DTYPES, on_hopper
 from kernels.model_shape import LayerShape
@@ -334,8 +334,10 @@ class Timer:
         self.times: dict[MoEConfig, float] = {}
 
     def run(self, config: MoEConfig) -> torch.Tensor:
+        """``config`` as a forward of the layer runs it (``kernels.forward.as_run``)."""
         i = self.inputs
-        return fused_moe(i.hidden, self.layer, i.lora, i.routing, config)
+        rank = 0 if i.lora is None else i.lora.slots.max_rank
+        return fused_moe(i.hidden, self.layer, i.lora, i.routing, as_run(config, self.layer, rank))
 
     def __call__(self, config: MoEConfig) -> float:
         if config not in self.times:
@@ -355,10 +357,10 @@ class Timer:
         return float(ms) * 1e3
 
     def error(self, config: MoEConfig) -> float:
-        """Against the float32 reference of the numerics ``config`` chose (FP8 activations
-        or not)."""
+        """Against the float32 reference of the numerics ``config`` chose (FP8 activations,
+        or the layer's)."""
         i = self.inputs
-        w8a8 = config.w13.fp8_activations
+        w8a8 = config.w13.fp8_activations or self.layer.fp8_activations
         expected = moe_forward_reference(
             i.hidden, self.layer, i.lora, i.routing, fp8_activations=w8a8
         )

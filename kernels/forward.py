@@ -116,16 +116,22 @@ def moe_forward(
     rank = 0 if lora is None else lora.slots.max_rank
     selector = configs if configs is not None else selector_for(hidden.device)
     config = selector.select(hidden.shape[0], layer_shape(layer), rank, hidden.dtype).config
-    if layer.fp8_activations:
-        config = fit_stages(
-            quantised_inputs(config, hidden.device), hidden.dtype.itemsize, rank, fp8=True
-        )
+    config = as_run(config, layer, rank)
     if hidden.device.type != "cuda":
         return fused_moe(hidden, layer, lora, routing, config)
     # Triton launches on the current device's stream and context: tensors on another GPU
     # (a model placed on cuda:1) would be pointers it cannot read.
     with torch.cuda.device(hidden.device):
         return fused_moe(hidden, layer, lora, routing, config)
+
+
+def as_run(config: MoEConfig, layer: MoELayerWeights, rank: int) -> MoEConfig:
+    """``config`` (fitted to ``layer``'s shape) as a forward of ``layer`` runs it: with
+    ``fp8_activations`` in its W8A8 form (``kernels.config_select.quantised_inputs``)."""
+    if not layer.fp8_activations:
+        return config
+    run = quantised_inputs(config, layer.w13.device)
+    return fit_stages(run, layer.dtype.itemsize, rank, fp8=True)
 
 
 def layer_shape(layer: MoELayerWeights) -> LayerShape:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.autotune import precompile_set
+from kernels.autotune import CellInputs, Timer, precompile_set
 from kernels.config_select import ConfigSelector
-from kernels.configs import GemmConfig, MoEConfig
+from kernels.configs import GemmConfig, MoEConfig, fit_stages
 from kernels.forward import fused_moe, layer_shape, moe_forward
 from kernels.fp8 import dequantize, expand_scales, quantize
 from kernels.fp8_activations import (
@@ -25,7 +25,7 @@ from kernels.fp8_activations import (
     quantize_activations,
     quantize_activations_reference,
 )
-from kernels.heuristic import FP8_STREAMING_W2, FP8_STREAMING_W13
+from kernels.heuristic import FP8_STREAMING_W2, FP8_STREAMING_W13, heuristic_config
 from kernels.model_shape import LayerShape
 from kernels.reference import moe_forward_reference
 from kernels.routing import route
@@ -266,6 +266,22 @@ def test_a_layer_with_fp8_activations_quantises_its_inputs_on_both_backends(toke
     assert whole < bound and worst < row_bound, f"{whole:.2e}, worst row {worst:.2e}"
     torch_got = moe_forward(hidden, layer, lora, routing, backend="torch")
     assert torch.equal(torch_got, moe_forward_reference(hidden, layer, lora, routing))
+
+
+@pytest.mark.usefixtures("poison_allocations")
+def test_the_autotuner_runs_a_w8a8_layer_as_its_forward_does() -> None:
+    """The autotuner's timer runs each candidate as ``moe_forward`` would for the layer (its
+    W8A8 form) and checks it against the quantising reference: a tuned configuration is
+    measured as it will run."""
+    plain = fp8_layer(random_layer(4, 192, 160, 2, dtype=torch.float32, device=DEVICE))
+    layer = dataclasses.replace(plain, fp8_activations=True)
+    config = fit_stages(heuristic_config(16, 4, 192, 160, 2, 4, fp8=True), 4, 8, fp8=True)
+    assert not config.w13.fp8_activations
+    timer = Timer(layer, CellInputs.make(layer, 16, 8, 8))
+    assert timer.error(config) < W8A8_TOLERANCE[torch.float32][0]
+    inputs = timer.inputs
+    w8a16 = fused_moe(inputs.hidden, plain, inputs.lora, inputs.routing, config)
+    assert relative_error(timer.run(config), w8a16) > 2e-2
 
 
 def test_fp8_activations_need_fp8_experts() -> None:
