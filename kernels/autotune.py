@@ -333,11 +333,14 @@ class Timer:
         self.inputs = inputs
         self.times: dict[MoEConfig, float] = {}
 
-    def run(self, config: MoEConfig) -> torch.Tensor:
+    def _as_run(self, config: MoEConfig) -> MoEConfig:
         """``config`` as a forward of the layer runs it (``kernels.forward.as_run``)."""
+        rank = 0 if self.inputs.lora is None else self.inputs.lora.slots.max_rank
+        return as_run(config, self.layer, rank)
+
+    def run(self, config: MoEConfig) -> torch.Tensor:
         i = self.inputs
-        rank = 0 if i.lora is None else i.lora.slots.max_rank
-        return fused_moe(i.hidden, self.layer, i.lora, i.routing, as_run(config, self.layer, rank))
+        return fused_moe(i.hidden, self.layer, i.lora, i.routing, self._as_run(config))
 
     def __call__(self, config: MoEConfig) -> float:
         if config not in self.times:
@@ -357,14 +360,14 @@ class Timer:
         return float(ms) * 1e3
 
     def error(self, config: MoEConfig) -> float:
-        """Against the float32 reference of the numerics ``config`` chose (FP8 activations,
-        or the layer's)."""
+        """Against the float32 reference of the numerics ``config`` runs with (FP8
+        activations or not)."""
         i = self.inputs
-        w8a8 = config.w13.fp8_activations or self.layer.fp8_activations
+        run = self._as_run(config)
         expected = moe_forward_reference(
-            i.hidden, self.layer, i.lora, i.routing, fp8_activations=w8a8
+            i.hidden, self.layer, i.lora, i.routing, fp8_activations=run.w13.fp8_activations
         )
-        return relative_error(self.run(config), expected)
+        return relative_error(fused_moe(i.hidden, self.layer, i.lora, i.routing, run), expected)
 
 
 @dataclass(frozen=True)

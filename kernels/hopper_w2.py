@@ -392,6 +392,7 @@ def w2_launch(
     xa_t = xa if xa is not None else out
     b_t = lora_b if lora_b is not None else out.view(1, 1, *out.shape)
     bias = b2 if b2 is not None else out
+    scale_args = fp8_scale_args(act_scale, w2_scale, topk_weights)
     return KernelLaunch(
         _w2_hopper_kernel,
         alignment.max_blocks * triton.cdiv(h, block_n),
@@ -399,11 +400,11 @@ def w2_launch(
             act_desc, w_desc, xa_t, b_t, bias, out, alignment.sorted_pair_ids,
             row_slots if row_slots is not None else alignment.sorted_pair_ids,
             alignment.block_experts, topk_weights,
-            *fp8_scale_args(act_scale, w2_scale, topk_weights)[:2],
+            *scale_args[:2],
             alignment.max_blocks, h, inter, topk_weights.shape[1],
             b_t.shape[3] if has_lora else 1, xa_t.stride(0),
             b_t.stride(0), b_t.stride(1), b_t.stride(2), b_t.stride(3), bias.stride(0),
-            out.stride(0), *fp8_scale_args(act_scale, w2_scale, topk_weights)[2:],
+            out.stride(0), *scale_args[2:],
         ),
         dict(
             FP8=fp8, HAS_BIAS=b2 is not None, HAS_LORA=has_lora, ATOMIC_SUM=atomic_sum,
