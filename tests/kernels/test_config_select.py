@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from kernels.autotune import (
     BUCKETS,
     CellInputs,
     block_m_options,
+    confirmed,
     decode_candidate,
     precompile_set,
     search,
@@ -315,6 +317,46 @@ def test_search_stops_at_its_deadline() -> None:
     assert time.monotonic() - began < 0.5
     assert calls <= 4
     assert _cost(best) <= _cost(start)
+
+
+def _timings(
+    series: dict[MoEConfig, list[float]],
+) -> tuple[list[MoEConfig], Callable[[MoEConfig], float]]:
+    """A stand-in for ``Timer.measure``: each configuration's next timing from ``series``,
+    and the order they were asked for."""
+    asked: list[MoEConfig] = []
+    left = {config: iter(times) for config, times in series.items()}
+
+    def measure(config: MoEConfig) -> float:
+        asked.append(config)
+        return next(left[config])
+
+    return asked, measure
+
+
+def test_a_winner_of_one_timing_must_win_the_re_timings_too() -> None:
+    row = heuristic_config(4096, 8, 4096, 14336, 2)
+    lucky = row.each_gemm(hopper=True)  # won its one timing: 0.92 of the row; really 1.0
+    better = dataclasses.replace(row, w13=dataclasses.replace(row.w13, hopper=True))
+    asked, measure = _timings(
+        {row: [100.0, 101.0, 99.0], lucky: [104.0, 97.0, 102.0], better: [90.0, 92.0, 140.0]}
+    )
+    assert confirmed(row, [lucky, better], measure) == better  # medians 100, 102, 92
+    assert asked == [row, lucky, better] * 3  # in turns: a clock drift touches all alike
+    _, measure = _timings({row: [100.0, 101.0, 99.0], lucky: [104.0, 97.0, 102.0]})
+    assert confirmed(row, [lucky], measure) == row
+
+
+def test_confirmation_keeps_the_incumbent_on_a_tie_and_times_nothing_alone() -> None:
+    row = heuristic_config(1, 128, 2048, 768, 8)
+    other = dataclasses.replace(row, atomic_sum=not row.atomic_sum)
+    _, measure = _timings({row: [50.0] * 3, other: [50.0] * 3})
+    assert confirmed(row, [other], measure) == row
+    asked, measure = _timings({})
+    assert confirmed(row, [row], measure) == row and confirmed(row, [], measure) == row
+    assert asked == []
+    _, measure = _timings({row: [math.inf] * 3, other: [60.0] * 3})  # the row cannot run
+    assert confirmed(row, [other], measure) == other
 
 
 def test_search_spaces_are_pruned() -> None:
