@@ -147,8 +147,8 @@ class Scheduler:
         return max(1, round(self._last_batch * batches * 1000))
 
     def poll_while_idle(self, poller: IdlePoller) -> None:
-        """Has the loop poll ``poller`` when it has nothing to do and while the device
-        computes (where it prepares posted tasks)."""
+        """Has the loop poll ``poller`` when it has nothing to do, between launches and
+        while the device computes (where it prepares posted tasks)."""
         with self._cond:
             self._poller = poller
             self._cond.notify()
@@ -181,6 +181,9 @@ class Scheduler:
                         self._wait(None if poller is None else poller.sleep_timeout)
                     if self._closed:
                         break
+                # Between launches too: a loop that never runs dry, on a device it does not
+                # wait for (the CPU), would otherwise never look and starve polled clients.
+                self._poll_once()
                 self._run_posted()
                 with self._cond:
                     if not self._queue:
@@ -227,11 +230,15 @@ class Scheduler:
 
     def _meanwhile(self) -> None:
         """Work to do while the device computes a launch."""
+        self._poll_once()
+        self._run_posted()
+
+    def _poll_once(self) -> None:
+        """Looks at the poller once, if there is one, outside an idle wait."""
         poller = self._poller
         if poller is not None:
             poller.poll()
-            poller.take_busy()  # inside a launch, counted busy already
-        self._run_posted()
+            poller.take_busy()  # between or inside launches: counted busy already
 
     def _wait(self, timeout: float | None) -> None:
         """Waits on the condition (its lock held), counting the work since the last wait."""

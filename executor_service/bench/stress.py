@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import signal
 import statistics
@@ -116,6 +117,9 @@ class StressReport:
     worst_row_error: float = 0.0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
+    #: Each answer's latency (s) by the client's mode and by the request's size band.
+    latency_by_mode: dict[str, list[float]] = field(default_factory=dict)
+    latency_by_size: dict[str, list[float]] = field(default_factory=dict)
     #: Requests the executor counted by transport (its metric's label -> count).
     by_transport: dict[str, int] = field(default_factory=dict)
     #: Launches by the number of requests merged into them (histogram's upper bound -> count).
@@ -189,10 +193,37 @@ class StressReport:
             + ", ".join(f"{k}: {v:,}" for k, v in sorted(self.graph_replays.items())),
             "Requests by transport (executor's count): "
             + ", ".join(f"{k}: {v:,}" for k, v in sorted(self.by_transport.items())),
+            "",
+            "| latency by | requests | p50 ms | p99 ms | max ms |",
+            "|---|---:|---:|---:|---:|",
+            *(
+                f"| {name} | {len(times):,} | {1e3 * _quantile(times, 0.5):.2f} | "
+                f"{1e3 * _quantile(times, 0.99):.2f} | {1e3 * max(times):.2f} |"
+                for name, times in [
+                    *((f"{m} clients", t) for m, t in self.latency_by_mode.items()),
+                    *((f"T {band}", self.latency_by_size.get(band, [])) for _, band in SIZE_BANDS),
+                ]
+                if times
+            ),
+            "",
         ]
         failures = self.failures()
         lines.append("FAILED: " + "; ".join(failures) if failures else "PASSED")
         return "\n".join(lines)
+
+
+#: Request sizes the latency table tells apart: (upper bound of T, label).
+SIZE_BANDS = ((16, "1-16"), (128, "17-128"), (math.inf, "129+"))
+
+
+def _size_band(tokens: int) -> str:
+    return next(label for bound, label in SIZE_BANDS if tokens <= bound)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank), as the run's p50 and p99."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _token_counts(rng: random.Random, count: int, limit: int) -> list[int]:
@@ -388,15 +419,17 @@ def _drive(
             report.worst_row_error = max(report.worst_row_error, result["worst_row_error"])
             report.problems.extend(result["errors"])
             latencies.extend(result["latency_s"])
+            report.latency_by_mode.setdefault(result["mode"], []).extend(result["latency_s"])
+            for tokens, took in zip(result["tokens"], result["latency_s"], strict=True):
+                report.latency_by_size.setdefault(_size_band(tokens), []).append(took)
     finally:
         for proc in clients:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     if latencies:
-        ordered = sorted(latencies)
-        report.p50_ms = 1e3 * statistics.median(ordered)
-        report.p99_ms = 1e3 * ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+        report.p50_ms = 1e3 * statistics.median(latencies)
+        report.p99_ms = 1e3 * _quantile(latencies, 0.99)
     if executor.poll() is not None:
         report.problems.append(f"the executor died during the run (status {executor.returncode})")
         return

@@ -150,12 +150,14 @@ def run(
     mismatches: list[dict[str, object]] = []
     mismatched = 0
     latency: list[float] = []
+    tokens: list[int] = []
     worst = 0.0
     errors: list[str] = []
 
     def check(item: PoolRequest, code: str, output: np.ndarray | None, took: float) -> None:
         nonlocal mismatched, worst
         latency.append(took)
+        tokens.append(item.hidden.shape[0])
         codes[code] += 1
         if output is None:
             return
@@ -202,6 +204,7 @@ def run(
         "mismatches": mismatches,
         "worst_row_error": worst,
         "latency_s": latency,
+        "tokens": tokens,
         "errors": errors,
     }
 

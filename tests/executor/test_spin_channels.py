@@ -132,6 +132,53 @@ def test_a_block_opened_while_the_loop_sleeps_is_woken_for(
             assert np.array_equal(output, expected)
 
 
+def test_a_spin_request_is_taken_while_other_clients_keep_the_loop_busy(
+    qwen_world: World, start_executor: StartExecutor
+) -> None:
+    """Requests of two layers never merge, so with two clients per layer the loop never
+    runs dry. A CPU executor computes on the loop's own thread (no device to poll beside),
+    so the loop must look at the blocks between launches too: the spin request waits a
+    launch or two, not until the other clients stop (they stop after ``load_seconds``)."""
+    load_seconds = 6.0
+    running = start_executor(qwen_world, kernel=slowed_kernel(0.02), channel_spin_us=2_000)
+    client = running.client
+    first, second = qwen_world.moe_layers[:2]
+    hidden = {layer: qwen_world.inputs[layer].numpy() for layer in (first, second)}
+    expected = client.forward(first, hidden[first], [(TOKENS, "alpha")]).output
+    stop = threading.Event()
+    layers = (first, second, first, second)
+    calls = [0] * len(layers)
+
+    def load(index: int) -> None:
+        while not stop.is_set():
+            client.forward(layers[index], hidden[layers[index]], [(TOKENS, None)])
+            calls[index] += 1
+
+    threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(len(layers))]
+    for thread in threads:
+        thread.start()
+    timer = threading.Timer(load_seconds, stop.set)
+    timer.start()
+    try:
+        with (
+            client.shared_memory(hidden[first].shape[1], TOKENS, slots=1, dtype="float32") as ring,
+            client.open_channel(spin=True) as channel,
+        ):
+            assert channel.block is not None
+            wait_for(lambda: sum(calls) >= 8, 10)  # the load runs; the spin budget is long past
+            begin = time.monotonic()
+            output, _ = channel.forward(first, hidden[first], ring, [(TOKENS, "alpha")])
+            took = time.monotonic() - begin
+            loaded = not stop.is_set()
+    finally:
+        stop.set()
+        timer.cancel()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert np.array_equal(output, expected)
+    assert loaded and took < 1.0, f"the spin request took {took:.2f} s under load"
+
+
 def _admitted(opened: ex.OpenChannelResponse) -> tuple[Connection, SpinBlock, int]:
     """A raw spin channel: the connection, the block the engine sent and a descriptor of
     the block's memory."""

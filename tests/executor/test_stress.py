@@ -20,6 +20,11 @@ def test_stress_on_the_cpu() -> None:
     assert report.mean_batch > 1.0, "no requests were merged"
     assert report.slot_loads > settings.slots, "the slots did not churn"
     assert report.slot_evictions > 0
+    # The latency table accounts for every answer, once by mode and once by size.
+    assert sorted(report.latency_by_mode) == sorted(report.by_mode)
+    for split in (report.latency_by_mode, report.latency_by_size):
+        assert sum(map(len, split.values())) == report.requests
+    assert "| unary clients |" in report.table() and "| T " in report.table()
 
 
 @pytest.mark.gpu
