@@ -107,6 +107,7 @@ class Scheduler:
         self._tasks: list[Callable[[], None]] = []
         self._closed = False
         self._poller: IdlePoller | None = None
+        self._polled = False  # the last launch polled while its device computed
         #: Seconds the last batch took (the retry hint's unit of work).
         self._last_batch = 0.001
         #: When the loop last stopped waiting (see ``_wait``).
@@ -181,9 +182,11 @@ class Scheduler:
                         self._wait(None if poller is None else poller.sleep_timeout)
                     if self._closed:
                         break
-                # Between launches too: a loop that never runs dry, on a device it does not
-                # wait for (the CPU), would otherwise never look and starve polled clients.
-                self._poll_once()
+                # Between launches too where the last launch did not poll (the CPU computes on
+                # this thread): a loop that never runs dry would otherwise starve polled clients.
+                if not self._polled:
+                    self._poll_once()
+                self._polled = False
                 self._run_posted()
                 with self._cond:
                     if not self._queue:
@@ -231,6 +234,7 @@ class Scheduler:
     def _meanwhile(self) -> None:
         """Work to do while the device computes a launch."""
         self._poll_once()
+        self._polled = True
         self._run_posted()
 
     def _poll_once(self) -> None:
