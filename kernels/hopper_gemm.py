@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from kernels.align import Alignment
@@ -127,6 +128,64 @@ def _multiprocessors(index: int) -> int:
 def persistent_grid(device: torch.device, work_items: int) -> tuple[int]:
     """One program per multiprocessor, or per work item where there are fewer."""
     return (max(1, min(work_items, _multiprocessors(device.index or 0))),)
+
+
+def tma_operands(
+    x: torch.Tensor, w_rows: torch.Tensor, block_n: int, block_k: int
+) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """The copy engine's descriptors of a GEMM's aligned input rows ``x`` (max_rows, K), in
+    boxes of BLOCK_M rows, and of its weights seen as rows ``w_rows`` (E·N, K), in boxes of
+    ``block_n``; both ``block_k`` deep, in their operand dtype's shared layout."""
+    dtype = OPERAND_DTYPES[w_rows.dtype]
+    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], dtype)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], dtype)
+    return (
+        TensorDescriptor.from_tensor(x, [BLOCK_M, block_k], x_layout),
+        TensorDescriptor.from_tensor(w_rows, [block_n, block_k], w_layout),
+    )
+
+
+@dataclass(frozen=True)
+class LaunchLoRA:
+    """A launch's ``LoRAExpand`` arguments: each aligned row's xa, B and the row slots, or
+    without LoRA (``on`` False) placeholders the kernel never reads."""
+
+    on: bool
+    xa: torch.Tensor
+    b: torch.Tensor
+    row_slots: torch.Tensor
+
+    @staticmethod
+    def of(
+        xa: torch.Tensor | None,
+        lora_b: torch.Tensor | None,
+        row_slots: torch.Tensor | None,
+        out: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> "LaunchLoRA":
+        """From the stage's LoRA operands (all three or none); ``out`` and ``rows`` (an
+        int32 tensor of the aligned rows) stand in for them without LoRA."""
+        on = xa is not None
+        assert on == (lora_b is not None) == (row_slots is not None)
+        return LaunchLoRA(
+            on,
+            xa if xa is not None else out,
+            lora_b if lora_b is not None else out.view(1, 1, *out.shape),
+            row_slots if row_slots is not None else rows,
+        )
+
+    @property
+    def rank(self) -> int:
+        return self.b.shape[3] if self.on else 1
+
+    @property
+    def padded_rank(self) -> int:
+        return self.xa.shape[1] if self.on else 16
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """xa's row stride and B's four."""
+        return (self.xa.stride(0), *self.b.stride())
 
 
 @dataclass(frozen=True)

@@ -42,14 +42,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from kernels.align import Alignment
 from kernels.fp8_activations import quantize_activations
 from kernels.hopper_gemm import (
     BLOCK_K,
-    BLOCK_M,
     FP8_BLOCK_K,
     FP8_BUFFERS,
     GROUP_M,
@@ -57,9 +55,9 @@ from kernels.hopper_gemm import (
     LOADER_WARPS,
     NUM_BUFFERS,
     NUM_WARPS,
-    OPERAND_DTYPES,
     FP8Scales,
     KernelLaunch,
+    LaunchLoRA,
     LoRAExpand,
     Scalar,
     fp8_scale_args,
@@ -69,6 +67,7 @@ from kernels.hopper_gemm import (
     scalar,
     stage_barriers,
     tile_of,
+    tma_operands,
 )
 from kernels.types import Activation
 
@@ -463,31 +462,22 @@ def w13_launch(
     inter = two_i // 2
     fp8 = w13_scale is not None
     block_i, block_k = (FP8_BLOCK_I, FP8_BLOCK_K) if fp8 else (BLOCK_I, BLOCK_K)
-    dtype = OPERAND_DTYPES[w13.dtype]
-    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], dtype)
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_i, block_k], dtype)
-    x_desc = TensorDescriptor.from_tensor(rows, [BLOCK_M, block_k], x_layout)
-    w_desc = TensorDescriptor.from_tensor(w13.view(e * two_i, h), [block_i, block_k], w_layout)
-    has_lora = xa is not None
-    assert has_lora == (lora_b is not None) == (row_slots is not None)
-    xa_t = xa if xa is not None else out
-    b_t = lora_b if lora_b is not None else out.view(1, 1, *out.shape)
+    x_desc, w_desc = tma_operands(rows, w13.view(e * two_i, h), block_i, block_k)
+    lora = LaunchLoRA.of(xa, lora_b, row_slots, out, alignment.sorted_pair_ids)
     bias = b13 if b13 is not None else out
     scale_args = fp8_scale_args(row_scales, w13_scale, out)
     return KernelLaunch(
         _w13_hopper_kernel,
         alignment.max_blocks * triton.cdiv(inter, block_i),
         (
-            x_desc, w_desc, xa_t, b_t, bias, out,
-            row_slots if row_slots is not None else alignment.sorted_pair_ids,
+            x_desc, w_desc, lora.xa, lora.b, bias, out, lora.row_slots,
             alignment.block_experts, *scale_args[:2],
-            alignment.max_blocks, h, inter, b_t.shape[3] if has_lora else 1, alpha, limit,
-            xa_t.stride(0), b_t.stride(0), b_t.stride(1), b_t.stride(2), b_t.stride(3),
+            alignment.max_blocks, h, inter, lora.rank, alpha, limit, *lora.strides,
             bias.stride(0), out.stride(0), *scale_args[2:],
         ),
         dict(
             FP8=fp8, ACTIVATION=0 if activation == Activation.SILU else 1,
-            HAS_BIAS=b13 is not None, HAS_LORA=has_lora, RP=xa_t.shape[1] if has_lora else 16,
+            HAS_BIAS=b13 is not None, HAS_LORA=lora.on, RP=lora.padded_rank,
             STAGES=FP8_BUFFERS if fp8 else NUM_BUFFERS, LOADER_WARPS=LOADER_WARPS,
             LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
         ),

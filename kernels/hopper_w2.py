@@ -36,14 +36,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from kernels.align import Alignment
 from kernels.fp8_activations import quantize_activations
 from kernels.hopper_gemm import (
     BLOCK_K,
-    BLOCK_M,
     FP8_BLOCK_K,
     FP8_BUFFERS,
     GROUP_M,
@@ -51,9 +49,9 @@ from kernels.hopper_gemm import (
     LOADER_WARPS,
     NUM_BUFFERS,
     NUM_WARPS,
-    OPERAND_DTYPES,
     FP8Scales,
     KernelLaunch,
+    LaunchLoRA,
     LoRAExpand,
     Scalar,
     fp8_scale_args,
@@ -63,6 +61,7 @@ from kernels.hopper_gemm import (
     scalar,
     stage_barriers,
     tile_of,
+    tma_operands,
 )
 
 #: Output columns per tile (W2 rows): 256, or with FP8 weights 128 (one scale block, and room
@@ -382,33 +381,23 @@ def w2_launch(
     e, h, inter = w2.shape
     fp8 = w2_scale is not None
     block_n, block_k = (FP8_BLOCK_N, FP8_BLOCK_K) if fp8 else (BLOCK_N, BLOCK_K)
-    dtype = OPERAND_DTYPES[w2.dtype]
-    act_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], dtype)
-    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], dtype)
-    act_desc = TensorDescriptor.from_tensor(act, [BLOCK_M, block_k], act_layout)
-    w_desc = TensorDescriptor.from_tensor(w2.view(e * h, inter), [block_n, block_k], w_layout)
-    has_lora = xa is not None
-    assert has_lora == (lora_b is not None) == (row_slots is not None)
-    xa_t = xa if xa is not None else out
-    b_t = lora_b if lora_b is not None else out.view(1, 1, *out.shape)
+    act_desc, w_desc = tma_operands(act, w2.view(e * h, inter), block_n, block_k)
+    lora = LaunchLoRA.of(xa, lora_b, row_slots, out, alignment.sorted_pair_ids)
     bias = b2 if b2 is not None else out
     scale_args = fp8_scale_args(act_scale, w2_scale, topk_weights)
     return KernelLaunch(
         _w2_hopper_kernel,
         alignment.max_blocks * triton.cdiv(h, block_n),
         (
-            act_desc, w_desc, xa_t, b_t, bias, out, alignment.sorted_pair_ids,
-            row_slots if row_slots is not None else alignment.sorted_pair_ids,
-            alignment.block_experts, topk_weights,
+            act_desc, w_desc, lora.xa, lora.b, bias, out, alignment.sorted_pair_ids,
+            lora.row_slots, alignment.block_experts, topk_weights,
             *scale_args[:2],
-            alignment.max_blocks, h, inter, topk_weights.shape[1],
-            b_t.shape[3] if has_lora else 1, xa_t.stride(0),
-            b_t.stride(0), b_t.stride(1), b_t.stride(2), b_t.stride(3), bias.stride(0),
-            out.stride(0), *scale_args[2:],
+            alignment.max_blocks, h, inter, topk_weights.shape[1], lora.rank, *lora.strides,
+            bias.stride(0), out.stride(0), *scale_args[2:],
         ),
         dict(
-            FP8=fp8, HAS_BIAS=b2 is not None, HAS_LORA=has_lora, ATOMIC_SUM=atomic_sum,
-            RP=xa_t.shape[1] if has_lora else 16, STAGES=FP8_BUFFERS if fp8 else NUM_BUFFERS,
+            FP8=fp8, HAS_BIAS=b2 is not None, HAS_LORA=lora.on, ATOMIC_SUM=atomic_sum,
+            RP=lora.padded_rank, STAGES=FP8_BUFFERS if fp8 else NUM_BUFFERS,
             LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
         ),
     )  # fmt: skip
