@@ -55,7 +55,7 @@ from kernels import hopper_gemm
 from kernels.align import Alignment, align_pairs
 from kernels.autotune import autotune
 from kernels.config_cache import ConfigCache
-from kernels.config_select import HEURISTIC, ConfigSelector
+from kernels.config_select import HEURISTIC, ConfigSelector, quantising
 from kernels.configs import MoEConfig, device_name
 from kernels.forward import fused_moe, moe_forward
 from kernels.fused_moe import LoRABuffers, w13_stage
@@ -172,12 +172,6 @@ def on_hopper_kernels(config: MoEConfig) -> MoEConfig:
     return dataclasses.replace(
         config.each_gemm(hopper=True, fused_shrink=False), block_m=hopper_gemm.BLOCK_M
     )
-
-
-def quantising(config: MoEConfig) -> MoEConfig:
-    """Both GEMMs on the FP8 tensor cores, their inputs quantised per row and 128 columns
-    (``GemmConfig.fp8_activations``; the LoRA then takes the separate shrink)."""
-    return config.each_gemm(fp8_activations=True, fused_shrink=False)
 
 
 def quantising_on_hopper(config: MoEConfig) -> MoEConfig:

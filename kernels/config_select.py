@@ -134,6 +134,12 @@ def selector_for(device: torch.device) -> ConfigSelector:
     return default_selector(device_name(device))
 
 
+def quantising(config: MoEConfig) -> MoEConfig:
+    """Both GEMMs on the FP8 tensor cores, their inputs quantised per row and 128 columns
+    (``GemmConfig.fp8_activations``; the LoRA then takes the separate shrink)."""
+    return config.each_gemm(fp8_activations=True, fused_shrink=False)
+
+
 def quantised_inputs(config: MoEConfig, device: torch.device) -> MoEConfig:
     """``config`` (of FP8 experts) with both GEMMs' inputs quantised, on the FP8 tensor cores
     (the LoRA shrinks apart: they read the unquantised inputs); from tensor-core tiles (64 rows
@@ -141,7 +147,7 @@ def quantised_inputs(config: MoEConfig, device: torch.device) -> MoEConfig:
     on an H200 (kernels/BENCHMARKS.md): there 0.72-0.86x bf16's time from M = 512, where the
     Triton W8A8 loops take 3x; with streaming tiles the Triton W8A8 loops are the faster.
     Other GPUs run the Triton W8A8 loops throughout."""
-    config = config.each_gemm(fp8_activations=True, fused_shrink=False)
+    config = quantising(config)
     if config.decode or config.block_m < 64 or not on_hopper(device):
         return config
     return dataclasses.replace(config.each_gemm(hopper=True), block_m=HOPPER_BLOCK_M)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Literal
 
@@ -130,8 +131,16 @@ def as_run(config: MoEConfig, layer: MoELayerWeights, rank: int) -> MoEConfig:
     ``fp8_activations`` in its W8A8 form (``kernels.config_select.quantised_inputs``)."""
     if not layer.fp8_activations:
         return config
-    run = quantised_inputs(config, layer.w13.device)
-    return fit_stages(run, layer.dtype.itemsize, rank, fp8=True)
+    return _quantised_form(config, layer.w13.device, layer.dtype.itemsize, rank)
+
+
+@functools.cache
+def _quantised_form(
+    config: MoEConfig, device: torch.device, elem_size: int, rank: int
+) -> MoEConfig:
+    """``as_run``'s W8A8 form, made once per configuration (an eager Forward asks each
+    launch)."""
+    return fit_stages(quantised_inputs(config, device), elem_size, rank, fp8=True)
 
 
 def layer_shape(layer: MoELayerWeights) -> LayerShape:
