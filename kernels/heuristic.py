@@ -16,11 +16,12 @@ regime of rows per expert (``M * k / E``), written as rules. The regimes:
   many-expert layers; with few experts many blocks share each weight tile, so block index
   fastest.
 
-FP8 experts (fitted on the H200 table's tuned FP8 rows) take wider streaming tiles and
-dequantise each weight tile. While each expert gets a row or two both LoRA shrinks run
-apart, in K parts (decode steps too): the fused shrink re-reads x·Aᵀ's input once per N
-program and a separate one in a single part runs each pair serially over K, both of which
-FP8's halved weight bytes leave exposed (start-up autotuning of OLMoE chose the same).
+FP8 experts (fitted on the H200 table's tuned FP8 rows) take wider streaming tiles, narrower
+compute tiles in 128-row blocks, and dequantise each weight tile. While each expert gets a
+row or two both LoRA shrinks run apart, in K parts (decode steps too): the fused shrink
+re-reads x·Aᵀ's input once per N program and a separate one in a single part runs each pair
+serially over K, both of which FP8's halved weight bytes leave exposed (start-up autotuning
+of OLMoE chose the same).
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ FP8_SHRINK_PARTS = 8
 #: weight being one byte. The heuristic's earlier FP8 tiles were 17–23% slower at M = 8.
 FP8_STREAMING_W13 = GemmConfig(64, 128, 1, 4, 4)
 FP8_STREAMING_W2 = GemmConfig(128, 128, 1, 4, 4)
+#: FP8 experts in 128-row blocks: the tiles the tuner chose at M = 4096 on all five FP8 shapes
+#: of the H200 table (Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B-like, Qwen1.5-MoE-A2.7B,
+#: Llama-4-Scout-like), narrower than bf16's 8-warp tiles, which the dequantising main loop
+#: (the tile and its dequantised copy) makes 1.12–1.18× slower (Qwen1.5-MoE, Scout).
+FP8_COMPUTE_W13 = GemmConfig(64, 64, 1, 4, 4)
+FP8_COMPUTE_W2 = GemmConfig(128, 64, 1, 4, 4)
 
 
 def heuristic_config(
@@ -130,6 +137,13 @@ def heuristic_config(
     if fp8:
         if not decode and rows_per_expert <= STREAMING_ROWS:
             config = dataclasses.replace(config, w13=FP8_STREAMING_W13, w2=FP8_STREAMING_W2)
+        elif config.block_m == 128:
+            group_m = config.w13.group_m
+            config = dataclasses.replace(
+                config,
+                w13=dataclasses.replace(FP8_COMPUTE_W13, group_m=group_m),
+                w2=dataclasses.replace(FP8_COMPUTE_W2, group_m=group_m),
+            )
         if rows_per_expert <= FP8_SPLIT_SHRINK_ROWS:
             config = config.each_gemm(fused_shrink=False, shrink_split_k=FP8_SHRINK_PARTS)
         config = config.each_gemm(fp8_dequant=True)

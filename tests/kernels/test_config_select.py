@@ -419,6 +419,29 @@ def test_fp8_decode_and_first_buckets_dequantise_and_split_both_shrinks() -> Non
     assert heuristic_config(8, 128, 2048, 768, 8).w13.shrink_split_k == 1
 
 
+def test_fp8_compute_tiles_are_those_the_tuner_chose_in_128_row_blocks() -> None:
+    """The heuristic's FP8 tiles in 128-row blocks are the ones the tuner chose at M = 4096
+    for every FP8 shape of the H200 table (its row of the first tuned rank)."""
+    tuned = {
+        shape: by_m[4096]
+        for key, by_m in load_table("NVIDIA_H200").items()
+        for shape, rank in [parse_table_key(key)]
+        if shape.fp8 and rank > 0 and 4096 in by_m
+    }
+    assert len(tuned) >= 5
+    for shape, row in tuned.items():
+        assert row.block_m == 128, shape
+        guess = heuristic_config(4096, shape.experts, shape.hidden, shape.inter, shape.top_k,
+                                 fp8=True)  # fmt: skip
+        assert guess.block_m == 128
+        for mine, theirs in ((guess.w13, row.w13), (guess.w2, row.w2)):
+            tile = (mine.block_n, mine.block_k, mine.num_warps, mine.num_stages)
+            assert tile == (theirs.block_n, theirs.block_k, theirs.num_warps, theirs.num_stages)
+            assert mine.fp8_dequant == theirs.fp8_dequant
+    # bf16 keeps its wide 8-warp tiles there.
+    assert heuristic_config(4096, 128, 2048, 768, 8).w2.num_warps == 8
+
+
 def test_streaming_ends_between_34_and_48_rows_per_expert() -> None:
     # Qwen1.5-MoE at M = 512 (34 rows per expert) streams; DeepSeek-V2-Lite (48) does not.
     assert heuristic_config(512, 60, 2048, 1408, 4).block_m <= 32
