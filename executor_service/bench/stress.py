@@ -28,6 +28,7 @@ requests, merged batch sizes, graph buckets hit and slot loads.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
 import random
@@ -36,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
@@ -105,6 +107,21 @@ class StressSettings:
         return f"cuda:{torch.cuda.device_count() - 1}"
 
 
+@dataclass(frozen=True)
+class SlowCall:
+    """One of the run's slowest answers: how long, which client mode and T, and when it
+    began (seconds after the clients were started)."""
+
+    seconds: float
+    mode: str
+    tokens: int
+    began_s: float
+
+
+#: The slowest answers the report names.
+SLOWEST = 5
+
+
 @dataclass
 class StressReport:
     settings: StressSettings
@@ -120,6 +137,8 @@ class StressReport:
     #: Each answer's latency (s) by the client's mode and by the request's size band.
     latency_by_mode: dict[str, list[float]] = field(default_factory=dict)
     latency_by_size: dict[str, list[float]] = field(default_factory=dict)
+    #: The ``SLOWEST`` answers, slowest first: whether a tail is start-up or mid-run.
+    slowest: list[SlowCall] = field(default_factory=list)
     #: Requests the executor counted by transport (its metric's label -> count).
     by_transport: dict[str, int] = field(default_factory=dict)
     #: Launches by the number of requests merged into them (histogram's upper bound -> count).
@@ -204,6 +223,13 @@ class StressReport:
                     *((f"T {band}", self.latency_by_size.get(band, [])) for _, band in SIZE_BANDS),
                 ]
                 if times
+            ),
+            "",
+            "Slowest answers: "
+            + "; ".join(
+                f"{1e3 * c.seconds:.0f} ms ({c.mode}, T {c.tokens}, began {c.began_s:.1f} s "
+                "after the clients started)"
+                for c in self.slowest
             ),
             "",
         ]
@@ -405,7 +431,9 @@ def _drive(
             f"--network-device={settings.network_device()}",
         ]  # fmt: skip
         clients.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+    clients_started = time.time()
     latencies: list[float] = []
+    calls: list[SlowCall] = []
     try:
         for proc in clients:
             out, _ = proc.communicate(timeout=settings.seconds + 600)
@@ -420,13 +448,16 @@ def _drive(
             report.problems.extend(result["errors"])
             latencies.extend(result["latency_s"])
             report.latency_by_mode.setdefault(result["mode"], []).extend(result["latency_s"])
-            for tokens, took in zip(result["tokens"], result["latency_s"], strict=True):
+            answers = zip(result["tokens"], result["latency_s"], result["started_at"], strict=True)
+            for tokens, took, began in answers:
                 report.latency_by_size.setdefault(_size_band(tokens), []).append(took)
+                calls.append(SlowCall(took, result["mode"], tokens, began - clients_started))
     finally:
         for proc in clients:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    report.slowest = heapq.nlargest(SLOWEST, calls, key=lambda c: c.seconds)
     if latencies:
         report.p50_ms = 1e3 * statistics.median(latencies)
         report.p99_ms = 1e3 * _quantile(latencies, 0.99)

@@ -151,6 +151,7 @@ def run(
     mismatched = 0
     latency: list[float] = []
     tokens: list[int] = []
+    started: list[float] = []  # each call's start, wall clock (comparable across processes)
     worst = 0.0
     errors: list[str] = []
 
@@ -158,6 +159,7 @@ def run(
         nonlocal mismatched, worst
         latency.append(took)
         tokens.append(item.hidden.shape[0])
+        started.append(time.time() - took)
         codes[code] += 1
         if output is None:
             return
@@ -205,6 +207,7 @@ def run(
         "worst_row_error": worst,
         "latency_s": latency,
         "tokens": tokens,
+        "started_at": started,
         "errors": errors,
     }
 

@@ -25,6 +25,13 @@ def test_stress_on_the_cpu() -> None:
     for split in (report.latency_by_mode, report.latency_by_size):
         assert sum(map(len, split.values())) == report.requests
     assert "| unary clients |" in report.table() and "| T " in report.table()
+    # The slowest answers named, slowest first, each within the run.
+    slowest = report.slowest
+    assert len(slowest) == 5 and slowest == sorted(slowest, key=lambda c: -c.seconds)
+    assert slowest[0].seconds == max(max(t) for t in report.latency_by_mode.values())
+    for call in slowest:
+        assert call.mode in report.by_mode and call.tokens >= 1
+        assert -1.0 < call.began_s < settings.seconds + 60, call
 
 
 @pytest.mark.gpu
