@@ -48,6 +48,7 @@ from executor_service.bench.clients import forward_request
 from executor_service.bench.processes import child_process, progress, tree_cpu_seconds
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
+from executor_service.bench.stats import percentile
 from executor_service.graphs import GraphCache
 from executor_service.metrics import STAGES
 from executor_service.model_loader import load_base_model
@@ -117,11 +118,6 @@ def _delta_mean(
         for part in ("sum", "count")
     )
     return total / count if count else 0.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def run_clients(

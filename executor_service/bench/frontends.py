@@ -29,8 +29,9 @@ from executor_service.app import ExecutorApp
 from executor_service.bench import engine_loop
 from executor_service.bench.clients import forward_request
 from executor_service.bench.engine_loop import doubled, doubling_executor
-from executor_service.bench.forward import ClientsRun, percentile, run_clients
+from executor_service.bench.forward import ClientsRun, run_clients
 from executor_service.bench.processes import child_process, progress, tree_cpu_seconds
+from executor_service.bench.stats import percentile
 from executor_service.metrics import ExecutorMetrics
 from executor_service.serving.frontends import FrontEnds
 from executor_service.synthetic import SyntheticBase

@@ -33,7 +33,6 @@ import json
 import math
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ from executor_service.bench.answers import bf16_bytes, row_tolerance
 from executor_service.bench.processes import progress
 from executor_service.bench.reference import EagerReference
 from executor_service.bench.shapes import SHAPES
+from executor_service.bench.stats import percentile
 from executor_service.bench.stress_client import MODES, PoolRequest, write_pool
 from executor_service.graphs import BUCKETS
 from executor_service.synthetic import SyntheticAdapter, write_adapter, write_base_checkpoint
@@ -108,9 +108,9 @@ class StressSettings:
 
 
 @dataclass(frozen=True)
-class SlowCall:
-    """One of the run's slowest answers: how long, which client mode and T, and when it
-    began (seconds after the clients were started)."""
+class Answer:
+    """One answered call: how long it took, its client's mode, its T, and when it began
+    (seconds after the clients were started)."""
 
     seconds: float
     mode: str
@@ -132,13 +132,8 @@ class StressReport:
     mismatched: int = 0
     mismatches: list[dict[str, object]] = field(default_factory=list)
     worst_row_error: float = 0.0
-    p50_ms: float = 0.0
-    p99_ms: float = 0.0
-    #: Each answer's latency (s) by the client's mode and by the request's size band.
-    latency_by_mode: dict[str, list[float]] = field(default_factory=dict)
-    latency_by_size: dict[str, list[float]] = field(default_factory=dict)
-    #: The ``SLOWEST`` answers, slowest first: whether a tail is start-up or mid-run.
-    slowest: list[SlowCall] = field(default_factory=list)
+    #: Every answer's timing, from which the latency figures are drawn.
+    answers: list[Answer] = field(default_factory=list)
     #: Requests the executor counted by transport (its metric's label -> count).
     by_transport: dict[str, int] = field(default_factory=dict)
     #: Launches by the number of requests merged into them (histogram's upper bound -> count).
@@ -153,6 +148,35 @@ class StressReport:
     @property
     def requests(self) -> int:
         return sum(self.codes.values())
+
+    @property
+    def p50_ms(self) -> float:
+        return 1e3 * percentile([a.seconds for a in self.answers], 0.5) if self.answers else 0.0
+
+    @property
+    def p99_ms(self) -> float:
+        return 1e3 * percentile([a.seconds for a in self.answers], 0.99) if self.answers else 0.0
+
+    @property
+    def latency_by_mode(self) -> dict[str, list[float]]:
+        """Each answer's latency (s) by its client's mode."""
+        split: dict[str, list[float]] = {}
+        for a in self.answers:
+            split.setdefault(a.mode, []).append(a.seconds)
+        return split
+
+    @property
+    def latency_by_size(self) -> dict[str, list[float]]:
+        """Each answer's latency (s) by its request's size band (``SIZE_BANDS``)."""
+        split: dict[str, list[float]] = {}
+        for a in self.answers:
+            split.setdefault(_size_band(a.tokens), []).append(a.seconds)
+        return split
+
+    @property
+    def slowest(self) -> list[Answer]:
+        """The ``SLOWEST`` answers, slowest first: whether a tail is start-up or mid-run."""
+        return heapq.nlargest(SLOWEST, self.answers, key=lambda a: a.seconds)
 
     def failures(self) -> list[str]:
         found = list(self.problems)
@@ -190,6 +214,7 @@ class StressReport:
         ok = self.codes.get("OK", 0)
         exhausted = self.codes.get("RESOURCE_EXHAUSTED", 0)
         other = self.requests - ok - exhausted
+        by_mode, by_size = self.latency_by_mode, self.latency_by_size
         lines = [
             f"Stress, {s.seconds:.0f} s: {s.clients} client processes "
             f"({', '.join(f'{n} {m}' for m, n in self.by_mode.items())}), "
@@ -216,11 +241,11 @@ class StressReport:
             "| latency by | requests | p50 ms | p99 ms | max ms |",
             "|---|---:|---:|---:|---:|",
             *(
-                f"| {name} | {len(times):,} | {1e3 * _quantile(times, 0.5):.2f} | "
-                f"{1e3 * _quantile(times, 0.99):.2f} | {1e3 * max(times):.2f} |"
+                f"| {name} | {len(times):,} | {1e3 * percentile(times, 0.5):.2f} | "
+                f"{1e3 * percentile(times, 0.99):.2f} | {1e3 * max(times):.2f} |"
                 for name, times in [
-                    *((f"{m} clients", t) for m, t in self.latency_by_mode.items()),
-                    *((f"T {band}", self.latency_by_size.get(band, [])) for _, band in SIZE_BANDS),
+                    *((f"{m} clients", t) for m, t in by_mode.items()),
+                    *((f"T {band}", by_size.get(band, [])) for _, band in SIZE_BANDS),
                 ]
                 if times
             ),
@@ -244,12 +269,6 @@ SIZE_BANDS = ((16, "1-16"), (128, "17-128"), (math.inf, "129+"))
 
 def _size_band(tokens: int) -> str:
     return next(label for bound, label in SIZE_BANDS if tokens <= bound)
-
-
-def _quantile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (nearest rank), as the run's p50 and p99."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _token_counts(rng: random.Random, count: int, limit: int) -> list[int]:
@@ -432,8 +451,6 @@ def _drive(
         ]  # fmt: skip
         clients.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
     clients_started = time.time()
-    latencies: list[float] = []
-    calls: list[SlowCall] = []
     try:
         for proc in clients:
             out, _ = proc.communicate(timeout=settings.seconds + 600)
@@ -446,21 +463,16 @@ def _drive(
             report.mismatches.extend(result["mismatches"][: max(0, 5 - len(report.mismatches))])
             report.worst_row_error = max(report.worst_row_error, result["worst_row_error"])
             report.problems.extend(result["errors"])
-            latencies.extend(result["latency_s"])
-            report.latency_by_mode.setdefault(result["mode"], []).extend(result["latency_s"])
-            answers = zip(result["tokens"], result["latency_s"], result["started_at"], strict=True)
-            for tokens, took, began in answers:
-                report.latency_by_size.setdefault(_size_band(tokens), []).append(took)
-                calls.append(SlowCall(took, result["mode"], tokens, began - clients_started))
+            timings = zip(result["latency_s"], result["tokens"], result["started_at"], strict=True)
+            report.answers.extend(
+                Answer(took, result["mode"], tokens, began - clients_started)
+                for took, tokens, began in timings
+            )
     finally:
         for proc in clients:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    report.slowest = heapq.nlargest(SLOWEST, calls, key=lambda c: c.seconds)
-    if latencies:
-        report.p50_ms = 1e3 * statistics.median(latencies)
-        report.p99_ms = 1e3 * _quantile(latencies, 0.99)
     if executor.poll() is not None:
         report.problems.append(f"the executor died during the run (status {executor.returncode})")
         return
