@@ -103,10 +103,11 @@ FP8_SHRINK_PARTS = 8
 #: weight being one byte. The heuristic's earlier FP8 tiles were 17–23% slower at M = 8.
 FP8_STREAMING_W13 = GemmConfig(64, 128, 1, 4, 4)
 FP8_STREAMING_W2 = GemmConfig(128, 128, 1, 4, 4)
-#: FP8 experts in 128-row blocks: the tiles the tuner chose at M = 4096 on all five FP8 shapes
-#: of the H200 table (Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B-like, Qwen1.5-MoE-A2.7B,
-#: Llama-4-Scout-like), narrower than bf16's 8-warp 128×256 tiles, with which the W8A16 loops
-#: measured 1.12–1.18× slower (Qwen1.5-MoE, Scout: the tuner's timings, H200).
+#: FP8 experts in 128-row blocks: the tiles the tuner chose at M = 4096 on five FP8 shapes of
+#: the H200 table (Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B-like, Qwen1.5-MoE-A2.7B,
+#: Llama-4-Scout-like) and kept on the four searched from them (Qwen3-235B-A22B,
+#: Mixtral-8x22B, GPT-OSS-120B, DeepSeek-V3), narrower than bf16's 8-warp 128×256 tiles, with
+#: which the W8A16 loops measured 1.12–1.18× slower (Qwen1.5-MoE, Scout: the tuner's timings).
 FP8_COMPUTE_W13 = GemmConfig(64, 64, 1, 4, 4)
 FP8_COMPUTE_W2 = GemmConfig(128, 64, 1, 4, 4)
 

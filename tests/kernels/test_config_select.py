@@ -428,7 +428,7 @@ def test_fp8_compute_tiles_are_those_the_tuner_chose_in_128_row_blocks() -> None
         for shape, rank in [parse_table_key(key)]
         if shape.fp8 and rank > 0 and 4096 in by_m
     }
-    assert len(tuned) >= 5
+    assert len(tuned) >= 9
     for shape, row in tuned.items():
         assert row.block_m == 128, shape
         guess = heuristic_config(4096, shape.experts, shape.hidden, shape.inter, shape.top_k,
