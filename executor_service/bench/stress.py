@@ -122,6 +122,22 @@ class Answer:
 SLOWEST = 5
 
 
+@dataclass(frozen=True)
+class HostLoads:
+    """Adapters the executor brought into host memory (fetched, verified, packed) during the
+    run: a request for an adapter not yet there waits for its load, so slow loads show as a
+    start-up tail."""
+
+    count: int
+    seconds: float
+    #: The latency histogram's bound that the slowest load fell under (inf: beyond the last).
+    slowest_within: float
+
+    @property
+    def mean(self) -> float:
+        return self.seconds / self.count if self.count else 0.0
+
+
 @dataclass
 class StressReport:
     settings: StressSettings
@@ -143,6 +159,7 @@ class StressReport:
     eager_launches: int = 0
     slot_loads: int = 0
     slot_evictions: int = 0
+    host_loads: HostLoads = HostLoads(0, 0.0, 0.0)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -237,6 +254,9 @@ class StressReport:
             + ", ".join(f"{k}: {v:,}" for k, v in sorted(self.graph_replays.items())),
             "Requests by transport (executor's count): "
             + ", ".join(f"{k}: {v:,}" for k, v in sorted(self.by_transport.items())),
+            f"Adapter loads into host memory (fetch, verify, pack): {self.host_loads.count:,}, "
+            f"mean {self.host_loads.mean:.3f} s, slowest within "
+            f"{self.host_loads.slowest_within:g} s",
             "",
             "| latency by | requests | p50 ms | p99 ms | max ms |",
             "|---|---:|---:|---:|---:|",
@@ -355,6 +375,21 @@ def _summarise_metrics(report: StressReport, url: str) -> None:
     report.slot_evictions = int(
         samples.get(("moelora_executor_adapter_evictions_total", (("tier", "gpu"),)), 0)
     )
+    report.host_loads = host_loads(samples)
+
+
+def host_loads(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> HostLoads:
+    """The host tier's adapter loads from the executor's load-time histogram."""
+    name = "moelora_executor_adapter_load_seconds"
+    count = int(samples.get((f"{name}_count", (("tier", "host"),)), 0))
+    bounds = sorted(
+        (float(dict(labels)["le"]), value)
+        for (sample, labels), value in samples.items()
+        if sample == f"{name}_bucket" and dict(labels).get("tier") == "host"
+    )
+    slowest = next((bound for bound, cumulative in bounds if cumulative >= count), 0.0)
+    seconds = samples.get((f"{name}_sum", (("tier", "host"),)), 0.0)
+    return HostLoads(count, seconds, slowest if count else 0.0)
 
 
 def _progress(message: str) -> None:
