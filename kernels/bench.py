@@ -24,8 +24,10 @@ them too), side by side in one run. Their floor counts one byte per expert weigh
 summary gives each FP8 time / bf16 time. ``--hopper`` adds, from M = 512, the bf16 layer twice
 more: with both GEMMs on the Triton kernels ("bf16 triton": the configurations as selected,
 ``GemmConfig.hopper`` off) and on the warp-specialised Hopper kernels ("bf16 hopper":
-``kernels.hopper_w13``, ``kernels.hopper_w2``, blocks of 128 rows); the summary gives the
-Hopper rows' and the selected rows' (which may choose either per GEMM) time / the Triton rows'.
+``kernels.hopper_w13``, ``kernels.hopper_w2``, blocks of 128 rows), and on them with their
+compute warpgroups taking turns ("bf16 hopper pingpong", ``GemmConfig.pingpong``); the summary
+gives those rows' and the selected rows' (which may choose either per GEMM) time / the Triton
+rows'.
 With both flags, "fp8 w8a8 hopper" too: the W8A8 row on the Hopper kernels' FP8 main loops.
 
 First every cell is checked against the float32 reference (relative error below
@@ -157,8 +159,11 @@ ConfigTransform = Callable[[MoEConfig], MoEConfig]
 #: The labels of rows whose GEMMs run the warp-specialised Hopper kernels, or the Triton ones
 #: only (``--hopper``).
 HOPPER_LABEL = "bf16 hopper"
+HOPPER_PINGPONG_LABEL = "bf16 hopper pingpong"
 TRITON_LABEL = "bf16 triton"
 FP8_HOPPER_LABEL = "fp8 w8a8 hopper"
+#: Rows run from M = 512 only (the Hopper kernels take blocks of 128 rows).
+LARGE_M_LABELS = (HOPPER_LABEL, HOPPER_PINGPONG_LABEL, TRITON_LABEL, FP8_HOPPER_LABEL)
 
 
 def on_triton_kernels(config: MoEConfig) -> MoEConfig:
@@ -172,6 +177,12 @@ def on_hopper_kernels(config: MoEConfig) -> MoEConfig:
     return dataclasses.replace(
         config.each_gemm(hopper=True, fused_shrink=False), block_m=hopper_gemm.BLOCK_M
     )
+
+
+def taking_turns_on_hopper(config: MoEConfig) -> MoEConfig:
+    """``on_hopper_kernels`` with each kernel's compute warpgroups taking turns
+    (``GemmConfig.pingpong``)."""
+    return on_hopper_kernels(config).each_gemm(pingpong=True)
 
 
 def quantising_on_hopper(config: MoEConfig) -> MoEConfig:
@@ -419,11 +430,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.hopper:
             variants.append((shape, layer, TRITON_LABEL, on_triton_kernels))
             variants.append((shape, layer, HOPPER_LABEL, on_hopper_kernels))
+            variants.append((shape, layer, HOPPER_PINGPONG_LABEL, taking_turns_on_hopper))
         if args.hopper and args.fp8:
             variants.append((fp8_shape, fp8_weights, FP8_HOPPER_LABEL, quantising_on_hopper))
         for tokens in map(int, args.tokens.split(",")):
             for variant, weights, label, transform in variants:
-                if label in (HOPPER_LABEL, TRITON_LABEL, FP8_HOPPER_LABEL) and tokens < 512:
+                if label in LARGE_M_LABELS and tokens < 512:
                     continue
                 row = bench_cell(
                     key, variant, selector, weights, slots, tokens, bandwidth, rate,
@@ -469,6 +481,7 @@ def summary(rows: list[Row]) -> str:
     fp8_labels = sorted({r.weights for r in rows if r.weights.startswith("fp8")})
     fp8 = {(r.weights, r.shape, r.tokens): r.lora_us for r in rows if r.weights.startswith("fp8")}
     hopper = {(r.shape, r.tokens): r for r in rows if r.weights == HOPPER_LABEL}
+    turns = {(r.shape, r.tokens): r for r in rows if r.weights == HOPPER_PINGPONG_LABEL}
     triton = {(r.shape, r.tokens): r for r in rows if r.weights == TRITON_LABEL}
     rows = [r for r in rows if r.weights == "bf16"]
     mid = [r for r in rows if 8 <= r.tokens <= 512]
@@ -503,10 +516,18 @@ def summary(rows: list[Row]) -> str:
     for r in rows:
         if (r.shape, r.tokens) in hopper and (r.shape, r.tokens) in triton:
             h, t = hopper[(r.shape, r.tokens)], triton[(r.shape, r.tokens)]
-            lines.append(
+            line = (
                 f"time / Triton kernels', {r.shape} M = {r.tokens}: Hopper kernels base "
-                f"{h.base_us / t.base_us:.2f}, +LoRA {h.lora_us / t.lora_us:.2f}; as selected "
-                f"base {r.base_us / t.base_us:.2f}, +LoRA {r.lora_us / t.lora_us:.2f}"
+                f"{h.base_us / t.base_us:.2f}, +LoRA {h.lora_us / t.lora_us:.2f}; "
+            )
+            if (p := turns.get((r.shape, r.tokens))) is not None:
+                line += (
+                    f"taking turns base {p.base_us / t.base_us:.2f}, "
+                    f"+LoRA {p.lora_us / t.lora_us:.2f}; "
+                )
+            lines.append(
+                line + f"as selected base {r.base_us / t.base_us:.2f}, "
+                f"+LoRA {r.lora_us / t.lora_us:.2f}"
             )
     return "\n".join(lines)
 

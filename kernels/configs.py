@@ -76,6 +76,10 @@ class GemmConfig:
         the LoRA takes the separate shrink); FP8 weights only with ``fp8_activations`` (their
         FP8 main loop). Anything else (other GPUs, the interpreter, W8A16, pair blocks) runs
         the Triton kernel with this configuration as if it were off.
+    pingpong: with ``hopper`` and 16-bit weights, the Hopper kernel's two compute
+        warpgroups take turns on tiles half as wide (``kernels.hopper_gemm``: each one's
+        epilogue beside the other's main loop) instead of sharing each tile; FP8 runs them
+        together. Same answers, bit for bit.
     """
 
     block_n: int
@@ -92,6 +96,7 @@ class GemmConfig:
     fp8_dequant: bool = False
     fp8_activations: bool = False
     hopper: bool = False
+    pingpong: bool = False
 
 
 @dataclass(frozen=True)

@@ -1308,7 +1308,7 @@ def w13_stage(
             clear.zero_()
         return w13_stage_hopper(
             hidden, w13, b13, activation, alpha, limit, top_k, alignment,
-            *_hopper_lora(la, lora), w13_scale,
+            *_hopper_lora(la, lora), w13_scale, cfg.pingpong,
         )  # fmt: skip
     act = torch.empty((max_blocks * block_m, inter), dtype=hidden.dtype, device=hidden.device)
     scale, *scale_strides = _scale_args(w13, w13_scale, cfg)
@@ -1381,7 +1381,7 @@ def w2_stage(
         la = _lora_args(act, "2", False, top_k, alignment, lora, config, _separate(cfg))
         w2_stage_hopper(
             act, w2, b2, topk_weights, alignment, *_hopper_lora(la, lora), config.atomic_sum, out,
-            w2_scale,
+            w2_scale, cfg.pingpong,
         )  # fmt: skip
         return
     scale, *scale_strides = _scale_args(w2, w2_scale, cfg)

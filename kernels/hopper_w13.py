@@ -55,6 +55,9 @@ from kernels.hopper_gemm import (
     LOADER_WARPS,
     NUM_BUFFERS,
     NUM_WARPS,
+    PINGPONG_BUFFERS,
+    PINGPONG_REGISTERS,
+    PINGPONG_WARPS,
     FP8Scales,
     KernelLaunch,
     LaunchLoRA,
@@ -63,11 +66,14 @@ from kernels.hopper_gemm import (
     fp8_scale_args,
     fp8_step_scale,
     invalidate_barriers,
+    invalidate_turn_barriers,
     lora_expand_pair,
     scalar,
     stage_barriers,
     tile_of,
     tma_operands,
+    turn_barriers,
+    wait_for_turn,
 )
 from kernels.types import Activation
 
@@ -78,6 +84,8 @@ BLOCK_I = 128
 #: With FP8 weights 64 (two accumulators and each step's two products fit the registers; a
 #: tile lies in one 128-row scale block).
 FP8_BLOCK_I = 64
+#: Ping-pong 64 as well (one warpgroup holds both accumulators).
+PINGPONG_BLOCK_I = 64
 _GATHER_BLOCK_H = 1024  # columns each program of gather_rows copies
 
 
@@ -220,11 +228,15 @@ def _sigmoid(x):
 
 
 @gluon.jit
-def _compute(
+def _tile(
     p: _W13Args,
     e: _Epilogue,
     lora: LoRAExpand,
     scales: FP8Scales,
+    block,
+    n_tile,
+    expert,
+    count,
     FP8: gl.constexpr,
     ACTIVATION: gl.constexpr,  # 0 silu, 1 gpt_oss
     HAS_BIAS: gl.constexpr,
@@ -235,9 +247,14 @@ def _compute(
     STAGES: gl.constexpr,
     RP: gl.constexpr,
     num_warps: gl.constexpr,
+    order=None,
+    ROLE: gl.constexpr = 0,
+    turn=0,
 ):
-    """The compute warpgroups: the main loop's wgmmas (gate and up) over the stages, then the
-    epilogue."""
+    """One tile on the compute warpgroups: the main loop's wgmmas (gate and up) over the
+    stages from ``count`` on, then the epilogue; returns the stage count after it. With
+    ``order`` (ping-pong, ``_take_turns``) the main loop waits for role ``ROLE``'s
+    ``turn``-th turn and hands the tensor cores to the other role before the epilogue."""
     lora_dtype: gl.constexpr = lora.b_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -249,78 +266,143 @@ def _compute(
     )
     mma_rows: gl.constexpr = gl.SliceLayout(1, mma)
     mma_cols: gl.constexpr = gl.SliceLayout(0, mma)
+    expert64 = expert.to(gl.int64)
+    gate = gl.zeros([BM, BI], gl.float32, layout=mma)
+    up = gl.zeros([BM, BI], gl.float32, layout=mma)
+    if FP8:
+        rows = block * BM + gl.arange(0, BM, layout=mma_rows)
+        for k in range(0, p.H, BK):
+            stage = count % STAGES
+            mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
+            x = p.x_bufs.index(stage)
+            gate_part = warpgroup_mma(
+                x, p.gate_bufs.index(stage).permute((1, 0)), gate, use_acc=False,
+                is_async=True,
+            )  # fmt: skip
+            up_part = warpgroup_mma(
+                x, p.up_bufs.index(stage).permute((1, 0)), up, use_acc=False,
+                is_async=True,
+            )  # fmt: skip
+            gate_scale = fp8_step_scale(scales, rows, expert64, n_tile * BI, k)
+            up_scale = fp8_step_scale(scales, rows, expert64, p.inter + n_tile * BI, k)
+            # The step's products are scaled before they join the sums: wait for them.
+            gate_part, up_part = warpgroup_mma_wait(0, deps=(gate_part, up_part))
+            mbarrier.arrive(p.empty.index(stage))
+            gate += gate_part * gate_scale[:, None]
+            up += up_part * up_scale[:, None]
+            count += 1
+    else:
+        if order is not None:
+            wait_for_turn(order, ROLE, turn)
+        for k in range(0, p.H, BK):
+            stage = count % STAGES
+            mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
+            x = p.x_bufs.index(stage)
+            gate = warpgroup_mma(x, p.gate_bufs.index(stage).permute((1, 0)), gate, is_async=True)
+            up = warpgroup_mma(x, p.up_bufs.index(stage).permute((1, 0)), up, is_async=True)
+            # This stage's two wgmmas stay in flight; the stage before has been read.
+            gate, up = warpgroup_mma_wait(2, deps=(gate, up))
+            mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
+            count += 1
+        gate, up = warpgroup_mma_wait(0, deps=(gate, up))
+        mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES))
+        if order is not None:
+            mbarrier.arrive(order.index(1 - ROLE))  # the other role's turn
+
+    # Computed after the main loop: nothing more stays alive through it.
+    rows = block * BM + gl.arange(0, BM, layout=mma_rows)
+    cols = n_tile * BI + gl.arange(0, BI, layout=mma_cols)
+    real = cols < p.inter
+    if HAS_LORA:
+        gate, up = lora_expand_pair(
+            gate, up, lora, expert64, rows, cols, cols + p.inter, real,
+            lora_dtype, BM, BI, RP, num_warps,
+        )  # fmt: skip
+    if HAS_BIAS:
+        bias = e.bias_ptr + expert64 * e.stride_bias + cols
+        gate += gl.load(bias, mask=real, other=0.0).to(gl.float32)[None, :]
+        up += gl.load(bias + p.inter, mask=real, other=0.0).to(gl.float32)[None, :]
+    if ACTIVATION == 0:
+        act = gate * _sigmoid(gate) * up
+    else:
+        gate = gl.minimum(gate, e.limit)
+        up = gl.minimum(gl.maximum(up, -e.limit), e.limit)
+        act = (up + 1.0) * gate * _sigmoid(e.alpha * gate)
+
+    srows = block * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, store_layout))
+    scols = n_tile * BI + gl.arange(0, BI, layout=gl.SliceLayout(0, store_layout))
+    y = gl.convert_layout(act.to(e.out_ptr.dtype.element_ty), store_layout)
+    out = e.out_ptr + srows.to(gl.int64)[:, None] * e.stride_out + scols[None, :]
+    gl.store(out, y, mask=(scols < p.inter)[None, :])
+    return count
+
+
+@gluon.jit
+def _compute(
+    p: _W13Args,
+    e: _Epilogue,
+    lora: LoRAExpand,
+    scales: FP8Scales,
+    FP8: gl.constexpr,
+    ACTIVATION: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_LORA: gl.constexpr,
+    BM: gl.constexpr,
+    BI: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    RP: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The compute warpgroups, together on every tile of the program."""
     num_n = gl.cdiv(p.inter, BI)
     count = 0
     for item in range(gl.program_id(0), p.num_blocks * num_n, gl.num_programs(0)):
         block, n_tile = tile_of(item, p.num_blocks, num_n, GROUP_M)
         expert = gl.load(p.block_experts_ptr + block)
         if expert >= 0:
-            expert64 = expert.to(gl.int64)
-            gate = gl.zeros([BM, BI], gl.float32, layout=mma)
-            up = gl.zeros([BM, BI], gl.float32, layout=mma)
-            if FP8:
-                rows = block * BM + gl.arange(0, BM, layout=mma_rows)
-                for k in range(0, p.H, BK):
-                    stage = count % STAGES
-                    mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
-                    x = p.x_bufs.index(stage)
-                    gate_part = warpgroup_mma(
-                        x, p.gate_bufs.index(stage).permute((1, 0)), gate, use_acc=False,
-                        is_async=True,
-                    )  # fmt: skip
-                    up_part = warpgroup_mma(
-                        x, p.up_bufs.index(stage).permute((1, 0)), up, use_acc=False,
-                        is_async=True,
-                    )  # fmt: skip
-                    gate_scale = fp8_step_scale(scales, rows, expert64, n_tile * BI, k)
-                    up_scale = fp8_step_scale(scales, rows, expert64, p.inter + n_tile * BI, k)
-                    # The step's products are scaled before they join the sums: wait for them.
-                    gate_part, up_part = warpgroup_mma_wait(0, deps=(gate_part, up_part))
-                    mbarrier.arrive(p.empty.index(stage))
-                    gate += gate_part * gate_scale[:, None]
-                    up += up_part * up_scale[:, None]
-                    count += 1
-            else:
-                for k in range(0, p.H, BK):
-                    stage = count % STAGES
-                    mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
-                    x = p.x_bufs.index(stage)
-                    gate = warpgroup_mma(
-                        x, p.gate_bufs.index(stage).permute((1, 0)), gate, is_async=True
-                    )
-                    up = warpgroup_mma(x, p.up_bufs.index(stage).permute((1, 0)), up, is_async=True)
-                    # This stage's two wgmmas stay in flight; the stage before has been read.
-                    gate, up = warpgroup_mma_wait(2, deps=(gate, up))
-                    mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
-                    count += 1
-                gate, up = warpgroup_mma_wait(0, deps=(gate, up))
-                mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES))
+            count = _tile(
+                p, e, lora, scales, block, n_tile, expert, count, FP8, ACTIVATION, HAS_BIAS,
+                HAS_LORA, BM, BI, BK, STAGES, RP, num_warps,
+            )  # fmt: skip
 
-            # Computed after the main loop: nothing more stays alive through it.
-            rows = block * BM + gl.arange(0, BM, layout=mma_rows)
-            cols = n_tile * BI + gl.arange(0, BI, layout=mma_cols)
-            real = cols < p.inter
-            if HAS_LORA:
-                gate, up = lora_expand_pair(
-                    gate, up, lora, expert64, rows, cols, cols + p.inter, real,
-                    lora_dtype, BM, BI, RP, num_warps,
+
+@gluon.jit
+def _take_turns(
+    p: _W13Args,
+    e: _Epilogue,
+    lora: LoRAExpand,
+    scales: FP8Scales,
+    order,
+    ACTIVATION: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_LORA: gl.constexpr,
+    BM: gl.constexpr,
+    BI: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    RP: gl.constexpr,
+    ROLE: gl.constexpr,
+):
+    """One of the two ping-pong compute warpgroups (``ROLE`` 0 or 1, ``kernels.hopper_gemm``):
+    every other tile of the program, its stages in the one ring; the other role's tiles only
+    advance the stage count."""
+    num_n = gl.cdiv(p.inter, BI)
+    count = 0
+    owned = 0
+    for item in range(gl.program_id(0), p.num_blocks * num_n, gl.num_programs(0)):
+        block, n_tile = tile_of(item, p.num_blocks, num_n, GROUP_M)
+        expert = gl.load(p.block_experts_ptr + block)
+        if expert >= 0:
+            if owned % 2 == ROLE:
+                count = _tile(
+                    p, e, lora, scales, block, n_tile, expert, count, False, ACTIVATION,
+                    HAS_BIAS, HAS_LORA, BM, BI, BK, STAGES, RP, PINGPONG_WARPS, order, ROLE,
+                    owned // 2,
                 )  # fmt: skip
-            if HAS_BIAS:
-                bias = e.bias_ptr + expert64 * e.stride_bias + cols
-                gate += gl.load(bias, mask=real, other=0.0).to(gl.float32)[None, :]
-                up += gl.load(bias + p.inter, mask=real, other=0.0).to(gl.float32)[None, :]
-            if ACTIVATION == 0:
-                act = gate * _sigmoid(gate) * up
             else:
-                gate = gl.minimum(gate, e.limit)
-                up = gl.minimum(gl.maximum(up, -e.limit), e.limit)
-                act = (up + 1.0) * gate * _sigmoid(e.alpha * gate)
-
-            srows = block * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, store_layout))
-            scols = n_tile * BI + gl.arange(0, BI, layout=gl.SliceLayout(0, store_layout))
-            y = gl.convert_layout(act.to(e.out_ptr.dtype.element_ty), store_layout)
-            out = e.out_ptr + srows.to(gl.int64)[:, None] * e.stride_out + scols[None, :]
-            gl.store(out, y, mask=(scols < p.inter)[None, :])
+                count += gl.cdiv(p.H, BK)  # the other role's stages
+            owned += 1
 
 
 @gluon.jit
@@ -357,6 +439,7 @@ def _w13_hopper_kernel(
     HAS_LORA: gl.constexpr,
     RP: gl.constexpr,
     STAGES: gl.constexpr,
+    PINGPONG: gl.constexpr,  # two compute roles taking turns (16-bit only; num_warps 4)
     LOADER_WARPS: gl.constexpr,
     LOADER_REGISTERS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -378,32 +461,39 @@ def _w13_hopper_kernel(
         xa_ptr, b_ptr, row_slots_ptr, R, stride_xa, stride_bs, stride_be, stride_bn, stride_br
     )
     scales = FP8Scales(xs_ptr, ws_ptr, stride_xs, stride_wse, stride_wsn)
-    gl.warp_specialize(
-        [
-            (
-                _compute,
+    if PINGPONG:
+        order = turn_barriers()
+        gl.warp_specialize(
+            [
                 (
-                    p,
-                    e,
-                    lora,
-                    scales,
-                    FP8,
-                    ACTIVATION,
-                    HAS_BIAS,
-                    HAS_LORA,
-                    BM,
-                    BI,
-                    BK,
-                    STAGES,
-                    RP,
-                    num_warps,
+                    _take_turns,
+                    (p, e, lora, scales, order, ACTIVATION, HAS_BIAS, HAS_LORA, BM, BI, BK,
+                     STAGES, RP, 0),
                 ),
-            ),
-            (_loader, (p, BM, BI, BK, STAGES)),
-        ],
-        [LOADER_WARPS],
-        [LOADER_REGISTERS],
-    )
+                (
+                    _take_turns,
+                    (p, e, lora, scales, order, ACTIVATION, HAS_BIAS, HAS_LORA, BM, BI, BK,
+                     STAGES, RP, 1),
+                ),
+                (_loader, (p, BM, BI, BK, STAGES)),
+            ],
+            [PINGPONG_WARPS, LOADER_WARPS],
+            [PINGPONG_REGISTERS, LOADER_REGISTERS],
+        )  # fmt: skip
+        invalidate_turn_barriers(order)
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _compute,
+                    (p, e, lora, scales, FP8, ACTIVATION, HAS_BIAS, HAS_LORA, BM, BI, BK,
+                     STAGES, RP, num_warps),
+                ),
+                (_loader, (p, BM, BI, BK, STAGES)),
+            ],
+            [LOADER_WARPS],
+            [LOADER_REGISTERS],
+        )  # fmt: skip
     invalidate_barriers(ready, empty, STAGES)
 
 
@@ -420,11 +510,14 @@ def w13_stage_hopper(
     lora_b: torch.Tensor | None,
     row_slots: torch.Tensor | None,
     w13_scale: torch.Tensor | None = None,
+    pingpong: bool = False,
 ) -> torch.Tensor:
     """The w13 stage (see the module doc): the (max_rows, I) activation in x's dtype; ``xa``
     (max_rows, RP) from the LoRA shrink and ``lora_b`` (S, E, 2I, R) B13, or both None
     without LoRA; ``w13_scale``: w13 is FP8 with these block scales, and x is quantised for
-    the FP8 tensor cores first (its rows' scales gathered with them)."""
+    the FP8 tensor cores first (its rows' scales gathered with them); ``pingpong``: the
+    compute warpgroups take turns (``kernels.hopper_gemm``; 16-bit weights, FP8 runs them
+    together)."""
     row_scales = None
     if w13_scale is None:
         rows = gather_rows(x, alignment, top_k)
@@ -435,7 +528,7 @@ def w13_stage_hopper(
     out = torch.empty((rows.shape[0], w13.shape[1] // 2), dtype=x.dtype, device=x.device)
     launch = w13_launch(
         rows, w13, b13, activation, alpha, limit, alignment, xa, lora_b, row_slots, out,
-        row_scales, w13_scale,
+        row_scales, w13_scale, pingpong,
     )  # fmt: skip
     launch(x.device)
     return out
@@ -455,13 +548,18 @@ def w13_launch(
     out: torch.Tensor,
     row_scales: torch.Tensor | None = None,
     w13_scale: torch.Tensor | None = None,
+    pingpong: bool = False,
 ) -> KernelLaunch:
     """The w13 kernel's launch over the gathered ``rows`` (max_rows, H) into ``out``
     (max_rows, I); with FP8 ``rows`` are quantised, their scales ``row_scales``."""
     e, two_i, h = w13.shape
     inter = two_i // 2
     fp8 = w13_scale is not None
+    pingpong = pingpong and not fp8
     block_i, block_k = (FP8_BLOCK_I, FP8_BLOCK_K) if fp8 else (BLOCK_I, BLOCK_K)
+    if pingpong:
+        block_i = PINGPONG_BLOCK_I
+    stages = FP8_BUFFERS if fp8 else PINGPONG_BUFFERS if pingpong else NUM_BUFFERS
     x_desc, w_desc = tma_operands(rows, w13.view(e * two_i, h), block_i, block_k)
     lora = LaunchLoRA.of(xa, lora_b, row_slots, out, alignment.sorted_pair_ids)
     bias = b13 if b13 is not None else out
@@ -478,7 +576,8 @@ def w13_launch(
         dict(
             FP8=fp8, ACTIVATION=0 if activation == Activation.SILU else 1,
             HAS_BIAS=b13 is not None, HAS_LORA=lora.on, RP=lora.padded_rank,
-            STAGES=FP8_BUFFERS if fp8 else NUM_BUFFERS, LOADER_WARPS=LOADER_WARPS,
-            LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
+            STAGES=stages, PINGPONG=pingpong, LOADER_WARPS=LOADER_WARPS,
+            LOADER_REGISTERS=LOADER_REGISTERS,
+            num_warps=PINGPONG_WARPS.value if pingpong else NUM_WARPS,
         ),
     )  # fmt: skip

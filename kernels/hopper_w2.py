@@ -49,6 +49,9 @@ from kernels.hopper_gemm import (
     LOADER_WARPS,
     NUM_BUFFERS,
     NUM_WARPS,
+    PINGPONG_BUFFERS,
+    PINGPONG_REGISTERS,
+    PINGPONG_WARPS,
     FP8Scales,
     KernelLaunch,
     LaunchLoRA,
@@ -57,18 +60,22 @@ from kernels.hopper_gemm import (
     fp8_scale_args,
     fp8_step_scale,
     invalidate_barriers,
+    invalidate_turn_barriers,
     lora_expand,
     scalar,
     stage_barriers,
     tile_of,
     tma_operands,
+    turn_barriers,
+    wait_for_turn,
 )
 
 #: Output columns per tile (W2 rows): 256, or with FP8 weights 128 (one scale block, and room
-#: for each step's product beside the sum); the rest of the launch configuration is
-#: ``kernels.hopper_gemm``'s.
+#: for each step's product beside the sum), or ping-pong 128 (one warpgroup's accumulator);
+#: the rest of the launch configuration is ``kernels.hopper_gemm``'s.
 BLOCK_N = 256
 FP8_BLOCK_N = 128
+PINGPONG_BLOCK_N = 128
 
 
 @aggregate
@@ -155,6 +162,111 @@ def _loader(p: _W2Args, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, ST
 
 
 @gluon.jit
+def _tile(
+    p: _W2Args,
+    e: _Epilogue,
+    lora: LoRAExpand,
+    scales: FP8Scales,
+    block,
+    n_tile,
+    expert,
+    count,
+    FP8: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    HAS_LORA: gl.constexpr,
+    ATOMIC_SUM: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    RP: gl.constexpr,
+    num_warps: gl.constexpr,
+    order=None,
+    ROLE: gl.constexpr = 0,
+    turn=0,
+):
+    """One tile on the compute warpgroups: the main loop's wgmmas over the stages from
+    ``count`` on, then the epilogue; returns the stage count after it. With ``order`` (the
+    ping-pong barriers, ``_take_turns``) the main loop waits for role ``ROLE``'s ``turn``-th
+    turn (``kernels.hopper_gemm.wait_for_turn``) and hands the tensor cores to the other role
+    before the epilogue."""
+    lora_dtype: gl.constexpr = lora.b_ptr.dtype.element_ty
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1],
+        instr_shape=[16, BN, 256 // p.act_desc.dtype.primitive_bitwidth],
+    )  # fmt: skip
+    # Stores: each warp writes whole 16-byte pieces of rows.
+    store_layout: gl.constexpr = gl.BlockedLayout(
+        [1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0]
+    )
+    mma_rows: gl.constexpr = gl.SliceLayout(1, mma)
+    mma_cols: gl.constexpr = gl.SliceLayout(0, mma)
+    expert64 = expert.to(gl.int64)
+    acc = gl.zeros([BM, BN], gl.float32, layout=mma)
+    if FP8:
+        rows = block * BM + gl.arange(0, BM, layout=mma_rows)
+        for k in range(0, p.inter, BK):
+            stage = count % STAGES
+            mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
+            part = warpgroup_mma(
+                p.a_bufs.index(stage), p.b_bufs.index(stage).permute((1, 0)), acc,
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            scale = fp8_step_scale(scales, rows, expert64, n_tile * BN, k)
+            # The step's product is scaled before it joins the sum: wait for it.
+            part = warpgroup_mma_wait(0, deps=(part,))
+            mbarrier.arrive(p.empty.index(stage))
+            acc += part * scale[:, None]
+            count += 1
+    else:
+        if order is not None:
+            wait_for_turn(order, ROLE, turn)
+        for k in range(0, p.inter, BK):
+            stage = count % STAGES
+            mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
+            acc = warpgroup_mma(
+                p.a_bufs.index(stage), p.b_bufs.index(stage).permute((1, 0)), acc,
+                is_async=True,
+            )  # fmt: skip
+            # One wgmma stays in flight; the one before it has read its stage.
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
+            count += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES))
+        if order is not None:
+            mbarrier.arrive(order.index(1 - ROLE))  # the other role's turn
+
+    # Computed after the main loop: nothing more stays alive through it.
+    rows = block * BM + gl.arange(0, BM, layout=mma_rows)
+    cols = n_tile * BN + gl.arange(0, BN, layout=mma_cols)
+    if HAS_LORA:
+        acc = lora_expand(
+            acc, lora, expert64, rows, cols, cols < p.H, lora_dtype, BM, BN, RP, num_warps
+        )
+    if HAS_BIAS:
+        bias = gl.load(e.bias_ptr + expert64 * e.stride_bias + cols, mask=cols < p.H, other=0.0)
+        acc += bias.to(gl.float32)[None, :]
+    pair = gl.load(e.pair_ids_ptr + rows)
+    weight = gl.load(e.topk_weights_ptr + pair, mask=pair >= 0, other=0.0)
+    acc = acc * weight[:, None]
+
+    srows = block * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, store_layout))
+    scols = n_tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, store_layout))
+    spair = gl.load(e.pair_ids_ptr + srows)
+    mask = (spair >= 0)[:, None] & (scols < p.H)[None, :]
+    if ATOMIC_SUM:
+        out_rows = (spair // e.top_k).to(gl.int64) * e.stride_out
+        y = gl.convert_layout(acc, store_layout)
+        gl.atomic_add(e.out_ptr + out_rows[:, None] + scols[None, :], y, mask=mask, sem="relaxed")
+    else:
+        out_rows = spair.to(gl.int64) * e.stride_out
+        y = gl.convert_layout(acc.to(e.out_ptr.dtype.element_ty), store_layout)
+        gl.store(e.out_ptr + out_rows[:, None] + scols[None, :], y, mask=mask)
+    return count
+
+
+@gluon.jit
 def _compute(
     p: _W2Args,
     e: _Epilogue,
@@ -171,86 +283,55 @@ def _compute(
     RP: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """The compute warpgroups: the main loop's wgmmas over the stages, then the epilogue."""
-    lora_dtype: gl.constexpr = lora.b_ptr.dtype.element_ty
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1],
-        instr_shape=[16, BN, 256 // p.act_desc.dtype.primitive_bitwidth],
-    )  # fmt: skip
-    # Stores: each warp writes whole 16-byte pieces of rows.
-    store_layout: gl.constexpr = gl.BlockedLayout(
-        [1, 8], [32 * 8 // BN, BN // 8], [num_warps, 1], [1, 0]
-    )
-    mma_rows: gl.constexpr = gl.SliceLayout(1, mma)
-    mma_cols: gl.constexpr = gl.SliceLayout(0, mma)
+    """The compute warpgroups, together on every tile of the program."""
     num_n = gl.cdiv(p.H, BN)
     count = 0
     for tile in range(gl.program_id(0), p.num_blocks * num_n, gl.num_programs(0)):
         block, n_tile = tile_of(tile, p.num_blocks, num_n, GROUP_M)
         expert = gl.load(p.block_experts_ptr + block)
         if expert >= 0:
-            expert64 = expert.to(gl.int64)
-            acc = gl.zeros([BM, BN], gl.float32, layout=mma)
-            if FP8:
-                rows = block * BM + gl.arange(0, BM, layout=mma_rows)
-                for k in range(0, p.inter, BK):
-                    stage = count % STAGES
-                    mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
-                    part = warpgroup_mma(
-                        p.a_bufs.index(stage), p.b_bufs.index(stage).permute((1, 0)), acc,
-                        use_acc=False, is_async=True,
-                    )  # fmt: skip
-                    scale = fp8_step_scale(scales, rows, expert64, n_tile * BN, k)
-                    # The step's product is scaled before it joins the sum: wait for it.
-                    part = warpgroup_mma_wait(0, deps=(part,))
-                    mbarrier.arrive(p.empty.index(stage))
-                    acc += part * scale[:, None]
-                    count += 1
-            else:
-                for k in range(0, p.inter, BK):
-                    stage = count % STAGES
-                    mbarrier.wait(p.ready.index(stage), (count // STAGES) & 1)
-                    acc = warpgroup_mma(
-                        p.a_bufs.index(stage), p.b_bufs.index(stage).permute((1, 0)), acc,
-                        is_async=True,
-                    )  # fmt: skip
-                    # One wgmma stays in flight; the one before it has read its stage.
-                    acc = warpgroup_mma_wait(1, deps=(acc,))
-                    mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
-                    count += 1
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(p.empty.index((count + STAGES - 1) % STAGES))
+            count = _tile(
+                p, e, lora, scales, block, n_tile, expert, count, FP8, HAS_BIAS, HAS_LORA,
+                ATOMIC_SUM, BM, BN, BK, STAGES, RP, num_warps,
+            )  # fmt: skip
 
-            # Computed after the main loop: nothing more stays alive through it.
-            rows = block * BM + gl.arange(0, BM, layout=mma_rows)
-            cols = n_tile * BN + gl.arange(0, BN, layout=mma_cols)
-            if HAS_LORA:
-                acc = lora_expand(
-                    acc, lora, expert64, rows, cols, cols < p.H, lora_dtype, BM, BN, RP, num_warps
-                )
-            if HAS_BIAS:
-                bias = gl.load(
-                    e.bias_ptr + expert64 * e.stride_bias + cols, mask=cols < p.H, other=0.0
-                )
-                acc += bias.to(gl.float32)[None, :]
-            pair = gl.load(e.pair_ids_ptr + rows)
-            weight = gl.load(e.topk_weights_ptr + pair, mask=pair >= 0, other=0.0)
-            acc = acc * weight[:, None]
 
-            srows = block * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, store_layout))
-            scols = n_tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, store_layout))
-            spair = gl.load(e.pair_ids_ptr + srows)
-            mask = (spair >= 0)[:, None] & (scols < p.H)[None, :]
-            if ATOMIC_SUM:
-                out_rows = (spair // e.top_k).to(gl.int64) * e.stride_out
-                y = gl.convert_layout(acc, store_layout)
-                gl.atomic_add(
-                    e.out_ptr + out_rows[:, None] + scols[None, :], y, mask=mask, sem="relaxed"
-                )
+@gluon.jit
+def _take_turns(
+    p: _W2Args,
+    e: _Epilogue,
+    lora: LoRAExpand,
+    scales: FP8Scales,
+    order,
+    HAS_BIAS: gl.constexpr,
+    HAS_LORA: gl.constexpr,
+    ATOMIC_SUM: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    STAGES: gl.constexpr,
+    RP: gl.constexpr,
+    ROLE: gl.constexpr,
+):
+    """One of the two ping-pong compute warpgroups (``ROLE`` 0 or 1, ``kernels.hopper_gemm``):
+    every other tile of the program, its stages in the one ring; the other role's tiles only
+    advance the stage count."""
+    num_n = gl.cdiv(p.H, BN)
+    count = 0
+    owned = 0
+    for tile in range(gl.program_id(0), p.num_blocks * num_n, gl.num_programs(0)):
+        block, n_tile = tile_of(tile, p.num_blocks, num_n, GROUP_M)
+        expert = gl.load(p.block_experts_ptr + block)
+        if expert >= 0:
+            if owned % 2 == ROLE:
+                count = _tile(
+                    p, e, lora, scales, block, n_tile, expert, count, False, HAS_BIAS,
+                    HAS_LORA, ATOMIC_SUM, BM, BN, BK, STAGES, RP, PINGPONG_WARPS, order, ROLE,
+                    owned // 2,
+                )  # fmt: skip
             else:
-                out_rows = spair.to(gl.int64) * e.stride_out
-                y = gl.convert_layout(acc.to(e.out_ptr.dtype.element_ty), store_layout)
-                gl.store(e.out_ptr + out_rows[:, None] + scols[None, :], y, mask=mask)
+                count += gl.cdiv(p.inter, BK)  # the other role's stages
+            owned += 1
 
 
 @gluon.jit
@@ -288,6 +369,7 @@ def _w2_hopper_kernel(
     ATOMIC_SUM: gl.constexpr,
     RP: gl.constexpr,
     STAGES: gl.constexpr,
+    PINGPONG: gl.constexpr,  # two compute roles taking turns (16-bit only; num_warps 4)
     LOADER_WARPS: gl.constexpr,
     LOADER_REGISTERS: gl.constexpr,
     num_warps: gl.constexpr,
@@ -307,32 +389,39 @@ def _w2_hopper_kernel(
         xa_ptr, b_ptr, row_slots_ptr, R, stride_xa, stride_bs, stride_be, stride_bn, stride_br
     )
     scales = FP8Scales(xs_ptr, ws_ptr, stride_xs, stride_wse, stride_wsn)
-    gl.warp_specialize(
-        [
-            (
-                _compute,
+    if PINGPONG:
+        order = turn_barriers()
+        gl.warp_specialize(
+            [
                 (
-                    p,
-                    e,
-                    lora,
-                    scales,
-                    FP8,
-                    HAS_BIAS,
-                    HAS_LORA,
-                    ATOMIC_SUM,
-                    BM,
-                    BN,
-                    BK,
-                    STAGES,
-                    RP,
-                    num_warps,
+                    _take_turns,
+                    (p, e, lora, scales, order, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN, BK,
+                     STAGES, RP, 0),
                 ),
-            ),
-            (_loader, (p, BM, BN, BK, STAGES)),
-        ],
-        [LOADER_WARPS],
-        [LOADER_REGISTERS],
-    )
+                (
+                    _take_turns,
+                    (p, e, lora, scales, order, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN, BK,
+                     STAGES, RP, 1),
+                ),
+                (_loader, (p, BM, BN, BK, STAGES)),
+            ],
+            [PINGPONG_WARPS, LOADER_WARPS],
+            [PINGPONG_REGISTERS, LOADER_REGISTERS],
+        )  # fmt: skip
+        invalidate_turn_barriers(order)
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _compute,
+                    (p, e, lora, scales, FP8, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN, BK,
+                     STAGES, RP, num_warps),
+                ),
+                (_loader, (p, BM, BN, BK, STAGES)),
+            ],
+            [LOADER_WARPS],
+            [LOADER_REGISTERS],
+        )  # fmt: skip
     invalidate_barriers(ready, empty, STAGES)
 
 
@@ -348,16 +437,19 @@ def w2_stage_hopper(
     atomic_sum: bool,
     out: torch.Tensor,
     w2_scale: torch.Tensor | None = None,
+    pingpong: bool = False,
 ) -> None:
     """The w2 stage (see the module doc) into ``out``; ``xa`` (max_rows, RP) from the LoRA
     shrink and ``lora_b`` (S, E, H, R) B2, or both None without LoRA; ``w2_scale``: w2 is FP8
-    with these block scales, and act is quantised for the FP8 tensor cores first."""
+    with these block scales, and act is quantised for the FP8 tensor cores first;
+    ``pingpong``: the compute warpgroups take turns (``kernels.hopper_gemm``; 16-bit weights,
+    FP8 runs them together)."""
     act_scale = None
     if w2_scale is not None:
         act, act_scale = quantize_activations(act)
     launch = w2_launch(
         act, w2, b2, topk_weights, alignment, xa, lora_b, row_slots, atomic_sum, out,
-        act_scale, w2_scale,
+        act_scale, w2_scale, pingpong,
     )  # fmt: skip
     launch(act.device)
 
@@ -375,12 +467,17 @@ def w2_launch(
     out: torch.Tensor,
     act_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    pingpong: bool = False,
 ) -> KernelLaunch:
     """The w2 kernel's launch (arguments as ``w2_stage_hopper``'s; with FP8, act already
     quantised, its scales ``act_scale``)."""
     e, h, inter = w2.shape
     fp8 = w2_scale is not None
+    pingpong = pingpong and not fp8
     block_n, block_k = (FP8_BLOCK_N, FP8_BLOCK_K) if fp8 else (BLOCK_N, BLOCK_K)
+    if pingpong:
+        block_n = PINGPONG_BLOCK_N
+    stages = FP8_BUFFERS if fp8 else PINGPONG_BUFFERS if pingpong else NUM_BUFFERS
     act_desc, w_desc = tma_operands(act, w2.view(e * h, inter), block_n, block_k)
     lora = LaunchLoRA.of(xa, lora_b, row_slots, out, alignment.sorted_pair_ids)
     bias = b2 if b2 is not None else out
@@ -397,7 +494,8 @@ def w2_launch(
         ),
         dict(
             FP8=fp8, HAS_BIAS=b2 is not None, HAS_LORA=lora.on, ATOMIC_SUM=atomic_sum,
-            RP=lora.padded_rank, STAGES=FP8_BUFFERS if fp8 else NUM_BUFFERS,
-            LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=LOADER_REGISTERS, num_warps=NUM_WARPS,
+            RP=lora.padded_rank, STAGES=stages, PINGPONG=pingpong, LOADER_WARPS=LOADER_WARPS,
+            LOADER_REGISTERS=LOADER_REGISTERS,
+            num_warps=PINGPONG_WARPS.value if pingpong else NUM_WARPS,
         ),
     )  # fmt: skip

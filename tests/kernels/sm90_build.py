@@ -39,11 +39,13 @@ class Variant:
     switch: bool
     rp: int = 16
     fp8: bool = False  # FP8 weights and inputs (W8A8)
+    pingpong: bool = False  # the compute warpgroups taking turns (GemmConfig.pingpong)
 
     @property
     def name(self) -> str:
         flags = f"lora={int(self.lora)} switch={int(self.switch)} rp={self.rp}"
-        return f"{self.kernel} {self.dtype}{' fp8' if self.fp8 else ''} {flags}"
+        kind = " fp8" if self.fp8 else " pingpong" if self.pingpong else ""
+        return f"{self.kernel} {self.dtype}{kind} {flags}"
 
 
 VARIANTS = [
@@ -61,6 +63,16 @@ VARIANTS += [
         (True, False, 16),
         (True, True, 16),
         (True, False, hopper_gemm.MAX_RANK),
+    )
+]
+VARIANTS += [
+    Variant(kernel, "bfloat16", lora, switch, rp, pingpong=True)
+    for kernel in ("w13", "w2")
+    for lora, switch, rp in (
+        (False, False, 16),
+        (True, False, 16),
+        (True, True, 16),
+        (True, True, hopper_gemm.MAX_RANK),
     )
 ]
 
@@ -96,13 +108,14 @@ def _launch(dtype: torch.dtype, v: Variant) -> hopper_gemm.KernelLaunch:
         return hopper_w13.w13_launch(
             x, w, torch.zeros(_E, 2 * _I, dtype=dtype), activation, 1.702, 7.0, alignment,
             xa, lora_b, row_slots, torch.zeros(rows, _I, dtype=dtype), x_scale, w_scale,
+            v.pingpong,
         )  # fmt: skip
     top_k, tokens = 2, 64
     out_rows, out_dtype = (tokens, torch.float32) if v.switch else (tokens * top_k, dtype)
     return hopper_w2.w2_launch(
         x, w, torch.zeros(_E, _H, dtype=dtype), torch.zeros(tokens, top_k), alignment,
         xa, lora_b, row_slots, v.switch, torch.zeros(out_rows, _H, dtype=out_dtype),
-        x_scale, w_scale,
+        x_scale, w_scale, v.pingpong,
     )  # fmt: skip
 
 

@@ -3,7 +3,14 @@ with the bf16 row of the same shape and M, and never with vLLM's bf16 anchors.""
 
 from __future__ import annotations
 
-from kernels.bench import HOPPER_LABEL, TRITON_LABEL, Row, markdown, summary
+from kernels.bench import (
+    HOPPER_LABEL,
+    HOPPER_PINGPONG_LABEL,
+    TRITON_LABEL,
+    Row,
+    markdown,
+    summary,
+)
 
 
 def _row(tokens: int, weights: str, lora_us: float) -> Row:
@@ -43,6 +50,12 @@ def test_hopper_and_selected_rows_are_timed_against_the_triton_row_and_count_for
     text = summary(rows)
     assert (
         "time / Triton kernels', qwen3 M = 4096: Hopper kernels base 1.00, +LoRA 0.80; "
+        "as selected base 1.00, +LoRA 0.90"
+    ) in text
+    # With the row taking turns beside them.
+    text = summary([*rows, _row(4096, HOPPER_PINGPONG_LABEL, 700.0)])
+    assert (
+        "Hopper kernels base 1.00, +LoRA 0.80; taking turns base 1.00, +LoRA 0.70; "
         "as selected base 1.00, +LoRA 0.90"
     ) in text
     assert "FP8" not in text

@@ -24,7 +24,7 @@ import torch
 
 from kernels import hopper_gemm, hopper_w2, hopper_w13
 from kernels.align import Alignment, align_pairs
-from kernels.configs import MoEConfig
+from kernels.configs import GemmConfig, MoEConfig
 from kernels.forward import fused_moe, moe_forward
 from kernels.heuristic import heuristic_config
 from kernels.hopper_w13 import gather_rows, gather_rows_reference
@@ -71,13 +71,18 @@ def test_builds_for_hopper_as_a_warp_specialised_wgmma_kernel(
 ) -> None:
     asm = sm90_builds[variant.name]
     sass = asm["sass"]
-    # Two warpgroups of 64 rows, fp32 accumulators, 16-deep steps (SASS names bf16 operands;
-    # fp16 is its default); w2 one 256-column accumulator, w13 a gate and an up of 128.
+    # Warpgroups of 64-row wgmmas, fp32 accumulators, 16-deep steps (SASS names bf16 operands;
+    # fp16 is its default); w2 one 256-column accumulator, w13 a gate and an up of 128; taking
+    # turns, each warpgroup half as wide.
     operand = ".BF16" if variant.dtype == "bfloat16" else " "
     if variant.fp8:  # the FP8 tensor cores (32-deep steps); the LoRA expand stays 16-bit
         columns = hopper_w2.FP8_BLOCK_N if variant.kernel == "w2" else hopper_w13.FP8_BLOCK_I
         assert f"QGMMA.64x{columns}x32.F32.E4M3.E4M3" in sass
         assert (f"HGMMA.64x{columns}x16.F32{operand}" in sass) == variant.lora
+    elif variant.pingpong:
+        pingpong = hopper_w2.PINGPONG_BLOCK_N, hopper_w13.PINGPONG_BLOCK_I
+        columns = pingpong[0] if variant.kernel == "w2" else pingpong[1]
+        assert f"HGMMA.64x{columns}x16.F32{operand}" in sass
     else:
         columns = hopper_w2.BLOCK_N if variant.kernel == "w2" else hopper_w13.BLOCK_I
         assert f"HGMMA.64x{columns}x16.F32{operand}" in sass
@@ -86,8 +91,11 @@ def test_builds_for_hopper_as_a_warp_specialised_wgmma_kernel(
     assert "setmaxnreg.dec" in asm["ptx"] and "setmaxnreg.inc" in asm["ptx"]
     if variant.kernel == "w2":  # the atomic sum over k
         assert ("REDG.E.ADD.F32" in sass) == variant.switch
-    # The registers suffice: no spills to local memory at rank 16.
-    assert "STL" not in sass and "LDL" not in sass
+    # The registers suffice: no spills to local memory at rank 16, but for one register that
+    # w2 taking turns keeps in local memory across its atomic-sum epilogue with LoRA (a store
+    # and a load a tile).
+    one_spill = variant.pingpong and variant.kernel == "w2" and variant.switch and variant.lora
+    assert sass.count("STL") <= one_spill and sass.count("LDL") <= one_spill
 
 
 def test_fit_in_shared_memory_up_to_their_largest_rank(
@@ -147,9 +155,10 @@ def test_take_16_bit_and_w8a8_fp8_operands_in_blocks_of_128_rows_and_nothing_els
     assert not hopper_gemm.on_hopper(x.device)
 
 
-def _hopper(config: MoEConfig) -> MoEConfig:
+def _hopper(config: MoEConfig, pingpong: bool = False) -> MoEConfig:
     return dataclasses.replace(
-        config.each_gemm(hopper=True, fused_shrink=False), block_m=hopper_gemm.BLOCK_M
+        config.each_gemm(hopper=True, fused_shrink=False, pingpong=pingpong),
+        block_m=hopper_gemm.BLOCK_M,
     )
 
 
@@ -168,8 +177,9 @@ def test_asked_for_where_they_cannot_run_the_triton_kernels_answer(
     )
     for context in (lora, None):
         plain = fused_moe(hidden, layer, context, routing, config)
-        asked = fused_moe(hidden, layer, context, routing, _hopper(config))
-        assert torch.equal(plain, asked), name
+        for pingpong in (False, True):
+            asked = fused_moe(hidden, layer, context, routing, _hopper(config, pingpong))
+            assert torch.equal(plain, asked), (name, pingpong)
 
 
 @pytest.mark.parametrize(
@@ -197,6 +207,7 @@ gpu = pytest.mark.skipif(
 @gpu
 @pytest.mark.gpu
 @pytest.mark.usefixtures("poison_allocations")
+@pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("atomic_sum", [False, True])
 @pytest.mark.parametrize(
     ("shape", "tokens", "dtype", "activation"),
@@ -214,6 +225,7 @@ def test_matches_the_reference_on_hopper(
     dtype: torch.dtype,
     activation: Activation,
     atomic_sum: bool,
+    pingpong: bool,
 ) -> None:
     e, h, i, k = shape
     gpt_oss = activation is Activation.GPT_OSS
@@ -228,11 +240,20 @@ def test_matches_the_reference_on_hopper(
     token_slots = torch.tensor([(t % 6) - 1 if t % 6 else 7 for t in range(tokens)])
     lora = lora_context(slots, token_slots.to(torch.int32))
     # The large-M heuristic's tiles (blocks of 128 rows) at every M.
-    config = _hopper(dataclasses.replace(heuristic_config(4096, e, h, i, k), atomic_sum=atomic_sum))
+    config = _hopper(
+        dataclasses.replace(heuristic_config(4096, e, h, i, k), atomic_sum=atomic_sum), pingpong
+    )
     for context in (lora, None):
         expected = moe_forward_reference(hidden, layer, context, routing)
         got = _on_the_hopper_kernels(hidden, layer, context, routing, config)
         assert_rows_close(got, expected, f"{shape} M={tokens} lora={context is not None}")
+        if pingpong and not atomic_sum:  # taking turns changes no sum's order: the same bits
+            together = dataclasses.replace(config, w13=plain(config.w13), w2=plain(config.w2))
+            assert torch.equal(got, fused_moe(hidden, layer, context, routing, together))
+
+
+def plain(gemm: GemmConfig) -> GemmConfig:
+    return dataclasses.replace(gemm, pingpong=False)
 
 
 def _on_the_hopper_kernels(
