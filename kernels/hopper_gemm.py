@@ -32,8 +32,9 @@ idle, and 128×256 tiles use all 255 registers, so nothing else hides it; Triton
 warp-specialise these loops on sm_90.
 
 Launch configuration in one place: blocks of 128 aligned rows, 64-wide K steps, three stages
-(FP8: 128-wide, four), two compute warpgroups, one loader warp with the fewest registers
-(setmaxnreg gives the rest to the compute warpgroups).
+(FP8: 128-wide, four; taking turns: four), two compute warpgroups, one loader warp with the
+fewest registers (setmaxnreg gives the rest to the compute warpgroups); each kernel's tile
+widths in its own module.
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
