@@ -220,19 +220,18 @@ PROGRAM_KNOBS = ("w13", "w2", "split_k")
 
 def hopper_knobs(best: MoEConfig) -> list[MoEConfig]:
     """``best`` with w13, w2 or both on the Hopper kernels (``kernels.hopper_w13``,
-    ``kernels.hopper_w2``), their compute warpgroups sharing each tile or taking turns
-    (``GemmConfig.pingpong``), in their blocks of ``BLOCK_M`` rows; none for streaming tiles
-    (few rows per expert: measured on an H200, the Hopper kernels win from about 128 rows per
-    expert, by 10-15% on Mixtral at M = 4096, and lose below that)."""
+    ``kernels.hopper_w2``), in their blocks of ``BLOCK_M`` rows; none for streaming tiles (few
+    rows per expert: measured on an H200, the Hopper kernels win from about 128 rows per expert,
+    by 10-15% on Mixtral at M = 4096, and lose below that)."""
     if _streaming(best.block_m):
         return []
     at = dataclasses.replace(best, block_m=BLOCK_M)
-    w13s = [at.w13, *(dataclasses.replace(at.w13, hopper=True, pingpong=p) for p in (False, True))]
-    w2s = [at.w2, *(dataclasses.replace(at.w2, hopper=True, pingpong=p) for p in (False, True))]
+    w13 = dataclasses.replace(at.w13, hopper=True)
+    w2 = dataclasses.replace(at.w2, hopper=True)
     return [
-        dataclasses.replace(at, w13=w13, w2=w2)
-        for w13, w2 in itertools.product(w13s, w2s)
-        if w13.hopper or w2.hopper
+        dataclasses.replace(at, w13=w13),
+        dataclasses.replace(at, w2=w2),
+        dataclasses.replace(at, w13=w13, w2=w2),
     ]
 
 
