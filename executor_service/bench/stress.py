@@ -12,12 +12,13 @@ attention tier does and checks every single answer:
   graphs replay;
 * each pool request's answer is computed first, alone and eagerly, by the executor's own
   engine in this process (``reference.EagerReference``);
-* ``clients`` processes, each on its own connection, send random pool requests for
-  ``seconds`` and compare every answer row by row (``answers.worst_row_error`` against
-  ``answers.row_tolerance``). They take the ``modes`` in turn: bytes in unary ``Forward`` and
-  in ``ForwardStream``, a shared-memory ring, CUDA tensors through the client's own device
-  path, asyncio direct channels with calls overlapping and leases churning, blocking channels
-  through their spin blocks, and network channels (``stress_client.MODES``).
+* ``clients`` processes, released together once each has started (imports, pool, CUDA context: a
+  real service's clients start elsewhere), each on its own connection, send random pool requests
+  for ``seconds`` and compare every answer row by row (``answers.worst_row_error`` against
+  ``answers.row_tolerance``). They take the ``modes`` in turn: bytes in unary ``Forward`` and in
+  ``ForwardStream``, a shared-memory ring, CUDA tensors through the client's own device path,
+  asyncio direct channels with calls overlapping and leases churning, blocking channels through
+  their spin blocks, and network channels (``stress_client.MODES``).
 
 It fails on any status other than OK (RESOURCE_EXHAUSTED, a busy executor's answer, is allowed
 up to ``MAX_EXHAUSTED_SHARE`` of the calls), on any mismatch, on a broken stream, and if the
@@ -27,6 +28,7 @@ requests, merged batch sizes, graph buckets hit and slot loads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import json
@@ -110,7 +112,7 @@ class StressSettings:
 @dataclass(frozen=True)
 class Answer:
     """One answered call: how long it took, its client's mode, its T, and when it began
-    (seconds after the clients were started)."""
+    (seconds after the clients were released)."""
 
     seconds: float
     mode: str
@@ -273,7 +275,7 @@ class StressReport:
             "Slowest answers: "
             + "; ".join(
                 f"{1e3 * c.seconds:.0f} ms ({c.mode}, T {c.tokens}, began {c.began_s:.1f} s "
-                "after the clients started)"
+                "after the clients were released)"
                 for c in self.slowest
             ),
             "",
@@ -484,7 +486,19 @@ def _drive(
             f"--tolerance={report.tolerance}", f"--lease={hot}",
             f"--network-device={settings.network_device()}",
         ]  # fmt: skip
-        clients.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+        clients.append(
+            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        )
+    # Released together once each has started (imports, pool, CUDA context): clients of a real
+    # service start elsewhere, so their start-up must not run beside the first requests.
+    for proc in clients:
+        assert proc.stdout is not None and proc.stdin is not None
+        proc.stdout.readline()  # "ready", or nothing from one that failed (reported below)
+    for proc in clients:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # communicate() closes it below
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
     clients_started = time.time()
     try:
         for proc in clients:

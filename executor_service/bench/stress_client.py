@@ -1,10 +1,12 @@
 """One client process of the stress run (``python -m executor_service.bench.stress_client``).
 
 Loads the request pool that the driver wrote (each request's bf16 hidden states and the answer
-it must get, memory-mapped so that every client shares one copy), then until ``--seconds``
-pass: picks a random request, sends it the way ``--mode`` says, and compares every answer with
-the request's reference, row by row. Prints one JSON line: counts by status code, mismatches
-(the first few in detail), the worst row error and the latencies.
+it must get, memory-mapped so that every client shares one copy) and what its mode needs (torch,
+a CUDA context), prints ``ready`` and waits for a line on stdin: the driver releases every
+client at once, so that their start-up does not run beside the executor's first requests.
+Then until ``--seconds`` pass: picks a random request, sends it the way ``--mode`` says, and
+compares every answer with the request's reference, row by row. Prints one JSON line: counts
+by status code, mismatches (the first few in detail), the worst row error and the latencies.
 
 Modes (``MODES``): ``unary`` and ``stream`` send bytes with the generated stubs (numpy only);
 the others go through the client library as a same-host user would
@@ -22,6 +24,7 @@ import argparse
 import json
 import queue
 import random
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -212,6 +215,20 @@ def run(
     }
 
 
+def _prepare(mode: str, network_device: str) -> None:
+    """What ``mode`` needs before its first call: the client library's imports (torch) and,
+    for the CUDA transports, this process's CUDA context. The message modes need numpy only."""
+    if mode in ("unary", "stream"):
+        return
+    import torch
+
+    from executor_service.bench import stress_transports  # noqa: F401 (its imports, now)
+
+    device = network_device if mode == "network" else "cuda"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.zeros(1, device=device)  # creates the context
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--address", required=True)
@@ -225,6 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     pool = load_pool(args.pool)
     lease = [a for a in args.lease.split(",") if a]
+    _prepare(args.mode, args.network_device)
+    print("ready", flush=True)
+    sys.stdin.readline()  # the driver's word: every client starts at once
     report = run(
         args.address,
         pool,
