@@ -34,6 +34,7 @@ import heapq
 import json
 import math
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -87,6 +88,9 @@ class StressSettings:
     #: The clients' modes, taken in turn (``stress_client.MODES``); None: every mode the
     #: device can run (``device`` needs a GPU).
     modes: tuple[str, ...] | None = None
+    #: How long the clients may take to start (imports, pool, CUDA context) before the run
+    #: fails rather than waits.
+    client_start_seconds: float = 300.0
 
     def client_modes(self) -> tuple[str, ...]:
         if self.modes is not None:
@@ -491,9 +495,17 @@ def _drive(
         )
     # Released together once each has started (imports, pool, CUDA context): clients of a real
     # service start elsewhere, so their start-up must not run beside the first requests.
+    deadline = time.monotonic() + settings.client_start_seconds
     for proc in clients:
-        assert proc.stdout is not None and proc.stdin is not None
-        proc.stdout.readline()  # "ready", or nothing from one that failed (reported below)
+        assert proc.stdout is not None
+        readable, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if readable:
+            proc.stdout.readline()  # "ready", or nothing from one that failed (reported below)
+        else:
+            report.problems.append(
+                f"a client did not start within {settings.client_start_seconds:g} s"
+            )
+            proc.kill()
     for proc in clients:
         assert proc.stdin is not None
         with contextlib.suppress(BrokenPipeError):  # communicate() closes it below

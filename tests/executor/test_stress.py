@@ -40,6 +40,17 @@ def test_stress_on_the_cpu() -> None:
         assert -1.0 < call.began_s < settings.seconds + 60, call
 
 
+def test_clients_that_do_not_start_fail_the_run_rather_than_hang_it() -> None:
+    """Clients are released together once each has started; one that has not within
+    ``client_start_seconds`` fails the run (and is stopped), and the executor still stops."""
+    settings = StressSettings(
+        seconds=2, device="cpu", shape="tiny", clients=2, pool=4, client_start_seconds=0.0
+    )
+    report = run(settings)
+    assert any("did not start within 0 s" in p for p in report.failures()), report.failures()
+    assert not any("executor exited" in p or "did not stop" in p for p in report.problems)
+
+
 def test_host_loads_from_the_load_time_histogram() -> None:
     """The host tier's loads from the executor's histogram samples: the GPU tier's ignored,
     the slowest load placed under the first bound that holds every load."""
