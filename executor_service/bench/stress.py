@@ -338,7 +338,11 @@ def _pool(
     return pool
 
 
-def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+#: Scraped samples: (name, sorted labels) -> value.
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _scrape(url: str) -> Samples:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     samples = {}
     for family in text_string_to_metric_families(text):
@@ -347,20 +351,28 @@ def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return samples
 
 
+def _histogram(
+    samples: Samples, name: str, labels: tuple[tuple[str, str], ...] = ()
+) -> tuple[list[tuple[float, int]], int, float]:
+    """The series of histogram ``name`` with ``labels``: its cumulative buckets (upper bound,
+    observations up to it) in order, its count and its sum."""
+    buckets = sorted(
+        (float(dict(series)["le"]), int(value))
+        for (sample, series), value in samples.items()
+        if sample == f"{name}_bucket" and tuple(kv for kv in series if kv[0] != "le") == labels
+    )
+    count = int(samples.get((f"{name}_count", labels), 0))
+    return buckets, count, samples.get((f"{name}_sum", labels), 0.0)
+
+
 def _summarise_metrics(report: StressReport, url: str) -> None:
     samples = _scrape(url)
-    cumulative = {
-        dict(labels)["le"]: int(value)
-        for (name, labels), value in samples.items()
-        if name == "moelora_executor_batch_requests_bucket"
-    }
+    buckets, count, total = _histogram(samples, "moelora_executor_batch_requests")
     previous = 0
-    for bound in sorted(cumulative, key=lambda b: float(b)):
-        if bound != "+Inf":
-            report.batch_sizes[bound.removesuffix(".0")] = cumulative[bound] - previous
-            previous = cumulative[bound]
-    count = samples.get(("moelora_executor_batch_requests_count", ()), 0.0)
-    total = samples.get(("moelora_executor_batch_requests_sum", ()), 0.0)
+    for bound, cumulative in buckets:
+        if not math.isinf(bound):
+            report.batch_sizes[f"{bound:g}"] = cumulative - previous
+            previous = cumulative
     report.mean_batch = total / count if count else 0.0
     report.graph_replays = {
         int(dict(labels)["bucket"]): int(value)
@@ -384,17 +396,12 @@ def _summarise_metrics(report: StressReport, url: str) -> None:
     report.host_loads = host_loads(samples)
 
 
-def host_loads(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> HostLoads:
+def host_loads(samples: Samples) -> HostLoads:
     """The host tier's adapter loads from the executor's load-time histogram."""
-    name = "moelora_executor_adapter_load_seconds"
-    count = int(samples.get((f"{name}_count", (("tier", "host"),)), 0))
-    bounds = sorted(
-        (float(dict(labels)["le"]), value)
-        for (sample, labels), value in samples.items()
-        if sample == f"{name}_bucket" and dict(labels).get("tier") == "host"
+    buckets, count, seconds = _histogram(
+        samples, "moelora_executor_adapter_load_seconds", (("tier", "host"),)
     )
-    slowest = next((bound for bound, cumulative in bounds if cumulative >= count), 0.0)
-    seconds = samples.get((f"{name}_sum", (("tier", "host"),)), 0.0)
+    slowest = next((bound for bound, cumulative in buckets if cumulative >= count), 0.0)
     return HostLoads(count, seconds, slowest if count else 0.0)
 
 

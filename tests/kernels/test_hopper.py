@@ -24,7 +24,7 @@ import torch
 
 from kernels import hopper_gemm, hopper_w2, hopper_w13
 from kernels.align import Alignment, align_pairs
-from kernels.configs import GemmConfig, MoEConfig
+from kernels.configs import MoEConfig
 from kernels.forward import fused_moe, moe_forward
 from kernels.heuristic import heuristic_config
 from kernels.hopper_w13 import gather_rows, gather_rows_reference
@@ -248,12 +248,8 @@ def test_matches_the_reference_on_hopper(
         got = _on_the_hopper_kernels(hidden, layer, context, routing, config)
         assert_rows_close(got, expected, f"{shape} M={tokens} lora={context is not None}")
         if pingpong and not atomic_sum:  # taking turns changes no sum's order: the same bits
-            together = dataclasses.replace(config, w13=plain(config.w13), w2=plain(config.w2))
+            together = config.each_gemm(pingpong=False)
             assert torch.equal(got, fused_moe(hidden, layer, context, routing, together))
-
-
-def plain(gemm: GemmConfig) -> GemmConfig:
-    return dataclasses.replace(gemm, pingpong=False)
 
 
 def _on_the_hopper_kernels(
