@@ -219,20 +219,25 @@ PROGRAM_KNOBS = ("w13", "w2", "split_k")
 
 
 def hopper_knobs(best: MoEConfig) -> list[MoEConfig]:
-    """``best`` with w13, w2 or both on the Hopper kernels (``kernels.hopper_w13``,
-    ``kernels.hopper_w2``), in their blocks of ``BLOCK_M`` rows; none for streaming tiles (few
-    rows per expert: measured on an H200, the Hopper kernels win from about 128 rows per expert,
-    by 10-15% on Mixtral at M = 4096, and lose below that)."""
+    """``best`` with each GEMM on the Triton kernels, the Hopper kernels (``kernels.hopper_w13``,
+    ``kernels.hopper_w2``) or the Hopper kernels taking turns (``GemmConfig.pingpong``), in
+    their blocks of ``BLOCK_M`` rows; none for streaming tiles (few rows per expert: measured
+    on an H200, the Hopper kernels win from about 128 rows per expert, by 10-15% on Mixtral at
+    M = 4096, and lose below that)."""
     if _streaming(best.block_m):
         return []
     at = dataclasses.replace(best, block_m=BLOCK_M)
-    w13 = dataclasses.replace(at.w13, hopper=True)
-    w2 = dataclasses.replace(at.w2, hopper=True)
-    return [
-        dataclasses.replace(at, w13=w13),
-        dataclasses.replace(at, w2=w2),
-        dataclasses.replace(at, w13=w13, w2=w2),
+
+    def options(gemm: GemmConfig) -> list[GemmConfig]:
+        return [
+            dataclasses.replace(gemm, hopper=hopper, pingpong=pingpong)
+            for hopper, pingpong in ((False, False), (True, False), (True, True))
+        ]
+
+    variants = [
+        dataclasses.replace(at, w13=w13, w2=w2) for w13 in options(at.w13) for w2 in options(at.w2)
     ]
+    return [v for v in variants if v != best]
 
 
 def hopper_searched(layer: MoELayerWeights) -> bool:

@@ -18,7 +18,8 @@ ring (``turn_barriers``, ``wait_for_turn``), so that each one's epilogue (the Lo
 above all) runs beside the other's main loop, where the cooperative kernel runs them in
 series. It pays where the epilogue is long beside a short K loop (w2 alone with LoRA, H200:
 0.83–0.89 of the cooperative kernel's time on Qwen3-30B-A3B, 1.12 on Mixtral-8x7B at M =
-4096): a configuration asks for it per GEMM.
+4096): a configuration asks for it per GEMM, and the tuner tries it per GEMM
+(``kernels.autotune.hopper_knobs``).
 
 FP8 experts with quantised inputs (W8A8, ``FP8Scales``): the stages hold e4m3 tiles 128 deep,
 one scale block of both operands; each step's wgmmas write a fresh product on the FP8 tensor

@@ -242,27 +242,31 @@ def test_search_tries_persistent_programs_and_split_k() -> None:
 
 
 def test_search_tries_the_hopper_kernels_per_gemm_where_asked() -> None:
-    """With ``hopper`` the search tries w13, w2 and both on the Hopper kernels, in their
-    blocks of 128 rows, and keeps one where its made-up cost says so; without it, or with
-    streaming tiles (few rows per expert), it never tries them."""
+    """With ``hopper`` the search tries each GEMM on the Triton kernel, the Hopper kernel and
+    the Hopper kernel taking turns (every pairing), in blocks of 128 rows, and keeps one where
+    its made-up cost says so; without it, or with streaming tiles (few rows per expert), it
+    never tries them."""
     timed: list[MoEConfig] = []
 
-    def hopper_w2_wins(config: MoEConfig) -> float:
+    def w2_taking_turns_wins(config: MoEConfig) -> float:
         timed.append(config)
-        return _cost(config) - 100 * config.w2.hopper
+        return _cost(config) - 100 * config.w2.hopper - 50 * config.w2.pingpong
 
     start = heuristic_config(4096, 8, 4096, 14336, 2)
-    best = search(hopper_w2_wins, start, 1024.0, 16, deadline=time.monotonic() + 60, hopper=True)
-    assert best.w2.hopper and not best.w13.hopper and best.block_m == 128
-    tried = {(c.w13.hopper, c.w2.hopper) for c in timed}
-    assert tried == {(False, False), (True, False), (False, True), (True, True)}
+    deadline = time.monotonic() + 60
+    best = search(w2_taking_turns_wins, start, 1024.0, 16, deadline, hopper=True)
+    assert best.w2.hopper and best.w2.pingpong and not best.w13.hopper and best.block_m == 128
+    kernels = {(False, False), (True, False), (True, True)}  # (hopper, pingpong)
+    tried = {((c.w13.hopper, c.w13.pingpong), (c.w2.hopper, c.w2.pingpong)) for c in timed}
+    assert tried == {(w13, w2) for w13 in kernels for w2 in kernels}
     assert all(c.block_m == 128 for c in timed if c.w13.hopper or c.w2.hopper)
     for rows_per_expert, hopper in ((1024.0, False), (0.5, True)):
         timed.clear()
         start = heuristic_config(int(rows_per_expert * 4), 8, 4096, 14336, 2)
         deadline = time.monotonic() + 60
-        search(hopper_w2_wins, start, rows_per_expert, 16, deadline, hopper=hopper)
+        search(w2_taking_turns_wins, start, rows_per_expert, 16, deadline, hopper=hopper)
         assert not any(c.w13.hopper or c.w2.hopper for c in timed)
+        assert not any(c.w13.pingpong or c.w2.pingpong for c in timed)
 
 
 def test_search_tries_both_fp8_main_loops_for_fp8_experts_only() -> None:
