@@ -187,9 +187,9 @@ def _tile(
 ):
     """One tile on the compute warpgroups: the main loop's wgmmas over the stages from
     ``count`` on, then the epilogue; returns the stage count after it. With ``order`` (the
-    ping-pong barriers, ``_take_turns``) the main loop waits for role ``ROLE``'s ``turn``-th
-    turn (``kernels.hopper_gemm.wait_for_turn``) and hands the tensor cores to the other role
-    before the epilogue."""
+    ping-pong barriers of ``_compute``'s two roles) the main loop waits for role ``ROLE``'s
+    ``turn``-th turn (``kernels.hopper_gemm.wait_for_turn``) and hands the tensor cores to the
+    other role before the epilogue."""
     lora_dtype: gl.constexpr = lora.b_ptr.dtype.element_ty
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -272,6 +272,7 @@ def _compute(
     e: _Epilogue,
     lora: LoRAExpand,
     scales: FP8Scales,
+    order,
     FP8: gl.constexpr,
     HAS_BIAS: gl.constexpr,
     HAS_LORA: gl.constexpr,
@@ -282,40 +283,13 @@ def _compute(
     STAGES: gl.constexpr,
     RP: gl.constexpr,
     num_warps: gl.constexpr,
+    ROLE: gl.constexpr = 0,
+    ROLES: gl.constexpr = 1,
 ):
-    """The compute warpgroups, together on every tile of the program."""
-    num_n = gl.cdiv(p.H, BN)
-    count = 0
-    for tile in range(gl.program_id(0), p.num_blocks * num_n, gl.num_programs(0)):
-        block, n_tile = tile_of(tile, p.num_blocks, num_n, GROUP_M)
-        expert = gl.load(p.block_experts_ptr + block)
-        if expert >= 0:
-            count = _tile(
-                p, e, lora, scales, block, n_tile, expert, count, FP8, HAS_BIAS, HAS_LORA,
-                ATOMIC_SUM, BM, BN, BK, STAGES, RP, num_warps,
-            )  # fmt: skip
-
-
-@gluon.jit
-def _take_turns(
-    p: _W2Args,
-    e: _Epilogue,
-    lora: LoRAExpand,
-    scales: FP8Scales,
-    order,
-    HAS_BIAS: gl.constexpr,
-    HAS_LORA: gl.constexpr,
-    ATOMIC_SUM: gl.constexpr,
-    BM: gl.constexpr,
-    BN: gl.constexpr,
-    BK: gl.constexpr,
-    STAGES: gl.constexpr,
-    RP: gl.constexpr,
-    ROLE: gl.constexpr,
-):
-    """One of the two ping-pong compute warpgroups (``ROLE`` 0 or 1, ``kernels.hopper_gemm``):
-    every other tile of the program, its stages in the one ring; the other role's tiles only
-    advance the stage count."""
+    """A compute role over the tiles of the program: with one role the compute warpgroups
+    together on every tile; with two (ping-pong, ``order`` their barriers,
+    ``kernels.hopper_gemm``) the warpgroup of role ``ROLE`` on every other tile, its stages in
+    the one ring, the other role's tiles only advancing the stage count."""
     num_n = gl.cdiv(p.H, BN)
     count = 0
     owned = 0
@@ -323,11 +297,10 @@ def _take_turns(
         block, n_tile = tile_of(tile, p.num_blocks, num_n, GROUP_M)
         expert = gl.load(p.block_experts_ptr + block)
         if expert >= 0:
-            if owned % 2 == ROLE:
+            if owned % ROLES == ROLE:
                 count = _tile(
-                    p, e, lora, scales, block, n_tile, expert, count, False, HAS_BIAS,
-                    HAS_LORA, ATOMIC_SUM, BM, BN, BK, STAGES, RP, PINGPONG_WARPS, order, ROLE,
-                    owned // 2,
+                    p, e, lora, scales, block, n_tile, expert, count, FP8, HAS_BIAS, HAS_LORA,
+                    ATOMIC_SUM, BM, BN, BK, STAGES, RP, num_warps, order, ROLE, owned // ROLES,
                 )  # fmt: skip
             else:
                 count += gl.cdiv(p.inter, BK)  # the other role's stages
@@ -394,14 +367,14 @@ def _w2_hopper_kernel(
         gl.warp_specialize(
             [
                 (
-                    _take_turns,
-                    (p, e, lora, scales, order, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN, BK,
-                     STAGES, RP, 0),
+                    _compute,
+                    (p, e, lora, scales, order, False, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN,
+                     BK, STAGES, RP, num_warps, 0, 2),
                 ),
                 (
-                    _take_turns,
-                    (p, e, lora, scales, order, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN, BK,
-                     STAGES, RP, 1),
+                    _compute,
+                    (p, e, lora, scales, order, False, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN,
+                     BK, STAGES, RP, num_warps, 1, 2),
                 ),
                 (_loader, (p, BM, BN, BK, STAGES)),
             ],
@@ -414,7 +387,7 @@ def _w2_hopper_kernel(
             [
                 (
                     _compute,
-                    (p, e, lora, scales, FP8, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN, BK,
+                    (p, e, lora, scales, None, FP8, HAS_BIAS, HAS_LORA, ATOMIC_SUM, BM, BN, BK,
                      STAGES, RP, num_warps),
                 ),
                 (_loader, (p, BM, BN, BK, STAGES)),
